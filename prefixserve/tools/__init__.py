@@ -1,0 +1,1 @@
+"""Tools around the engine: the demo, the offline estimator and the serving benchmark."""
