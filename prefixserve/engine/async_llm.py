@@ -1,0 +1,172 @@
+"""``AsyncLLM``: the engine loop in a background thread, driven from asyncio.
+
+All engine state is touched by the engine thread only. Callers hand it commands through a
+queue (add, abort, reset, stats) and receive each request's outputs on an ``asyncio.Queue`` of
+their own event loop. A caller that stops iterating (a client that disconnects) aborts its
+request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from prefixserve.engine.config import EngineConfig
+from prefixserve.engine.llm_engine import EngineStats, LLMEngine
+from prefixserve.engine.outputs import RequestOutput
+from prefixserve.engine.stat_logger import StatLogger
+from prefixserve.model.sampling_params import SamplingParams
+
+logger = logging.getLogger("prefixserve.engine")
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped."""
+
+
+class AsyncLLM:
+    """Submits requests to an ``LLMEngine`` running in its own thread and streams outputs."""
+
+    def __init__(self, config: EngineConfig | None = None,
+                 log_stats_interval: float | None = 10.0) -> None:
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._stopping = False
+        self._stats = self.engine.get_stats()
+        self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
+        self._thread = threading.Thread(target=self._loop, name="prefixserve-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs (deltas) until it finishes. Raises the engine's
+        ``RequestError``/``QueueFullError`` before the first output if it cannot be queued.
+        Leaving the iteration early aborts the request."""
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+        arrival = time.time()
+
+        def add() -> None:
+            self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt,
+                                    add_special_tokens=add_special_tokens, arrival_time=arrival)
+            self._streams[request_id] = (loop, stream)
+
+        await self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (no-op if it already finished); its blocks are freed."""
+        def run() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+        self._submit(run)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(self.engine.reset_prefix_cache)
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot, taken by the engine thread after each step."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Aborts what is left and stops the engine thread."""
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ plumbing
+    def _submit(self, command: Callable[[], None]) -> None:
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has stopped")
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def _call(self, function: Callable[[], T]) -> T:
+        """Runs ``function`` in the engine thread and returns (or raises) its result."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(function())
+            except BaseException as exc:  # handed back to the caller
+                future.set_exception(exc)
+
+        self._submit(run)
+        return await asyncio.wrap_future(future)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, stream = target
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            self.engine.abort_request(request_id)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            if not engine.has_unfinished_requests():
+                self._stats = engine.get_stats()
+                self._wakeup.wait(1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; aborting the running requests")
+                for request_id in list(self._streams):
+                    engine.abort_request(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            self._stats = engine.get_stats()
+            if self._stat_logger is not None:
+                self._stat_logger.maybe_log(self._stats)
+        for request_id in list(self._streams):
+            engine.abort_request(request_id)
+            self._deliver(request_id, EngineDeadError("the engine is shutting down"))

@@ -1,0 +1,81 @@
+"""Engine settings, with the names of vLLM's engine arguments where one exists."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"``, ``"4GiB"``, ``"2GB"`` or ``"1000"``."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {value!r}; use e.g. 512MiB, 4GiB or 2GB")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class EngineConfig:
+    """What the engine runs and how.
+
+    ``enable_prefix_caching`` is three-valued: None (unset) means on. The KV cache is sized by
+    ``num_blocks`` when given, else by ``kv_cache_memory`` (bytes or a string like ``"2GiB"``,
+    default 1 GiB). ``max_model_len`` defaults to the model's context length, capped by the KV
+    cache. ``max_num_batched_tokens`` is the token budget of one step; with
+    ``enable_chunked_prefill`` a prompt longer than what is left of it is computed in chunks.
+    ``max_waiting_requests`` bounds the queue (None: unbounded); a full queue refuses requests.
+    ``dtype`` defaults to bfloat16, the fastest on current CPUs (and the default model's own);
+    float32 gives bit-stable results across batch shapes.
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    enable_prefix_caching: bool | None = None
+    prefix_caching_hash_algo: str = "builtin"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    num_blocks: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in ALLOWED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, "
+                             f"got {self.block_size}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.enable_prefix_caching is not False

@@ -1,0 +1,93 @@
+"""``LLM``: offline, batched generation in the caller's thread."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prefixserve.engine.config import EngineConfig
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine.outputs import RequestOutput
+from prefixserve.engine.request import Request
+from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.model.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generates text for batches of prompts or conversations.
+
+    ``LLM(model=None)`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments are
+    the fields of :class:`EngineConfig`; ``enable_prefix_caching=None`` (the default) means on.
+    Each output carries ``num_cached_tokens``, the prompt tokens served from the prefix cache.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt (text, or a list of token ids) to completion, batched, and returns
+        one output per prompt in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run(list(prompts), sampling_params, cache_salt)  # type: ignore[arg-type]
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them and
+        generates the assistant's replies."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt,
+                                          tokenize=True)
+            for c in conversations  # type: ignore[union-attr]
+        ]
+        return self._run(prompts, sampling_params, cache_salt)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (refused while requests run)."""
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, prompts: list[Prompt],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             cache_salt: str | None) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        groups: list[tuple[str, list[Request]]] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = engine.add_request(prompt, params, cache_salt=cache_salt)
+                groups.append((request_id, engine.groups[request_id]))
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException:
+            for request_id, _ in groups:
+                engine.abort_request(request_id)
+            raise
+        results = []
+        for request_id, children in groups:
+            output = children[0].make_output(request_id, delta=False)
+            output.outputs = [c.completion(delta=False) for c in children]
+            results.append(output)
+        return results

@@ -1,0 +1,100 @@
+"""The engine's request: the prefix cache's ``CacheRequest`` plus generation state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixserve.core import CacheRequest
+from prefixserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from prefixserve.model.sampler import Logprob
+from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.model.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request(CacheRequest):
+    """One sequence being generated (``index`` of the ``n`` of request ``group_id``).
+
+    ``token_ids`` (from ``CacheRequest``) is the prompt followed by the outputs so far;
+    ``output_token_ids`` repeats the outputs for the sampler. ``num_cached_tokens`` is the
+    number of prompt tokens served from the prefix cache when the request was first scheduled
+    (-1 before). ``text`` is the detokenised output; ``sent_text``/``sent_tokens`` say how much
+    of it was already streamed.
+    """
+
+    group_id: str = ""
+    prompt: str | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self.token_ids[: self.num_prompt_tokens])
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_tokens
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        """This sequence's output: everything so far, or (``delta``) only what was not handed
+        out before. While unfinished, text that could still turn out to be the start of a stop
+        string is held back."""
+        text = self.text
+        if not self.is_finished and self.params.stop:
+            hold = max(len(s) for s in self.params.stop) - 1
+            text = text[: max(len(text) - hold, self.sent_text)]
+        tokens = self.output_token_ids
+        logprobs = self.logprobs
+        if delta:
+            out = CompletionOutput(self.index, text[self.sent_text :],
+                                   tokens[self.sent_tokens :], self.finish_reason,
+                                   self.stop_reason,
+                                   logprobs[self.sent_logprobs :] if logprobs is not None else None)
+            self.sent_text = len(text)
+            self.sent_tokens = len(tokens)
+            self.sent_logprobs = len(logprobs) if logprobs is not None else 0
+            return out
+        return CompletionOutput(self.index, text, list(tokens), self.finish_reason,
+                                self.stop_reason, list(logprobs) if logprobs is not None else None)
+
+    def make_output(self, request_id: str, delta: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self.completion(delta)],
+            finished=self.is_finished,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            metrics=self.metrics,
+            prompt_logprobs=self.prompt_logprobs,
+        )

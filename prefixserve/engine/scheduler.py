@@ -1,0 +1,128 @@
+"""Continuous batching with chunked prefill and recompute preemption over the prefix cache.
+
+Each step the scheduler fills a token budget (``max_num_batched_tokens``):
+
+1. Running requests first, in the order they started: a decoding request needs one token, a
+   request still in prefill gets the rest of its prompt or as much of it as the budget allows
+   (chunked prefill, so a long prompt never stalls the decodes running beside it). When the pool
+   is short, the most recently started running request is preempted (its blocks freed, its hash
+   chain kept so that resuming hits its own blocks) until the allocation fits.
+2. Then waiting requests, oldest first, while there is budget, a free sequence slot and no
+   preemption happened in this step: ``get_computed_blocks`` (a pure query), then
+   ``allocate_slots`` with the hits; a request that does not fit stays at the head of the queue.
+
+Invariant: every block a request holds is released exactly once, by ``finish_request`` or by
+preemption; when the engine is idle the pool's free count equals its size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prefixserve.core import KVCacheManager
+from prefixserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides which requests run in each step and how many tokens each computes."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            request = queue.pop(0)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                scheduled_running.append(request)
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = queue.pop() if queue else request
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is request:
+                    break
+            else:
+                scheduled_running.append(request)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+        # Requests not reached for lack of budget stay running, unscheduled this step.
+        self.running = scheduled_running + queue
+
+        now = time.time()
+        while (self.waiting and budget > 0 and not out.num_preempted
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            request.num_computed_tokens = 0
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
+                request.metrics.first_scheduled_time = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def finish_request(self, request: Request) -> None:
+        """Releases a finished (or aborted) request's blocks, tail first, and its hash chain."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.kv.free(request)
+        self.kv.free_block_hashes(request)

@@ -1,0 +1,217 @@
+"""Paged KV cache: per-step attention metadata, cache writes, and attention over blocks.
+
+Cache layout, per layer: ``[2, num_blocks * block_size, num_kv_heads, head_dim]`` (K then V).
+Slot ``s`` holds position ``s % block_size`` of block ``s // block_size``; a sequence's
+position ``p`` lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+Each layer first writes the new K/V of every sequence of the step (:func:`write_kv`), then
+computes attention (:func:`paged_attention`), so a sequence may read blocks that another
+sequence of the same step writes. All index tensors are built once per step in
+:class:`AttentionMetadata` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences with exactly one new token, attended in one padded SDPA call.
+
+    ``rows`` are their rows in the flattened token batch (None when they are all the rows, in
+    order). ``block_tables`` is ``[B, max_blocks]`` (padded with block 0), ``num_keys`` the
+    longest context, and ``mask`` ``[B, 1, 1, num_keys]`` (True = attend) or None when every
+    context has length ``num_keys``.
+    """
+
+    rows: torch.Tensor | None
+    block_tables: torch.Tensor
+    num_keys: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence with several new tokens: rows ``[start, end)`` of the flattened batch.
+
+    With ``cached`` False (nothing of it was in the cache before this step) attention uses the
+    fresh K/V with a plain causal mask. Otherwise K/V of ``num_keys`` positions are gathered
+    from ``block_table`` and ``mask`` (``[end-start, num_keys]``) is causal offset by the
+    number of cached tokens.
+    """
+
+    start: int
+    end: int
+    cached: bool
+    block_table: torch.Tensor | None
+    num_keys: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by all layers."""
+
+    slot_mapping: torch.Tensor
+    decode: DecodeGroup | None
+    prefills: list[PrefillSeq]
+    num_tokens: int
+
+
+def build_metadata(
+    seq_lens: list[tuple[int, int]],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Index tensors for one step.
+
+    ``seq_lens[i]`` is ``(start_pos, num_new_tokens)`` of sequence i; sequences occupy
+    consecutive rows of the flattened batch in order.
+    """
+    slots: list[int] = []
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillSeq] = []
+    row = 0
+    for (start_pos, n), table in zip(seq_lens, block_tables, strict=True):
+        end_pos = start_pos + n
+        for b in range(start_pos // block_size, (end_pos - 1) // block_size + 1):
+            base = table[b] * block_size
+            lo = max(start_pos, b * block_size) - b * block_size
+            hi = min(end_pos, (b + 1) * block_size) - b * block_size
+            slots.extend(range(base + lo, base + hi))
+        used_blocks = table[: (end_pos - 1) // block_size + 1]
+        if n == 1:
+            decode_rows.append(row)
+            decode_tables.append(used_blocks)
+            decode_lens.append(end_pos)
+        elif start_pos == 0:
+            prefills.append(PrefillSeq(row, row + n, False, None, n, None))
+        else:
+            q_pos = torch.arange(start_pos, end_pos, device=device)
+            k_pos = torch.arange(end_pos, device=device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            bt = torch.tensor(used_blocks, dtype=torch.long, device=device)
+            prefills.append(PrefillSeq(row, row + n, True, bt, end_pos, mask))
+        row += n
+    decode = None
+    if decode_rows:
+        decode = _decode_group(decode_rows, decode_tables, decode_lens, row, device)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    return AttentionMetadata(slot_mapping, decode, prefills, row)
+
+
+def _decode_group(
+    rows: list[int],
+    tables: list[list[int]],
+    lens: list[int],
+    num_tokens: int,
+    device: torch.device,
+) -> DecodeGroup:
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    num_keys = max(lens)
+    mask = None
+    if min(lens) != num_keys:
+        lens_t = torch.tensor(lens, device=device)
+        mask = (torch.arange(num_keys, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+    rows_t = None
+    if len(rows) != num_tokens:
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    tables_t = torch.tensor(padded, dtype=torch.long, device=device)
+    return DecodeGroup(rows_t, tables_t, num_keys, mask)
+
+
+def write_kv(
+    layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``) at their slots."""
+    layer_cache[0].index_copy_(0, slot_mapping, k)
+    layer_cache[1].index_copy_(0, slot_mapping, v)
+
+
+def _gather(
+    layer_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first ``num_keys`` positions of the given blocks (one gather for both).
+
+    ``block_tables`` is ``[blocks]`` or ``[B, blocks]``; K and V come back as
+    ``[..., num_keys, kv_heads, head_dim]``.
+    """
+    shape = layer_cache.shape
+    blocks = layer_cache.view(2, shape[1] // block_size, block_size, *shape[2:])[:, block_tables]
+    kv = blocks.flatten(-4, -3)[..., :num_keys, :, :]
+    return kv[0], kv[1]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    block_size: int,
+) -> torch.Tensor:
+    """Causal attention of the step's queries over their sequences' cached K/V.
+
+    ``q`` is ``[num_tokens, heads, head_dim]``, ``k``/``v`` the step's new keys/values
+    ``[num_tokens, kv_heads, head_dim]`` (already written to ``layer_cache``). Returns
+    ``[num_tokens, heads, head_dim]``.
+    """
+    if meta.decode is not None and meta.decode.rows is None:
+        return _decode_attention(q, layer_cache, meta.decode, block_size)
+    if meta.decode is None and len(meta.prefills) == 1:
+        return _prefill_attention(q, k, v, layer_cache, meta.prefills[0], block_size)
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        rows = meta.decode.rows
+        decoded = _decode_attention(q.index_select(0, rows), layer_cache, meta.decode, block_size)
+        out.index_copy_(0, rows, decoded)
+    for seq in meta.prefills:
+        out[seq.start : seq.end] = _prefill_attention(q, k, v, layer_cache, seq, block_size)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, group: DecodeGroup, block_size: int
+) -> torch.Tensor:
+    keys, values = _gather(layer_cache, group.block_tables, block_size, group.num_keys)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=group.mask,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :]
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,
+    seq: PrefillSeq,
+    block_size: int,
+) -> torch.Tensor:
+    query = q[seq.start : seq.end].transpose(0, 1)[None]
+    if not seq.cached:
+        keys = k[seq.start : seq.end]
+        values = v[seq.start : seq.end]
+    else:
+        keys, values = _gather(layer_cache, seq.block_table, block_size, seq.num_keys)
+    out = F.scaled_dot_product_attention(
+        query,
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=seq.mask,
+        is_causal=not seq.cached,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,140 @@
+"""Decoder-only transformer covering Llama, Qwen2 and Qwen3 through ``ModelConfig`` flags.
+
+The model works on a flattened batch: ``input_ids`` and ``positions`` are ``[num_tokens]``
+(all sequences of a step concatenated), and attention goes through the paged KV cache
+described by :class:`~prefixserve.model.attention.AttentionMetadata`.
+
+Parameter names (what :func:`~prefixserve.model.loader.load_model` fills):
+``embed_tokens.weight``, ``layers.{i}.input_norm.weight``,
+``layers.{i}.attn.qkv_proj.{weight,bias}`` (Q, K, V rows concatenated),
+``layers.{i}.attn.o_proj.{weight,bias}``, ``layers.{i}.attn.{q,k}_norm.weight`` (Qwen3),
+``layers.{i}.post_attn_norm.weight``, ``layers.{i}.mlp.gate_up_proj.weight`` (gate rows, then
+up rows), ``layers.{i}.mlp.down_proj.weight``, ``norm.weight`` and, unless embeddings are
+tied, ``lm_head.weight``. The rotary inverse frequencies are a buffer (``rope_inv_freq``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with fused QKV, optional QKV bias and Q/K norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        block_size: int,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split_sizes
+        v = qkv[:, q_size + kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, :q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(n, -1, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            # Rotate queries and keys together: they are adjacent heads of one view.
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        write_kv(layer_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, layer_cache, meta, block_size)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        block_size: int,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, layer_cache, meta, block_size)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of a Llama/Qwen2/Qwen3 model."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+
+    def set_rope_freq_factors(self, factors: torch.Tensor) -> None:
+        """Divide the rotary frequencies by per-frequency ``factors`` (GGUF ``rope_freqs``)."""
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, factors)
+        self.rope_inv_freq = inv_freq.to(self.rope_inv_freq.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        block_size: int,
+    ) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` before the final norm.
+
+        ``kv_cache`` is ``[num_layers, 2, num_slots, kv_heads, head_dim]``; this call writes the
+        step's K/V into it.
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[i], meta, block_size)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` of pre-norm hidden states ``[rows, hidden]``."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight).float()

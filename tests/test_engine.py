@@ -1,0 +1,167 @@
+"""The engine on the real default model (SmolLM2-135M-Instruct, float32): greedy outputs do not
+depend on prefix caching, chunking, preemption or batch company; cached-token counts follow the
+design's rules; blocks always come back."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.engine.llm_engine import RequestError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+SYSTEM = ("You are a careful assistant for a small bakery. Answer questions about opening hours, "
+          "bread, cakes and prices politely and briefly. The bakery opens at seven and closes at "
+          "six, except on Sundays when it closes at noon. ")
+QUESTIONS = ["What time do you open?", "Do you sell rye bread?", "Is there a cake for ten?",
+             "Are you open on Sunday afternoon?"]
+
+
+def prompts(llm: LLM) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [tok.encode(SYSTEM + q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def cached() -> LLM:
+    return LLM(num_blocks=256, block_size=16, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def uncached() -> LLM:
+    return LLM(num_blocks=256, block_size=16, dtype="float32", enable_prefix_caching=False)
+
+
+def token_outputs(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_idle(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_chat_answers_sensibly(cached: LLM) -> None:
+    out = cached.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=20))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+    assert_idle(cached)
+
+
+def test_greedy_identical_with_caching_on_and_off_and_hits_follow_the_rules(
+        cached: LLM, uncached: LLM) -> None:
+    ps = prompts(cached)
+    cached.reset_prefix_cache()
+    reference = token_outputs(uncached.generate(ps, GREEDY))
+    first = cached.generate(ps[:1], GREEDY)[0]  # cold
+    assert first.num_cached_tokens == 0
+    rest = cached.generate(ps[1:], GREEDY)  # hits on the shared system prompt
+    assert token_outputs([first, *rest]) == reference
+    shared = 0
+    while all(p[shared] == ps[0][shared] for p in ps[1:]):
+        shared += 1
+    for out in rest:
+        assert out.num_cached_tokens == shared // 16 * 16 > 0
+    again = cached.generate(ps[:1], GREEDY)[0]  # whole prompt cached, minus the last-block rule
+    n = len(ps[0])
+    assert again.num_cached_tokens == (n - 1) // 16 * 16
+    assert again.outputs[0].token_ids == reference[0]
+    assert all(o.num_cached_tokens == 0 for o in uncached.generate(ps, GREEDY))
+    assert_idle(cached)
+    assert_idle(uncached)
+
+
+def test_chunked_prefill_gives_the_same_tokens(uncached: LLM) -> None:
+    ps = prompts(uncached)
+    reference = token_outputs(uncached.generate(ps, GREEDY))
+    chunked = LLM(num_blocks=256, block_size=16, dtype="float32", max_num_batched_tokens=24)
+    assert token_outputs(chunked.generate(ps, GREEDY)) == reference
+    assert_idle(chunked)
+
+
+def test_preemption_gives_the_same_tokens_and_leaks_nothing(uncached: LLM) -> None:
+    ps = prompts(uncached)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = token_outputs(uncached.generate(ps, params))
+    # 4 x (~50 + 40 tokens) needs ~24 blocks: preemption is forced
+    small = LLM(num_blocks=14, block_size=16, dtype="float32")
+    assert token_outputs(small.generate(ps, params)) == reference
+    assert small.engine.scheduler.num_preemptions > 0
+    assert_idle(small)
+
+
+def test_a_request_alone_equals_the_same_request_in_a_mixed_batch(cached: LLM) -> None:
+    ps = prompts(cached)
+    alone = token_outputs(cached.generate(ps[2:3], GREEDY))[0]
+    cached.reset_prefix_cache()
+    mixed = cached.generate([ps[0], ps[1], ps[2], ps[3][:20]], GREEDY)
+    assert mixed[2].outputs[0].token_ids == alone
+
+
+def test_sampling_with_a_seed_is_reproducible_and_n_gives_n_outputs(cached: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, n=3,
+                            ignore_eos=True)
+    a = cached.generate("Once upon a time", params)[0]
+    b = cached.generate("Once upon a time", params)[0]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len(a.outputs) == 3 and [o.index for o in a.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+    assert_idle(cached)
+
+
+def test_stop_strings_and_max_tokens(cached: LLM) -> None:
+    base = cached.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=16))[0]
+    text = base.outputs[0].text
+    assert base.outputs[0].finish_reason == "length" and len(base.outputs[0].token_ids) == 16
+    stop = text.strip()[2:5]
+    assert stop
+    out = cached.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=16,
+                                                           stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+
+
+def test_logprobs_and_prompt_logprobs_do_not_depend_on_the_cache(cached: LLM,
+                                                               uncached: LLM) -> None:
+    ps = prompts(cached)[:1]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2,
+                            ignore_eos=True)
+    cached.generate(ps, GREEDY)  # warm the cache: prompt-logprob requests must bypass it
+    a = cached.generate(ps, params)[0]
+    b = uncached.generate(ps, params)[0]
+    assert a.num_cached_tokens == 0
+    assert a.prompt_logprobs is not None and len(a.prompt_logprobs) == len(ps[0])
+    assert a.prompt_logprobs[0] is None
+    for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].logprob == pytest.approx(y[k].logprob, abs=1e-3)
+    lp = a.outputs[0].logprobs
+    assert lp is not None and len(lp) == 4
+    for token, entry in zip(a.outputs[0].token_ids, lp, strict=True):
+        assert entry[token].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+
+
+def test_bad_requests_are_refused_and_lose_nothing(cached: LLM) -> None:
+    engine = cached.engine
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(RequestError, match="vocabulary"):
+        engine.add_request([1, 2, 10**9], GREEDY)
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request([1] * (engine.max_model_len + 5), GREEDY)
+    assert_idle(cached)
+
+
+def test_abort_frees_the_blocks(cached: LLM) -> None:
+    engine = cached.engine
+    request_id = engine.add_request(prompts(cached)[0], SamplingParams(max_tokens=100))
+    engine.step()
+    engine.step()
+    assert engine.kv.num_free_blocks < engine.kv.num_blocks
+    assert engine.abort_request(request_id)
+    assert_idle(cached)
