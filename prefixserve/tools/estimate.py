@@ -1,0 +1,580 @@
+"""``prefixserve estimate``: what prefix caching would buy on a workload, without a model.
+
+A prompt log or a block-hash trace (see ``trace_formats``) is replayed, in file order, through
+``prefixserve.core.KVCacheManager`` — the code the engine runs — once for each pool size asked
+for, and once through an infinite cache (a set of every full block seen so far: the upper bound,
+nothing is ever evicted). Each request is looked up (``get_computed_blocks``), allocated
+(``allocate_slots``) and, once it leaves, freed tail first (``free``, ``free_block_hashes``).
+
+Load model: at most ``concurrency`` requests are resident; a request is prefilled when it
+arrives, its known output is decoded when it leaves (the blocks it fills are cached then), and
+requests leave in arrival order, when a newer one needs the room or the slot. With one resident
+request (the default) each request is allocated, decoded and freed before the next arrives.
+A request needing more blocks than the pool holds could never run; it is counted as
+``too large`` with no hit and leaves the cache untouched.
+
+Figures are taken over the requests after the first ``warmup_fraction`` of them: hit rate by
+blocks (blocks hit / full prompt blocks looked up) and by tokens (tokens from the cache / prompt
+tokens), prefill tokens saved, the 1/(1-h) bound on prefill speed-up, the share of requests with
+any hit. A rolling hit rate over the last ``window`` requests (``PrefixCachingMetrics``, the
+engine's own) is sampled along the whole replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import re
+import resource
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixserve.core import CacheRequest, KVCacheManager, PrefixCacheStats, PrefixCachingMetrics
+from prefixserve.tools.trace_formats import (
+    ReadOptions,
+    TraceError,
+    TraceRequest,
+    Workload,
+    read_workload,
+)
+
+ROLLING_SAMPLES = 400
+"""Points of the rolling hit-rate curve (at most)."""
+
+DEFAULT_FRACTIONS = (0.01, 0.05, 0.2, 0.5)
+"""Pool sizes tried when none is given, as fractions of the distinct full blocks."""
+
+SMALL_REPLAY_BLOCKS = 200_000
+"""Below this many block lookups a replay takes well under a second: no worker processes."""
+
+PROGRESS_EVERY = 256
+"""Requests between two progress reports of a replay."""
+
+ProgressTick = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """``warmup_requests``: requests replayed before the figures start counting;
+    ``window``: requests in the rolling hit rate; ``concurrency``: resident requests."""
+
+    concurrency: int = 1
+    warmup_requests: int = 0
+    window: int = 1000
+
+
+@dataclass
+class CacheResult:
+    """The figures of one cache (``capacity_blocks`` None: the infinite cache).
+
+    Counts cover the measured requests (after the warm-up); ``replayed_blocks`` and ``seconds``
+    cover the whole replay; ``rolling`` holds ``(requests replayed, rolling block hit rate)``."""
+
+    capacity_blocks: int | None
+    requests: int = 0
+    requests_with_hit: int = 0
+    requests_too_large: int = 0
+    query_blocks: int = 0
+    hit_blocks: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    replayed_blocks: int = 0
+    seconds: float = 0.0
+    distinct_blocks: int | None = None
+    rolling: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def infinite(self) -> bool:
+        return self.capacity_blocks is None
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def speedup_bound(self) -> float:
+        """1/(1-h) with h the token hit rate: the most prefill can speed up (SPEC section 5)."""
+        miss = 1.0 - self.token_hit_rate
+        return 1.0 / miss if miss > 0 else math.inf
+
+    @property
+    def hit_request_share(self) -> float:
+        return self.requests_with_hit / self.requests if self.requests else 0.0
+
+
+class _Tally:
+    """Adds up per-request stats into a ``CacheResult`` and samples the rolling hit rate."""
+
+    def __init__(self, result: CacheResult, num_requests: int, settings: ReplaySettings) -> None:
+        self.result = result
+        self.metrics = PrefixCachingMetrics(settings.window)
+        self.warmup = settings.warmup_requests
+        self.stride = max(1, num_requests // ROLLING_SAMPLES)
+        self.last = num_requests - 1
+
+    def observe(self, index: int, stats: PrefixCacheStats) -> None:
+        self.metrics.observe(stats)
+        result = self.result
+        result.replayed_blocks += stats.queries
+        if index >= self.warmup:
+            result.requests += 1
+            result.requests_with_hit += stats.hits > 0
+            result.query_blocks += stats.queries
+            result.hit_blocks += stats.hits
+            result.query_tokens += stats.query_tokens
+            result.hit_tokens += stats.hit_tokens
+        if (index + 1) % self.stride == 0 or index == self.last:
+            result.rolling.append((index + 1, self.metrics.hit_rate))
+
+
+class _PoolReplay:
+    """Replays a workload through a ``KVCacheManager`` of ``capacity`` blocks."""
+
+    def __init__(self, workload: Workload, capacity: int, settings: ReplaySettings) -> None:
+        self.workload = workload
+        self.block_size = workload.block_size
+        self.capacity = capacity
+        self.concurrency = settings.concurrency
+        self.manager = KVCacheManager(capacity, workload.block_size)
+        self.resident: deque[tuple[CacheRequest, TraceRequest, list[Any]]] = deque()
+        self.result = CacheResult(capacity)
+        self.tally = _Tally(self.result, len(workload.requests), settings)
+
+    def run(self, tick: ProgressTick | None) -> CacheResult:
+        start = time.perf_counter()
+        for index, request in enumerate(self.workload.requests):
+            self._arrive(index, request)
+            if tick is not None and (index + 1) % PROGRESS_EVERY == 0:
+                tick(PROGRESS_EVERY)
+        while self.resident:
+            self._leave()
+        if tick is not None:
+            tick(len(self.workload.requests) % PROGRESS_EVERY)
+        self.result.seconds = time.perf_counter() - start
+        return self.result
+
+    def _arrive(self, index: int, trace_request: TraceRequest) -> None:
+        bs = self.block_size
+        keys = self.workload.block_keys(trace_request)
+        prompt = trace_request.num_prompt_tokens
+        total = prompt + trace_request.num_decoded_tokens
+        num_prompt_blocks = min(len(keys), prompt // bs)
+        if -(-total // bs) > self.capacity:
+            self.result.requests_too_large += index >= self.tally.warmup
+            self.tally.observe(index, PrefixCacheStats(requests=1, queries=num_prompt_blocks,
+                                                       query_tokens=prompt))
+            return
+        while len(self.resident) >= self.concurrency:
+            self._leave()
+        prompt_keys = keys if num_prompt_blocks == len(keys) else keys[:num_prompt_blocks]
+        request = CacheRequest(str(index), range(prompt), block_hashes=prompt_keys)
+        manager = self.manager
+        hits, num_cached = manager.get_computed_blocks(request)
+        self.tally.observe(index, manager.make_prefix_cache_stats())
+        # The whole request (prompt and output) is allocated now; only the prompt's full blocks
+        # are cached now (``request.token_ids`` covers the prompt only), the output's on leaving.
+        while manager.allocate_slots(request, total - num_cached, hits) is None:
+            if not self.resident:
+                raise RuntimeError(f"request {index} fits the pool but could not be allocated")
+            self._leave()
+        self.resident.append((request, trace_request, keys))
+
+    def _leave(self) -> None:
+        request, trace_request, keys = self.resident.popleft()
+        manager = self.manager
+        decoded = trace_request.num_decoded_tokens
+        if decoded:
+            total = trace_request.num_prompt_tokens + decoded
+            request.token_ids = range(total)
+            request.block_hashes = keys
+            request.num_computed_tokens = total - 1
+            if manager.allocate_slots(request, 1) != []:
+                raise RuntimeError("decoding a request needed blocks it had not reserved")
+        manager.free(request)
+        manager.free_block_hashes(request)
+
+
+def replay_pool(workload: Workload, capacity: int, settings: ReplaySettings,
+                tick: ProgressTick | None = None) -> CacheResult:
+    """The figures of a pool of ``capacity`` blocks, replayed through the engine's manager."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be at least 1 block, got {capacity}")
+    return _PoolReplay(workload, capacity, settings).run(tick)
+
+
+def replay_infinite(workload: Workload, settings: ReplaySettings,
+                    tick: ProgressTick | None = None) -> CacheResult:
+    """The figures of an infinite cache: every full block computed so far stays cached.
+
+    Same rules as the manager: the lookup walks from block 0 and stops at the first miss, the
+    last block of a prompt that fills it exactly is never looked up (one token must be computed
+    for the logits), and a request's output blocks are cached when it leaves (same load model
+    as the pools)."""
+    start = time.perf_counter()
+    result = CacheResult(None)
+    tally = _Tally(result, len(workload.requests), settings)
+    bs = workload.block_size
+    seen: set[Any] = set()
+    leaving: deque[list[Any]] = deque()
+    for index, request in enumerate(workload.requests):
+        while len(leaving) >= settings.concurrency:
+            seen.update(leaving.popleft())
+        keys = workload.block_keys(request)
+        prompt = request.num_prompt_tokens
+        num_prompt_blocks = min(len(keys), prompt // bs)
+        limit = min(num_prompt_blocks, (prompt - 1) // bs)
+        hits = 0
+        while hits < limit and keys[hits] in seen:
+            hits += 1
+        if num_prompt_blocks == len(keys):
+            seen.update(keys)
+            leaving.append([])
+        else:
+            seen.update(keys[:num_prompt_blocks])
+            leaving.append(keys[num_prompt_blocks:])
+        tally.observe(index, PrefixCacheStats(requests=1, queries=num_prompt_blocks, hits=hits,
+                                              query_tokens=prompt, hit_tokens=hits * bs))
+        if tick is not None and (index + 1) % PROGRESS_EVERY == 0:
+            tick(PROGRESS_EVERY)
+    while leaving:
+        seen.update(leaving.popleft())
+    if tick is not None:
+        tick(len(workload.requests) % PROGRESS_EVERY)
+    result.distinct_blocks = len(seen)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def replay(workload: Workload, capacity: int | None, settings: ReplaySettings,
+           tick: ProgressTick | None = None) -> CacheResult:
+    """``replay_pool``, or ``replay_infinite`` when ``capacity`` is None."""
+    if capacity is None:
+        return replay_infinite(workload, settings, tick)
+    return replay_pool(workload, capacity, settings, tick)
+
+
+# ----------------------------------------------------------------------------- parallel runs
+
+_FORKED: tuple[Workload, ReplaySettings, Any] | None = None
+"""What forked workers replay: set before the pool forks, so the parsed workload is shared."""
+
+
+def _forked_replay(capacity: int | None) -> CacheResult:
+    assert _FORKED is not None
+    workload, settings, counter = _FORKED
+
+    def tick(count: int) -> None:
+        with counter.get_lock():
+            counter.value += count
+
+    return replay(workload, capacity, settings, tick)
+
+
+@dataclass
+class ReplayRun:
+    """Results in the order asked for, the wall time and the peak memory (MiB) of this process
+    and of the largest worker process (0 without workers)."""
+
+    results: list[CacheResult]
+    seconds: float
+    peak_rss_mib: float
+    worker_peak_rss_mib: float
+    jobs: int
+
+
+def _peak_rss_mib(who: int) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024
+
+
+def replay_all(workload: Workload, capacities: Sequence[int | None], settings: ReplaySettings,
+               jobs: int = 1, progress: Callable[[int], None] | None = None) -> ReplayRun:
+    """Replays every capacity (None: infinite), in ``jobs`` forked processes when ``jobs > 1``.
+
+    ``progress`` is called now and then with the number of request replays done in all."""
+    start = time.perf_counter()
+    jobs = max(1, min(jobs, len(capacities)))
+    if jobs == 1 or "fork" not in multiprocessing.get_all_start_methods():
+        done = 0
+
+        def tick(count: int) -> None:
+            nonlocal done
+            done += count
+            if progress is not None:
+                progress(done)
+
+        results = [replay(workload, c, settings, tick) for c in capacities]
+        return ReplayRun(results, time.perf_counter() - start, _peak_rss_mib(resource.RUSAGE_SELF),
+                         0.0, 1)
+    results = _replay_forked(workload, capacities, settings, jobs, progress)
+    return ReplayRun(results, time.perf_counter() - start, _peak_rss_mib(resource.RUSAGE_SELF),
+                     _peak_rss_mib(resource.RUSAGE_CHILDREN), jobs)
+
+
+def _replay_forked(workload: Workload, capacities: Sequence[int | None],
+                   settings: ReplaySettings, jobs: int,
+                   progress: Callable[[int], None] | None) -> list[CacheResult]:
+    global _FORKED
+    context = multiprocessing.get_context("fork")
+    counter = context.Value("q", 0)
+    _FORKED = (workload, settings, counter)
+    # Smallest pools first: they evict the most and take the longest.
+    order = sorted(range(len(capacities)),
+                   key=lambda i: math.inf if capacities[i] is None else capacities[i])
+    try:
+        with context.Pool(jobs) as pool:
+            pending = pool.map_async(_forked_replay, [capacities[i] for i in order], chunksize=1)
+            while not pending.ready():
+                pending.wait(0.1)
+                if progress is not None:
+                    progress(counter.value)
+            ordered = pending.get()
+            pool.close()
+            pool.join()
+    finally:
+        _FORKED = None
+    by_position = dict(zip(order, ordered, strict=True))
+    return [by_position[i] for i in range(len(capacities))]
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Bytes of each comma-separated size: ``4GiB``, ``512MiB``, ``2GB``, ``1.5TiB``, ``1024``."""
+    sizes = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", item)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"not a memory size: {item.strip()!r} (try 4GiB, 512MiB or 2GB)")
+        sizes.append(int(float(match.group(1)) * _SIZE_UNITS[unit]))
+    return sizes
+
+
+def parse_capacities(text: str) -> list[int]:
+    """Block counts from ``1000,10000,50000`` (each at least 1)."""
+    capacities = []
+    for item in text.split(","):
+        try:
+            value = int(item.strip().replace("_", ""))
+        except ValueError:
+            raise ValueError(f"not a number of blocks: {item.strip()!r}") from None
+        if value < 1:
+            raise ValueError(f"a capacity must be at least 1 block, got {value}")
+        capacities.append(value)
+    return capacities
+
+
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+                "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class _ItemSize:
+    itemsize: int
+
+
+def model_kv_bytes_per_token(model: str | None, dtype: str) -> int:
+    """KV bytes per token of ``model`` (a GGUF file or HF directory, None: the default model)
+    with KV cache in ``dtype``, from ``prefixserve.model.config`` (no weights are loaded)."""
+    from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token, resolve_model_path
+    from prefixserve.model.gguf_file import GGUFFile
+
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; choose one of {', '.join(_DTYPE_BYTES)}")
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        gguf = GGUFFile(path)
+        config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
+    else:
+        config = ModelConfig.from_hf_dir(path)
+    return kv_cache_bytes_per_token(config, _ItemSize(_DTYPE_BYTES[dtype]))
+
+
+def default_capacities(distinct_blocks: int) -> list[int]:
+    """Pool sizes tried when none is given: ``DEFAULT_FRACTIONS`` of the distinct blocks,
+    rounded to two significant digits."""
+    out: list[int] = []
+    for fraction in DEFAULT_FRACTIONS:
+        value = max(1, round(distinct_blocks * fraction))
+        digits = max(0, len(str(value)) - 2)
+        value = max(1, round(value, -digits))
+        if value not in out:
+            out.append(value)
+    return out
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+class _Progress:
+    """A rich progress bar on stderr for phases that last: shown only on a terminal, and only
+    once a phase has run for ``delay`` seconds."""
+
+    def __init__(self, enabled: bool, delay: float = 1.0) -> None:
+        self.enabled = enabled
+        self.delay = delay
+
+    @contextmanager
+    def phase(self, description: str, total: float) -> Iterator[Callable[[float], None]]:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        start = time.perf_counter()
+        bar: Progress | None = None
+        task = None
+
+        def update(completed: float) -> None:
+            nonlocal bar, task
+            if bar is None:
+                if not self.enabled or time.perf_counter() - start < self.delay:
+                    return
+                bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                               TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+                               console=Console(stderr=True), transient=True)
+                bar.start()
+                task = bar.add_task(description, total=total)
+            bar.update(task, completed=completed)
+
+        try:
+            yield update
+        finally:
+            if bar is not None:
+                bar.stop()
+
+
+@dataclass
+class Estimate:
+    """Everything the report shows: the workload, the settings and one result per cache
+    (finite pools in ascending size, the infinite cache last)."""
+
+    workload: Workload
+    settings: ReplaySettings
+    warmup_fraction: float
+    results: list[CacheResult]
+    read_seconds: float
+    replay_seconds: float
+    jobs: int
+    peak_rss_mib: float
+    worker_peak_rss_mib: float
+    kv_bytes_per_token: int | None = None
+
+    @property
+    def infinite(self) -> CacheResult:
+        return self.results[-1]
+
+    @property
+    def finite(self) -> list[CacheResult]:
+        return self.results[:-1]
+
+    @property
+    def replayed_blocks(self) -> int:
+        """Block lookups of all replays together."""
+        return sum(r.replayed_blocks for r in self.results)
+
+
+def _kv_bytes_per_token(args: argparse.Namespace) -> int | None:
+    if args.kv_bytes_per_token is not None:
+        return args.kv_bytes_per_token
+    if args.kv_model is not None:
+        model = None if args.kv_model == "default" else args.kv_model
+        return model_kv_bytes_per_token(model, args.kv_dtype)
+    return None
+
+
+def _requested_capacities(args: argparse.Namespace, kv_bytes: int | None) -> list[int]:
+    capacities: list[int] = []
+    if args.capacity:
+        capacities += parse_capacities(args.capacity)
+    if args.kv_memory:
+        if kv_bytes is None:
+            raise ValueError("--kv-memory needs --kv-bytes-per-token or --kv-model to convert "
+                             "bytes into blocks")
+        block_bytes = kv_bytes * args.block_size
+        for size in parse_sizes(args.kv_memory):
+            blocks = size // block_bytes
+            if blocks < 1:
+                raise ValueError(f"{size} bytes hold no block of {block_bytes} bytes")
+            capacities.append(blocks)
+    return sorted(set(capacities))
+
+
+def estimate(args: argparse.Namespace) -> Estimate:
+    """Reads the input, replays it and returns the figures (raises TraceError, ValueError)."""
+    if not 0.0 <= args.warmup_fraction < 1.0:
+        raise ValueError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+    if args.window is not None and args.window < 1:
+        raise ValueError(f"--window must be at least 1, got {args.window}")
+    if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
+        raise ValueError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
+    kv_bytes = _kv_bytes_per_token(args)
+    capacities = _requested_capacities(args, kv_bytes)
+    progress = _Progress(enabled=not args.no_progress and sys.stderr.isatty())
+    options = ReadOptions(format=args.format, block_size=args.block_size,
+                          trace_block_size=args.trace_block_size, chain=args.chain,
+                          tokenizer=args.tokenizer, skip_bad_lines=args.skip_bad_lines)
+    start = time.perf_counter()
+    with progress.phase("reading", 1.0) as update:
+        workload = read_workload(args.input, options, update)
+    read_seconds = time.perf_counter() - start
+    num_requests = len(workload.requests)
+    window = args.window or min(1000, max(1, num_requests // 20))
+    settings = ReplaySettings(concurrency=args.concurrency,
+                              warmup_requests=math.floor(num_requests * args.warmup_fraction),
+                              window=window)
+    jobs = args.jobs or os.cpu_count() or 1
+    if args.jobs is None and workload.num_prompt_blocks < SMALL_REPLAY_BLOCKS:
+        jobs = 1
+    tasks: list[int | None] = [*capacities, None]
+    first: list[CacheResult] = []
+    first_seconds = 0.0
+    if not capacities:
+        with progress.phase("infinite cache", num_requests) as update:
+            first_run = replay_all(workload, [None], settings, 1, update)
+        first, first_seconds = first_run.results, first_run.seconds
+        tasks = [*default_capacities(first[0].distinct_blocks or 1)]
+    with progress.phase(f"replaying {len(tasks)} caches", num_requests * len(tasks)) as update:
+        run = replay_all(workload, tasks, settings, jobs, update)
+    results = sorted(run.results + first,
+                     key=lambda r: math.inf if r.infinite else r.capacity_blocks)
+    return Estimate(workload, settings, args.warmup_fraction, results, read_seconds,
+                    first_seconds + run.seconds, run.jobs, run.peak_rss_mib,
+                    run.worker_peak_rss_mib, kv_bytes)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """The ``prefixserve estimate`` command: prints the table, writes ``--json``/``--plot``.
+
+    Returns 0, or 2 after printing the reason when the input or an option is unusable."""
+    from prefixserve.tools.estimate_report import print_report, write_json, write_plot
+
+    try:
+        result = estimate(args)
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"prefixserve estimate: error: {exc}", file=sys.stderr)
+        return 2
+    print_report(result)
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        write_plot(result, args.plot)
+    return 0
