@@ -171,13 +171,11 @@ class BlockPool:
             block_hash = block.block_hash
             if block_hash is not None:
                 key = block_hash[0] if type(block_hash) is tuple else block_hash
-                entry = cache[key]
-                if entry is block:
-                    del cache[key]
-                else:
+                entry = cache.pop(key)
+                if entry is not block:
                     del entry[block.block_id]
-                    if not entry:
-                        del cache[key]
+                    if entry:
+                        cache[key] = entry
                 block.block_hash = None
             block.ref_cnt = 1
             append(block)
@@ -201,9 +199,7 @@ class BlockPool:
                           start: int, end: int) -> None:
         """Registers ``blocks[start:end]`` under ``block_hashes[start:end]`` (they are full)."""
         cache = self.cached_block_hash_to_block
-        for i in range(start, end):
-            block = blocks[i]
-            block_hash = block_hashes[i]
+        for block, block_hash in zip(blocks[start:end], block_hashes[start:end], strict=True):
             block.block_hash = block_hash
             key = block_hash[0] if type(block_hash) is tuple else block_hash
             entry = cache.setdefault(key, block)
