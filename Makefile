@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench-core
+.PHONY: install run demo test lint bench-core
 
 install: $(STAMP)
 
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: install
+	$(VENV)/bin/prefixserve serve --host 127.0.0.1 --port 8000
+
+demo: install
 	$(VENV)/bin/prefixserve demo
 
 test: install

@@ -8,7 +8,7 @@ from typing import Any
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.outputs import RequestOutput
-from prefixserve.engine.request import Request
+from prefixserve.engine.request import Request, make_request_output
 from prefixserve.model.sampling_params import SamplingParams
 from prefixserve.model.tokenizer import Tokenizer
 
@@ -85,9 +85,6 @@ class LLM:
             for request_id, _ in groups:
                 engine.abort_request(request_id)
             raise
-        results = []
-        for request_id, children in groups:
-            output = children[0].make_output(request_id, delta=False)
-            output.outputs = [c.completion(delta=False) for c in children]
-            results.append(output)
-        return results
+        return [make_request_output(request_id, children,
+                                    [c.completion(delta=False) for c in children])
+                for request_id, children in groups]

@@ -17,7 +17,7 @@ import torch
 from prefixserve.core import KVCacheManager, MultiModalInput, PrefixCachingMetrics
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.outputs import RequestOutput
-from prefixserve.engine.request import Request
+from prefixserve.engine.request import Request, make_request_output
 from prefixserve.engine.scheduler import Scheduler, SchedulerOutput
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
@@ -124,7 +124,7 @@ class LLMEngine:
         arrival = arrival_time or time.time()
         children = []
         for index in range(params.n):
-            seed = None if params.seed is None else params.seed + index
+            seed = None if params.seed is None else (params.seed + index) % 2**64
             request = Request(
                 request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
                 group_id=request_id,
@@ -309,15 +309,15 @@ class LLMEngine:
             if group_id in seen or group_id not in self.groups:
                 continue
             seen.add(group_id)
-            outputs.append(self._group_output(group_id, delta=True))
+            outputs.append(self._group_output(group_id))
         return outputs
 
-    def _group_output(self, group_id: str, delta: bool) -> RequestOutput:
+    def _group_output(self, group_id: str) -> RequestOutput:
+        """The delta output of a request: what each of its sequences added since the last
+        output; a sequence whose finish was already handed out is left out."""
         children = self.groups[group_id]
-        completions = [c.completion(delta) for c in children]  # a delta is consumed once
-        output = children[0].make_output(group_id, delta)
-        output.outputs = completions
-        output.finished = all(c.is_finished for c in children)
+        output = make_request_output(
+            group_id, children, [c.completion(True) for c in children if not c.finish_sent])
         if output.finished:
             del self.groups[group_id]
         return output

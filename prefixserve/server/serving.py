@@ -1,0 +1,463 @@
+"""The OpenAI endpoints: requests in, engine requests run, responses or event streams out.
+
+Contract of both endpoints:
+
+- Everything that can be checked before generating is checked first and answered with a 400:
+  the model name, the sampling parameters, the prompt (empty, token ids outside the vocabulary,
+  longer than the context, or too long for ``max_tokens`` more), the chat template.
+- Each prompt becomes one engine request of ``n`` sequences; choice ``i * n + j`` is sequence
+  ``j`` of prompt ``i``. A streamed response starts only once every engine request has produced
+  its first output, so a full queue (503 with ``Retry-After``) or a shut-down engine (503) is
+  still answered with a status code; an error after that is sent as a ``data: {"error": ...}``
+  event before ``data: [DONE]``.
+- A client that disconnects, during a streamed or a plain response, aborts its engine requests,
+  which frees their KV blocks.
+- ``usage`` counts each prompt once, and ``usage.prompt_tokens_details.cached_tokens`` is the
+  number of prompt tokens served from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import jinja2
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from prefixserve.engine.async_llm import AsyncLLM, EngineDeadError
+from prefixserve.engine.llm_engine import QueueFullError, RequestError
+from prefixserve.engine.outputs import CompletionOutput, RequestOutput
+from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.server.errors import ApiError
+from prefixserve.server.logprobs import LogprobEntry, LogprobFormatter
+from prefixserve.server.metrics import ServerMetrics
+from prefixserve.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationRequest,
+    PromptTokensDetails,
+    Usage,
+)
+from prefixserve.server.streams import (
+    ClientDisconnectedError,
+    EventStreamResponse,
+    MultiStream,
+    error_event,
+    run_unless_disconnected,
+    sse_event,
+)
+
+#: Seconds a client is asked to wait (``Retry-After``) when the waiting queue is full.
+RETRY_AFTER_SECONDS = 1
+ResponseT = TypeVar("ResponseT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP layer needs besides the engine.
+
+    ``served_model_names``: the names requests may give as ``model`` (the first is reported
+    when a request gives none). ``api_keys``: accepted bearer tokens (empty: no authentication).
+    ``salt_by_api_key``: derive each request's cache salt from the caller's key, so that
+    callers with different keys never share prefix-cache blocks."""
+
+    served_model_names: tuple[str, ...]
+    model_root: str
+    api_keys: tuple[str, ...] = ()
+    salt_by_api_key: bool = False
+
+
+def _fresh(completions: Sequence[CompletionOutput], base: int,
+           finished: set[int]) -> Iterator[tuple[int, CompletionOutput]]:
+    """The completions of an output (a delta of every sequence of a request) that carry
+    something not sent yet: text, tokens, or their finish (sent once; ``finished`` collects
+    the choice indexes ``base + completion.index`` already finished)."""
+    for completion in completions:
+        index = base + completion.index
+        if index in finished:
+            continue
+        if completion.finish_reason is not None:
+            finished.add(index)
+        elif not (completion.text or completion.token_ids):
+            continue
+        yield index, completion
+
+
+@dataclass
+class _Sequence:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, output: CompletionOutput) -> None:
+        self.text.append(output.text)
+        self.token_ids.extend(output.token_ids)
+        self.logprobs.extend(output.logprobs or [])
+        self.finish_reason = output.finish_reason or self.finish_reason
+        self.stop_reason = output.stop_reason if output.stop_reason is not None \
+            else self.stop_reason
+
+
+@dataclass
+class _Prompts:
+    """The token ids of a request's prompts, and what happened to them."""
+
+    ids: list[list[int]]
+    cached_tokens: list[int] = field(default_factory=list)
+    prompt_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cached_tokens = [0] * len(self.ids)
+        self.prompt_logprobs = [None] * len(self.ids)
+
+    def note(self, index: int, output: RequestOutput) -> None:
+        self.cached_tokens[index] = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = output.prompt_logprobs
+
+    def usage(self, completion_tokens: int) -> Usage:
+        prompt_tokens = sum(len(ids) for ids in self.ids)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=sum(self.cached_tokens)))
+
+
+class OpenAIServing:
+    """Serves ``/v1/completions`` and ``/v1/chat/completions`` from an ``AsyncLLM``."""
+
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.engine.max_model_len
+        self.vocab_size: int = engine.engine.model_config.vocab_size
+        self.logprobs = LogprobFormatter(engine.tokenizer)
+
+    # ------------------------------------------------------------------ checks and inputs
+    def resolve_model(self, name: str | None) -> str:
+        """The served model name to report; a 400 for a name that is not served."""
+        if name is None:
+            return self.config.served_model_names[0]
+        if name not in self.config.served_model_names:
+            served = ", ".join(self.config.served_model_names)
+            raise ApiError(400, f"the model {name!r} is not served here; use one of: {served}",
+                           param="model", code="model_not_found")
+        return name
+
+    def cache_salt(self, salt: str | None, api_key: str | None) -> str | None:
+        """The request's salt, prefixed with the SHA-256 of the caller's key under
+        ``salt_by_api_key``."""
+        if not (self.config.salt_by_api_key and api_key):
+            return salt
+        tenant = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+        return tenant if salt is None else f"{tenant}:{salt}"
+
+    def check_prompt(self, ids: Sequence[int], max_tokens: int | None, param: str) -> None:
+        """A 400 naming ``param`` (or ``max_tokens``) unless the prompt is non-empty, in the
+        vocabulary, shorter than the context and leaves room for ``max_tokens`` more."""
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param=param, code="invalid_prompt")
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, "
+                           f"{self.vocab_size})", param=param, code="invalid_prompt")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens, but this model's context is "
+                           f"{limit} tokens and at least one must be left to generate",
+                           param=param, code="context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise ApiError(400, f"this model's context is {limit} tokens, but the prompt has "
+                           f"{len(ids)} and max_tokens asks for {max_tokens} more; lower "
+                           f"max_tokens or shorten the prompt", param="max_tokens",
+                           code="context_length_exceeded")
+
+    @staticmethod
+    def sampling_params(body: GenerationRequest, *, max_tokens: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        """The request's sampling parameters (an unset field takes SamplingParams' default);
+        a value SamplingParams refuses is a 400 naming the field."""
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=pick(body.n, 1), temperature=pick(body.temperature, 1.0),
+                top_p=pick(body.top_p, 1.0), top_k=pick(body.top_k, 0),
+                min_p=pick(body.min_p, 0.0), seed=body.seed,
+                repetition_penalty=pick(body.repetition_penalty, 1.0),
+                presence_penalty=pick(body.presence_penalty, 0.0),
+                frequency_penalty=pick(body.frequency_penalty, 0.0),
+                stop=body.stop, stop_token_ids=body.stop_token_ids, max_tokens=max_tokens,
+                min_tokens=pick(body.min_tokens, 0), ignore_eos=pick(body.ignore_eos, False),
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        except ValueError as exc:
+            message = str(exc)
+            raise ApiError(400, message, param=message.split()[0],
+                           code="invalid_value") from exc
+
+    # ------------------------------------------------------------------ running requests
+    async def _source(self, ids: list[int], params: SamplingParams, request_id: str,
+                      salt: str | None) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of one engine request, observed for the metrics; closing it aborts the
+        request."""
+        tracker = self.metrics.track(params.n)
+        try:
+            async with aclosing(self.engine.generate(ids, params, request_id,
+                                                     cache_salt=salt)) as outputs:
+                async for output in outputs:
+                    tracker.observe(output)
+                    yield output
+        finally:
+            tracker.close()
+
+    async def _start(self, prompts: _Prompts, params: SamplingParams, request_id: str,
+                     salt: str | None, param: str) -> MultiStream:
+        """Queues one engine request per prompt and waits for their first outputs."""
+        ids_list = prompts.ids
+        stream = MultiStream([
+            self._source(ids, params, request_id if len(ids_list) == 1 else f"{request_id}-{i}",
+                         salt)
+            for i, ids in enumerate(ids_list)
+        ])
+        try:
+            await stream.start()
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=param, code="invalid_prompt") from exc
+        except QueueFullError as exc:
+            raise ApiError(503, f"the server is busy: {exc}; retry later",
+                           code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from exc
+        except EngineDeadError as exc:
+            raise ApiError(503, "the engine is not running", code="engine_unavailable") from exc
+        return stream
+
+    async def _collect(self, stream: MultiStream, prompts: _Prompts,
+                       n: int) -> list[list[_Sequence]]:
+        """Runs a started stream to its end; closes it whatever happens."""
+        sequences = [[_Sequence() for _ in range(n)] for _ in prompts.ids]
+        try:
+            async for index, output in stream:
+                prompts.note(index, output)
+                for completion in output.outputs:
+                    sequences[index][completion.index].add(completion)
+        finally:
+            await stream.aclose()
+        return sequences
+
+    @staticmethod
+    async def _respond(request: Request, stream_events: bool,
+                       start: Callable[[], Awaitable[MultiStream]],
+                       events: Callable[[MultiStream], AsyncGenerator[str, None]],
+                       collect: Callable[[], Awaitable[ResponseT]]) -> ResponseT | Response:
+        """Starts the engine requests and answers with an event stream or a whole response;
+        a client gone before that gets an empty 499."""
+        try:
+            if stream_events:
+                stream = await run_unless_disconnected(request, start())
+                return EventStreamResponse(events(stream), stream)
+            return await run_unless_disconnected(request, collect())
+        except ClientDisconnectedError:
+            return Response(status_code=499)
+
+    # ------------------------------------------------------------------ /v1/completions
+    async def create_completion(self, body: CompletionRequest, request: Request,
+                                api_key: str | None) -> CompletionResponse | Response:
+        model = self.resolve_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            items: list[Any] = [prompt]
+        else:
+            items = list(prompt)
+        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        for ids in ids_list:
+            self.check_prompt(ids, body.max_tokens, "prompt")
+        k = body.logprobs
+        echo = bool(body.echo)
+        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=k,
+                                      prompt_logprobs=k if echo else None)
+        echo_texts = [p if isinstance(p, str) else
+                      self.tokenizer.decode(ids, skip_special_tokens=False)
+                      for p, ids in zip(items, ids_list, strict=True)] if echo else None
+        prompts = _Prompts(ids_list)
+        salt = self.cache_salt(body.cache_salt, api_key)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def start() -> Awaitable[MultiStream]:
+            return self._start(prompts, params, request_id, salt, "prompt")
+
+        async def collect() -> CompletionResponse:
+            sequences = await self._collect(await start(), prompts, params.n)
+            choices = []
+            for i, row in enumerate(sequences):
+                for j, seq in enumerate(row):
+                    text = "".join(seq.text)
+                    logprobs = None
+                    if k is not None:
+                        token_ids, entries = seq.token_ids, list(seq.logprobs)
+                        if echo_texts is not None:
+                            token_ids = prompts.ids[i] + token_ids
+                            entries = self._prompt_entries(prompts, i) + entries
+                        logprobs, _ = self.logprobs.completion(token_ids, entries, k, 0)
+                    if echo_texts is not None:
+                        text = echo_texts[i] + text
+                    choices.append(CompletionChoice(
+                        index=i * params.n + j, text=text, logprobs=logprobs,
+                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            completion_tokens = sum(len(s.token_ids) for row in sequences for s in row)
+            return CompletionResponse(id=request_id, created=created, model=model,
+                                      choices=choices, usage=prompts.usage(completion_tokens))
+
+        async def events(stream: MultiStream) -> AsyncGenerator[str, None]:
+            offsets: dict[int, int] = {}  # choice -> characters sent (for text_offset)
+            started: set[int] = set()  # choices whose first chunk (with the echo) is sent
+            finished: set[int] = set()
+            completion_tokens = 0
+            try:
+                async for i, output in stream:
+                    prompts.note(i, output)
+                    for index, c in _fresh(output.outputs, i * params.n, finished):
+                        completion_tokens += len(c.token_ids)
+                        text, token_ids, entries = c.text, list(c.token_ids), c.logprobs or []
+                        if index not in started and echo_texts is not None:
+                            text = echo_texts[i] + text
+                            token_ids = prompts.ids[i] + token_ids
+                            entries = self._prompt_entries(prompts, i) + entries
+                        started.add(index)
+                        logprobs = None
+                        if k is not None:
+                            logprobs, offsets[index] = self.logprobs.completion(
+                                token_ids, entries, k, offsets.get(index, 0))
+                        yield sse_event(CompletionResponse(
+                            id=request_id, created=created, model=model,
+                            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                      finish_reason=c.finish_reason,
+                                                      stop_reason=c.stop_reason)]))
+                if include_usage:
+                    yield sse_event(CompletionResponse(
+                        id=request_id, created=created, model=model, choices=[],
+                        usage=prompts.usage(completion_tokens)))
+            except Exception as exc:  # the status is sent already: report it as an event
+                yield error_event(exc)
+            finally:
+                await stream.aclose()
+            yield "data: [DONE]\n\n"
+
+        return await self._respond(request, bool(body.stream), start, events, collect)
+
+    @staticmethod
+    def _prompt_entries(prompts: _Prompts, index: int) -> list[LogprobEntry]:
+        entries = prompts.prompt_logprobs[index]
+        return list(entries) if entries is not None else [None] * len(prompts.ids[index])
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The conversation rendered with the model's chat template, as token ids; a 400 when
+        the template refuses it."""
+        messages = []
+        for message in body.messages:
+            content = message.content if isinstance(message.content, str) else \
+                "\n".join(part.text for part in message.content)
+            item = {"role": "system" if message.role == "developer" else message.role,
+                    "content": content}
+            if message.name is not None:
+                item["name"] = message.name
+            messages.append(item)
+        add_generation_prompt = body.add_generation_prompt is not False
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}",
+                           param="messages", code="invalid_messages") from exc
+        assert isinstance(ids, list)
+        return ids
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, request: Request,
+                                     api_key: str | None) -> ChatCompletionResponse | Response:
+        model = self.resolve_model(body.model)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        ids = self.chat_prompt(body)
+        self.check_prompt(ids, max_tokens, "messages")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
+                                      prompt_logprobs=None)
+        prompts = _Prompts([ids])
+        salt = self.cache_salt(body.cache_salt, api_key)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def start() -> Awaitable[MultiStream]:
+            return self._start(prompts, params, request_id, salt, "messages")
+
+        async def collect() -> ChatCompletionResponse:
+            sequences = (await self._collect(await start(), prompts, params.n))[0]
+            choices = [ChatChoice(
+                index=j, message=ChatResponseMessage(content="".join(seq.text)),
+                logprobs=None if k is None else ChatLogprobs(
+                    content=self.logprobs.chat(seq.token_ids, seq.logprobs, k)),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                for j, seq in enumerate(sequences)]
+            completion_tokens = sum(len(s.token_ids) for s in sequences)
+            return ChatCompletionResponse(id=request_id, created=created, model=model,
+                                          choices=choices,
+                                          usage=prompts.usage(completion_tokens))
+
+        def chunk(choice: ChatChunkChoice) -> str:
+            return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
+                                                 choices=[choice]))
+
+        async def events(stream: MultiStream) -> AsyncGenerator[str, None]:
+            finished: set[int] = set()
+            completion_tokens = 0
+            try:
+                for j in range(params.n):
+                    yield chunk(ChatChunkChoice(index=j, delta=ChatDelta(role="assistant",
+                                                                         content="")))
+                async for _, output in stream:
+                    prompts.note(0, output)
+                    for _, c in _fresh(output.outputs, 0, finished):
+                        completion_tokens += len(c.token_ids)
+                        logprobs = None if k is None else ChatLogprobs(
+                            content=self.logprobs.chat(c.token_ids, c.logprobs or [], k))
+                        yield chunk(ChatChunkChoice(
+                            index=c.index, delta=ChatDelta(content=c.text or None),
+                            logprobs=logprobs, finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason))
+                if include_usage:
+                    yield sse_event(ChatCompletionChunk(
+                        id=request_id, created=created, model=model, choices=[],
+                        usage=prompts.usage(completion_tokens)))
+            except Exception as exc:  # the status is sent already: report it as an event
+                yield error_event(exc)
+            finally:
+                await stream.aclose()
+            yield "data: [DONE]\n\n"
+
+        return await self._respond(request, bool(body.stream), start, events, collect)

@@ -1,0 +1,105 @@
+"""A real ``prefixserve serve`` process on 127.0.0.1 for the server tests, and helpers to read
+its ``/metrics``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m prefixserve serve ARGS`` on a free port, its output in ``log_path``.
+
+    ``start`` returns once ``/health`` answers 200 (or fails with the log if the process dies
+    or does not come up in time); ``stop`` sends SIGTERM and returns the exit status."""
+
+    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        command = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--disable-access-log", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def start(self) -> ServerProcess:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n"
+                                   f"{self.log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the server did not come up in {STARTUP_TIMEOUT} s:\n{self.log}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then the exit status (SIGKILL and -9 if it does not exit in time)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of ``/metrics`` by name, labels appended as ``name{k=v,...}``."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+        return samples
+
+    def wait_for_metrics(self, condition: Callable[[dict[str, float]], bool],
+                         timeout: float = 30.0) -> dict[str, float]:
+        """Polls ``/metrics`` until ``condition`` holds; fails with the last sample if never."""
+        deadline = time.monotonic() + timeout
+        while True:
+            samples = self.metrics()
+            if condition(samples):
+                return samples
+            if time.monotonic() > deadline:
+                raise AssertionError(f"metrics condition not met in {timeout} s: "
+                                     f"{ {k: v for k, v in samples.items() if 'bucket' not in k} }")
+            time.sleep(0.1)
+
+
+def idle(samples: dict[str, float]) -> bool:
+    """No request running or waiting and no KV block held."""
+    return (samples["prefixserve:num_requests_running"] == 0
+            and samples["prefixserve:num_requests_waiting"] == 0
+            and samples["prefixserve:kv_cache_usage_perc"] == 0
+            and samples["prefixserve:kv_cache_num_free_blocks"]
+            == samples["prefixserve:kv_cache_num_blocks"])

@@ -1,0 +1,127 @@
+"""``prefixserve serve`` without a model: the command line, the engine settings it makes, API key
+files, refusals before any model is loaded, and the wording of validation errors."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixserve.cli import build_parser
+from prefixserve.server.errors import describe_validation_errors
+from prefixserve.server.launch import engine_config, read_api_keys, run_server
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_help_lists_the_options() -> None:
+    result = subprocess.run([sys.executable, "-m", "prefixserve", "serve", "--help"],
+                            capture_output=True, text=True, check=True)
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching",
+                 "--prefix-caching-hash-algo", "--block-size", "--kv-cache-memory",
+                 "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--max-model-len", "--dtype", "--served-model-name", "--api-key",
+                 "--salt-by-api-key", "--max-waiting-requests", "--log-stats-interval"):
+        assert flag in result.stdout
+    top = subprocess.run([sys.executable, "-m", "prefixserve", "--help"], capture_output=True,
+                         text=True, check=True)
+    assert "serve" in top.stdout
+
+
+def test_help_states_the_engine_defaults() -> None:
+    """The parser cannot import EngineConfig (it pulls torch), so its help repeats the
+    defaults; this keeps them in step."""
+    from prefixserve.engine.config import EngineConfig
+
+    commands = next(action for action in build_parser()._actions
+                    if isinstance(action, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    helps = {action.dest: action.help for action in serve._actions}
+    defaults = EngineConfig()
+    for name in ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                 "prefix_caching_hash_algo"):
+        assert f"default {getattr(defaults, name)}" in helps[name], name
+
+
+def test_defaults_leave_the_engine_defaults() -> None:
+    args = parse()
+    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
+    config = engine_config(args)
+    assert config.enable_prefix_caching is None and config.prefix_caching
+    assert config.block_size == 16 and config.max_waiting_requests is None
+
+
+def test_engine_flags_reach_the_engine_config() -> None:
+    args = parse("model.gguf", "--no-enable-prefix-caching", "--prefix-caching-hash-algo",
+                 "sha256", "--block-size", "32", "--num-blocks", "100", "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "512", "--max-model-len", "256", "--dtype",
+                 "bfloat16", "--max-waiting-requests", "8", "--no-enable-chunked-prefill")
+    config = engine_config(args)
+    assert config.model == "model.gguf"
+    assert config.enable_prefix_caching is False
+    assert (config.prefix_caching_hash_algo, config.block_size, config.num_blocks) == (
+        "sha256", 32, 100)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (
+        4, 512, 256)
+    assert (config.dtype, config.max_waiting_requests) == ("bfloat16", 8)
+    assert config.enable_chunked_prefill is False
+    assert engine_config(parse("--enable-prefix-caching", "--kv-cache-memory",
+                               "64MiB")).kv_cache_memory == "64MiB"
+
+
+@pytest.mark.parametrize("argv", [
+    ("--block-size", "7"),
+    ("--num-blocks", "10", "--kv-cache-memory", "1GiB"),
+    ("--prefix-caching-hash-algo", "md5"),
+    ("--dtype", "int8"),
+])
+def test_bad_flags_are_refused_by_the_parser(argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse(*argv)
+    assert caught.value.code == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--salt-by-api-key",), "needs at least one --api-key"),
+    (("--max-num-seqs", "0"), "max_num_seqs"),
+    (("--kv-cache-memory", "lots"), "memory size"),
+    (("--api-key", "@/no/such/file"), "No such file"),
+])
+def test_bad_settings_stop_before_loading_the_model(argv: tuple[str, ...], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_server(parse(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_api_keys_from_values_and_files(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nkey-b\n\n  key-c  \nkey-a\n")
+    assert read_api_keys(["key-a", f"@{keys}"]) == ("key-a", "key-b", "key-c")
+    with pytest.raises(ValueError, match="empty"):
+        read_api_keys([" "])
+
+
+def test_validation_errors_name_the_field_without_echoing_input() -> None:
+    message, param = describe_validation_errors([
+        {"type": "less_than_equal", "loc": ("body", "temperature"),
+         "msg": "Input should be less than or equal to 2", "input": 99},
+        {"type": "missing", "loc": ("body", "prompt"), "msg": "Field required"}])
+    assert message == "temperature: Input should be less than or equal to 2 (and 1 more problem)"
+    assert param == "temperature"
+    message, param = describe_validation_errors([
+        {"type": "int_type", "loc": ("body", "prompt", "token_ids", 3),
+         "msg": "Input should be a valid integer", "input": "secret"}])
+    assert message == "prompt.token_ids[3]: Input should be a valid integer"
+    assert "secret" not in message and param == "prompt"
+    message, param = describe_validation_errors([
+        {"type": "extra_forbidden", "loc": ("body", "best_of"), "msg": "Extra inputs"}])
+    assert message == "unrecognized request argument: best_of" and param == "best_of"
+    message, param = describe_validation_errors([
+        {"type": "json_invalid", "loc": ("body", 5), "msg": "JSON decode error",
+         "ctx": {"error": "Expecting value"}}])
+    assert message == "the request body is not valid JSON (Expecting value)" and param is None

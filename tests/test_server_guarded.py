@@ -1,0 +1,139 @@
+"""A server with API keys, per-key cache salts, a small context and a bounded queue, as a real
+process: 401s, tenant isolation, 503 with Retry-After on a full queue, a schemathesis run against
+its own OpenAPI document, and a graceful SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_helpers import ServerProcess, idle
+
+KEY_A, KEY_B = "key-alpha", "key-beta"
+MAX_MODEL_LEN = 24
+#: A prompt of 20 token ids: one full block of 16 can come from the cache.
+PROMPT = list(range(2000, 2020))
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    directory = tmp_path_factory.mktemp("guarded")
+    key_file = directory / "keys.txt"
+    key_file.write_text(f"# the second tenant\n{KEY_B}\n\n")
+    process = ServerProcess(["--api-key", KEY_A, "--api-key", f"@{key_file}",
+                             "--salt-by-api-key", "--max-model-len", str(MAX_MODEL_LEN),
+                             "--max-num-seqs", "64", "--max-waiting-requests", "2",
+                             "--num-blocks", "256", "--log-stats-interval", "0"],
+                            directory / "server.log").start()
+    yield process
+    process.stop()
+    assert "Traceback" not in process.log, process.log
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def complete(server: ServerProcess, key: str, **body: object) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", headers=auth(key), timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 1, **body})
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("POST", "/reset_prefix_cache")])
+def test_api_routes_need_a_key(guarded: ServerProcess, method: str, path: str) -> None:
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    missing = httpx.request(method, guarded.url + path, json=body if "comp" in path else None)
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "missing_api_key"
+    assert missing.headers["www-authenticate"] == "Bearer"
+    wrong = httpx.request(method, guarded.url + path, headers=auth("key-gamma"))
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_keys_from_the_command_line_and_the_file_work(guarded: ServerProcess) -> None:
+    for key in (KEY_A, KEY_B):
+        client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=key, max_retries=0)
+        assert client.models.list().data
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded.url + "/v1", api_key="nope",
+                      max_retries=0).models.list()
+
+
+def test_open_routes_and_unknown_routes_need_no_key(guarded: ServerProcess) -> None:
+    for path in ("/health", "/version", "/metrics", "/openapi.json"):
+        assert httpx.get(guarded.url + path).status_code == 200
+    assert httpx.get(guarded.url + "/v2/anything").status_code == 404
+
+
+def test_tenants_never_share_blocks(guarded: ServerProcess) -> None:
+    def cached(key: str, **body: object) -> int:
+        response = complete(guarded, key, **body)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(KEY_A) == 0
+    assert cached(KEY_A) == 16
+    assert cached(KEY_B) == 0  # the same prompt, another key
+    assert cached(KEY_B) == 16
+    assert cached(KEY_B, cache_salt="shared") == 0  # a key's salt mixed with the request's
+    assert cached(KEY_A, cache_salt="shared") == 0
+    assert cached(KEY_A, cache_salt="shared") == 16
+
+
+def test_full_queue_answers_503_with_retry_after(guarded: ServerProcess) -> None:
+    # 66 sequences on 64 slots: 2 wait (the limit) while the first 64 generate 12 tokens.
+    with httpx.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+                      json={"prompt": PROMPT[:3], "n": 66, "max_tokens": 12,
+                            "ignore_eos": True, "stream": True}) as big:
+        assert big.status_code == 200
+        lines = big.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        refused = [complete(guarded, KEY_B) for _ in range(3)]
+        for response in refused:
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "queue_full"
+        events = [line for line in lines if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    finished = sum('"finish_reason":"length"' in line for line in events)
+    assert finished == 66
+    guarded.wait_for_metrics(idle)
+    assert complete(guarded, KEY_B).status_code == 200
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_error(guarded: ServerProcess, tmp_path: Path) -> None:
+    """Every check but positive_data_acceptance (valid-looking prompts are rightly refused when
+    they do not fit the 24-token context), bounded to 15 examples an operation."""
+    st = Path(sys.executable).with_name("st")
+    result = subprocess.run(
+        [str(st), "run", guarded.url + "/openapi.json", "--header",
+         f"Authorization: Bearer {KEY_A}", "--checks", "all", "--exclude-checks",
+         "positive_data_acceptance", "--max-examples", "15", "--workers", "2", "--seed", "1",
+         "--request-timeout", "60", "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_sigterm_lets_a_running_request_finish(guarded: ServerProcess) -> None:
+    """Runs last: the server stops."""
+    with httpx.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+                      json={"prompt": PROMPT[:3], "max_tokens": 20, "ignore_eos": True,
+                            "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        guarded.process.send_signal(signal.SIGTERM)
+        events = [line for line in lines if line.startswith("data:")]
+    assert '"finish_reason":"length"' in events[-2]
+    assert events[-1] == "data: [DONE]"
+    assert guarded.process.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal
+    assert "Application shutdown complete" in guarded.log
