@@ -130,7 +130,7 @@ class ReadOptions:
 # ----------------------------------------------------------------------------- opening
 
 
-def _open_binary(path: str) -> tuple[IO[bytes], IO[bytes] | None, int]:
+def open_binary(path: str) -> tuple[IO[bytes], IO[bytes] | None, int]:
     """Opens ``path`` (``-`` for stdin), decompressing xz or gzip found by their magic bytes.
 
     Returns the stream of lines, the raw file for progress (None for stdin) and its size."""
@@ -150,7 +150,7 @@ def _open_binary(path: str) -> tuple[IO[bytes], IO[bytes] | None, int]:
     return raw, raw, size
 
 
-def _records(stream: IO[bytes]) -> Iterator[tuple[int, dict[str, Any] | LineError]]:
+def iter_records(stream: IO[bytes]) -> Iterator[tuple[int, dict[str, Any] | LineError]]:
     """``(line number, JSON object or the reason it is not one)`` for each non-blank line."""
     for number, line in enumerate(stream, 1):
         if not line.strip():
@@ -564,13 +564,13 @@ def read_workload(path: str, options: ReadOptions,
     ``options.skip_bad_lines``, which counts it instead) or an input with no request."""
     if options.format is not None and options.format not in FORMATS:
         raise TraceError(f"unknown format {options.format!r}; choose one of {', '.join(FORMATS)}")
-    stream, raw, size = _open_binary(path)
+    stream, raw, size = open_binary(path)
     bad = _BadLines(path, options.skip_bad_lines)
     fmt = options.format
     reader: Any = None
     requests: list[TraceRequest] = []
     try:
-        for count, (number, record) in enumerate(_records(stream)):
+        for count, (number, record) in enumerate(iter_records(stream)):
             if progress is not None and raw is not None and count % 256 == 0:
                 progress(raw.tell() / size if size else 1.0)
             if isinstance(record, LineError):

@@ -1,0 +1,211 @@
+"""Workloads of the benchmark, as token ids: sessions of turns.
+
+A ``Session`` is what one client sends in order: a single request for the ``shared-prefix``,
+``random`` and ``trace`` datasets, a whole conversation for ``multi-turn``. The prompt of a
+session's first turn is that turn's tokens; the prompt of every later turn is the previous
+prompt, then the server's reply to it, then the turn's tokens (``Conversation``). Sessions run
+concurrently; the turns of one session never overlap.
+
+Prompts are made of *words*: token ids that each decode to one lower-case word with a leading
+space and that the tokenizer encodes back to themselves (``WordVocabulary``). Any sequence of
+them survives ``encode(decode(ids)) == ids``, so a server that only takes text sees exactly the
+same tokens as one that takes token ids.
+
+Sharing is exact, by construction: groups (and conversations) differ from their first distinct
+token on, so the tokens a perfect cache serves are the shared prefixes and nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+WORD_PATTERN = re.compile(r" [a-z]{2,}")
+"""What a word token decodes to."""
+
+
+class TextTokenizer(Protocol):
+    """What the benchmark needs of a tokenizer (``prefixserve.model.tokenizer.Tokenizer``)."""
+
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class WordVocabulary:
+    """The word tokens of a tokenizer (see the module docstring), as an int64 array."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        ids = []
+        for token_id in range(tokenizer.vocab_size):
+            text = tokenizer.decode([token_id])
+            if (WORD_PATTERN.fullmatch(text)
+                    and tokenizer.encode(text, add_special_tokens=False) == [token_id]):
+                ids.append(token_id)
+        if len(ids) < 256:
+            raise ValueError(f"the tokenizer has only {len(ids)} word tokens; the benchmark "
+                             "needs at least 256 to make prompts")
+        self.ids = np.array(ids, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        """``n`` word tokens drawn uniformly (with replacement)."""
+        return [int(i) for i in rng.choice(self.ids, n)]
+
+    def distinct(self, rng: np.random.Generator, n: int) -> list[int]:
+        """``n`` different word tokens (all of them, shuffled, repeated if ``n`` is larger)."""
+        if n <= len(self.ids):
+            return [int(i) for i in rng.choice(self.ids, n, replace=False)]
+        return [int(i) for i in rng.choice(self.ids, n)]
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The tokens a turn adds to its session's history, and the tokens to generate."""
+
+    tokens: list[int]
+    output_len: int
+
+
+@dataclass
+class Session:
+    """Turns sent in order by one client. ``arrival``: seconds after the start of the run at
+    which the first turn is due (None: the runner's request rate decides); ``group``: the
+    shared-prefix group or conversation it belongs to."""
+
+    turns: list[Turn]
+    arrival: float | None = None
+    group: int = 0
+
+
+@dataclass
+class Dataset:
+    """A named workload and the parameters it was made with (written to the JSON)."""
+
+    name: str
+    sessions: list[Session]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+class Conversation:
+    """The prompts of a session's turns: the first turn's tokens, then for each later turn the
+    previous prompt, the reply to it and the turn's tokens. The same history is kept as text for
+    servers that only take text (the reply as the server sent it)."""
+
+    def __init__(self, session: Session, vocabulary: WordVocabulary) -> None:
+        self.session = session
+        self.vocabulary = vocabulary
+        self.turn = 0
+        self.ids: list[int] = []
+        self.text = ""
+
+    @property
+    def done(self) -> bool:
+        return self.turn == len(self.session.turns)
+
+    def next_prompt(self) -> tuple[list[int], str, int]:
+        """The next turn's prompt (ids and text) and its output length; call ``add_reply``
+        before asking for the turn after it."""
+        turn = self.session.turns[self.turn]
+        self.ids = self.ids + turn.tokens
+        self.text = self.text + self.vocabulary.text(turn.tokens)
+        return self.ids, self.text, turn.output_len
+
+    def add_reply(self, reply_ids: Sequence[int], reply_text: str) -> None:
+        """Appends the reply to the history and moves to the next turn."""
+        self.turn += 1
+        if not self.done:
+            self.ids = self.ids + list(reply_ids)
+            self.text = self.text + reply_text
+
+
+def shared_prefix(vocabulary: WordVocabulary, *, num_groups: int, prompts_per_group: int,
+                  system_prompt_len: int, question_len: int, output_len: int, shuffle: bool,
+                  seed: int) -> Dataset:
+    """``num_groups`` system prompts of ``system_prompt_len`` tokens, each followed by
+    ``prompts_per_group`` questions of ``question_len`` tokens: one single-turn session each,
+    in group order or shuffled. System prompts differ from their first token on, and so do the
+    questions of a group, so two prompts share exactly their group's system prompt."""
+    _check_positive(num_groups=num_groups, prompts_per_group=prompts_per_group,
+                    question_len=question_len, output_len=output_len)
+    _check_non_negative(system_prompt_len=system_prompt_len)
+    rng = np.random.default_rng(seed)
+    firsts = vocabulary.distinct(rng, num_groups)
+    sessions = []
+    for group in range(num_groups):
+        system = ([firsts[group]] + vocabulary.sample(rng, system_prompt_len - 1)
+                  if system_prompt_len else [])
+        for first in vocabulary.distinct(rng, prompts_per_group):
+            question = [first, *vocabulary.sample(rng, question_len - 1)]
+            sessions.append(Session([Turn(system + question, output_len)], group=group))
+    if shuffle:
+        sessions = [sessions[i] for i in rng.permutation(len(sessions))]
+    return Dataset("shared-prefix", sessions, {
+        "num_groups": num_groups, "prompts_per_group": prompts_per_group,
+        "system_prompt_len": system_prompt_len, "question_len": question_len,
+        "output_len": output_len, "shuffle": shuffle, "seed": seed})
+
+
+def multi_turn(vocabulary: WordVocabulary, *, num_conversations: int, num_turns: int,
+               system_prompt_len: int, question_len: int, output_len: int,
+               seed: int) -> Dataset:
+    """``num_conversations`` conversations of ``num_turns`` user messages of ``question_len``
+    tokens, answered with ``output_len`` tokens each. Every conversation starts with the same
+    system prompt of ``system_prompt_len`` tokens (none when 0); their first messages differ
+    from their first token on."""
+    _check_positive(num_conversations=num_conversations, num_turns=num_turns,
+                    question_len=question_len, output_len=output_len)
+    _check_non_negative(system_prompt_len=system_prompt_len)
+    rng = np.random.default_rng(seed)
+    system = vocabulary.sample(rng, system_prompt_len)
+    sessions = []
+    for conversation, first in enumerate(vocabulary.distinct(rng, num_conversations)):
+        turns = [Turn(system + [first] + vocabulary.sample(rng, question_len - 1), output_len)]
+        turns += [Turn(vocabulary.sample(rng, question_len), output_len)
+                  for _ in range(num_turns - 1)]
+        sessions.append(Session(turns, group=conversation))
+    return Dataset("multi-turn", sessions, {
+        "num_conversations": num_conversations, "num_turns": num_turns,
+        "system_prompt_len": system_prompt_len, "question_len": question_len,
+        "output_len": output_len, "seed": seed})
+
+
+def random_prompts(vocabulary: WordVocabulary, *, num_prompts: int, input_len: int,
+                   output_len: int, seed: int) -> Dataset:
+    """``num_prompts`` unrelated prompts of ``input_len`` tokens (first tokens all different
+    while the vocabulary allows it): the 0%-hit case."""
+    _check_positive(num_prompts=num_prompts, input_len=input_len, output_len=output_len)
+    rng = np.random.default_rng(seed)
+    sessions = [Session([Turn([first, *vocabulary.sample(rng, input_len - 1)], output_len)],
+                        group=index)
+                for index, first in enumerate(vocabulary.distinct(rng, num_prompts))]
+    return Dataset("random", sessions, {"num_prompts": num_prompts, "input_len": input_len,
+                                        "output_len": output_len, "seed": seed})
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _check_non_negative(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name.replace('_', '-')} must not be negative, got {value}")
