@@ -159,7 +159,8 @@ def test_bad_requests_are_refused_and_lose_nothing(cached: LLM) -> None:
 
 def test_abort_frees_the_blocks(cached: LLM) -> None:
     engine = cached.engine
-    request_id = engine.add_request(prompts(cached)[0], SamplingParams(max_tokens=100))
+    request_id = engine.add_request(prompts(cached)[0],
+                                    SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     engine.step()
     engine.step()
     assert engine.kv.num_free_blocks < engine.kv.num_blocks
