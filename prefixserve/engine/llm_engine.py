@@ -134,6 +134,7 @@ class LLMEngine:
                 mm_inputs=tuple(mm_inputs),
                 wants_prompt_logprobs=params.prompt_logprobs is not None,
                 prompt=text,
+                prompt_token_ids=token_ids,
                 params=params,
                 index=index,
                 generator=make_generator(seed, self.config.device),
@@ -219,7 +220,7 @@ class LLMEngine:
             logits,
             [r.params for r in requests],
             [r.generator for r in requests],
-            [r.token_ids[: r.num_prompt_tokens] for r in requests],
+            [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests],
         )
         now = time.time()

@@ -44,7 +44,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of a request: its prompt, one ``CompletionOutput`` per sequence (``n``), how
+    """The state of a request: its prompt (``prompt_token_ids`` is the engine's own list: read it,
+    do not modify it), one ``CompletionOutput`` per sequence (``n``), how
     many prompt tokens came from the prefix cache, and its timings."""
 
     request_id: str

@@ -27,7 +27,9 @@ class Request(CacheRequest):
     """One sequence being generated (``index`` of the ``n`` of request ``group_id``).
 
     ``token_ids`` (from ``CacheRequest``) is the prompt followed by the outputs so far;
-    ``output_token_ids`` repeats the outputs for the sampler. ``num_cached_tokens`` is the
+    ``output_token_ids`` repeats the outputs for the sampler, and ``prompt_token_ids`` keeps the
+    prompt (shared by the ``n`` sequences of a request, never modified), so no step has to slice
+    it out of ``token_ids`` again. ``num_cached_tokens`` is the
     number of prompt tokens served from the prefix cache when the request was first scheduled
     (-1 before). ``text`` is the detokenised output; ``sent_text``/``sent_tokens`` say how much
     of it was already streamed.
@@ -35,6 +37,7 @@ class Request(CacheRequest):
 
     group_id: str = ""
     prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)
     index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -54,9 +57,6 @@ class Request(CacheRequest):
     sent_logprobs: int = 0
     finish_sent: bool = False
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return list(self.token_ids[: self.num_prompt_tokens])
 
     @property
     def is_finished(self) -> bool:
