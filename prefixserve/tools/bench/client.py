@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from prefixserve.tools.bench.metrics import Measurement
 
 DONE = "[DONE]"
 
@@ -27,20 +29,11 @@ PROMPT_TYPES = ("token-ids", "text")
 MAX_ERROR_CHARS = 300
 
 
-@dataclass
-class Completion:
-    """What one request produced. Times are seconds from sending the request; ``ttft`` and
-    ``e2e`` are None when the request failed (``error`` says why)."""
+@dataclass(kw_only=True)
+class Completion(Measurement):
+    """What one request produced: its text and its measurement."""
 
     text: str = ""
-    ttft: float | None = None
-    e2e: float | None = None
-    itl: list[float] = field(default_factory=list)
-    token_events: int = 0
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    error: str | None = None
 
 
 def parse_event(line: str) -> dict[str, Any] | str | None:

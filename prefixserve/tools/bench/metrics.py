@@ -17,7 +17,7 @@ messages.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -26,18 +26,12 @@ PERCENTILES = (50, 90, 99)
 MAX_ERROR_EXAMPLES = 5
 
 
-@dataclass
-class RequestRecord:
-    """One request of a run. ``start`` is seconds from the run's start; latencies are seconds
-    (None when the request failed); ``prompt_len`` counts the tokens the benchmark sent, the
-    ``*_tokens`` fields are the server's usage (None when not reported)."""
+@dataclass(kw_only=True)
+class Measurement:
+    """What the client saw of one request. Latencies are seconds from sending it (None when it
+    failed, ``error`` saying why); the ``*_tokens`` fields are the server's usage (None when
+    not reported)."""
 
-    session: int
-    turn: int
-    group: int
-    start: float
-    prompt_len: int
-    output_len: int
     ttft: float | None = None
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
@@ -46,6 +40,24 @@ class RequestRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     error: str | None = None
+
+    def measured(self) -> dict[str, Any]:
+        """The fields of this class alone, to build another kind of measurement from."""
+        return {f.name: getattr(self, f.name) for f in fields(Measurement)}
+
+
+@dataclass(kw_only=True)
+class RequestRecord(Measurement):
+    """One request of a run: where it sits in the dataset, when it was sent (``start``, seconds
+    from the run's start), how many tokens the benchmark sent (``prompt_len``) and asked for
+    (``output_len``), and its measurement."""
+
+    session: int
+    turn: int
+    group: int
+    start: float
+    prompt_len: int
+    output_len: int
 
     @property
     def ok(self) -> bool:

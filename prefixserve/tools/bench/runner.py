@@ -105,10 +105,7 @@ class _Run:
                 result = await self.client.complete(ids, text, output_len)
             record = RequestRecord(
                 session=index, turn=conversation.turn, group=session.group, start=sent_at,
-                prompt_len=len(ids), output_len=output_len, ttft=result.ttft, e2e=result.e2e,
-                itl=result.itl, token_events=result.token_events,
-                prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                cached_tokens=result.cached_tokens, error=result.error)
+                prompt_len=len(ids), output_len=output_len, **result.measured())
             self._add(record)
             if not record.ok:
                 for turn in range(conversation.turn + 1, len(session.turns)):
