@@ -278,7 +278,7 @@ class OpenAIServing:
         try:
             if stream_events:
                 stream = await run_unless_disconnected(request, start())
-                return EventStreamResponse(events(stream), stream)
+                return EventStreamResponse(_terminated(events(stream)), stream)
             return await run_unless_disconnected(request, collect())
         except ClientDisconnectedError:
             return Response(status_code=499)
@@ -338,35 +338,29 @@ class OpenAIServing:
             started: set[int] = set()  # choices whose first chunk (with the echo) is sent
             finished: set[int] = set()
             completion_tokens = 0
-            try:
-                async for i, output in stream:
-                    prompts.note(i, output)
-                    for index, c in _fresh(output.outputs, i * params.n, finished):
-                        completion_tokens += len(c.token_ids)
-                        text, token_ids, entries = c.text, list(c.token_ids), c.logprobs or []
-                        if index not in started and echo_texts is not None:
-                            text = echo_texts[i] + text
-                            token_ids = prompts.ids[i] + token_ids
-                            entries = self._prompt_entries(prompts, i) + entries
-                        started.add(index)
-                        logprobs = None
-                        if k is not None:
-                            logprobs, offsets[index] = self.logprobs.completion(
-                                token_ids, entries, k, offsets.get(index, 0))
-                        yield sse_event(CompletionResponse(
-                            id=request_id, created=created, model=model,
-                            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason,
-                                                      stop_reason=c.stop_reason)]))
-                if include_usage:
+            async for i, output in stream:
+                prompts.note(i, output)
+                for index, c in _fresh(output.outputs, i * params.n, finished):
+                    completion_tokens += len(c.token_ids)
+                    text, token_ids, entries = c.text, list(c.token_ids), c.logprobs or []
+                    if index not in started and echo_texts is not None:
+                        text = echo_texts[i] + text
+                        token_ids = prompts.ids[i] + token_ids
+                        entries = self._prompt_entries(prompts, i) + entries
+                    started.add(index)
+                    logprobs = None
+                    if k is not None:
+                        logprobs, offsets[index] = self.logprobs.completion(
+                            token_ids, entries, k, offsets.get(index, 0))
                     yield sse_event(CompletionResponse(
-                        id=request_id, created=created, model=model, choices=[],
-                        usage=prompts.usage(completion_tokens)))
-            except Exception as exc:  # the status is sent already: report it as an event
-                yield error_event(exc)
-            finally:
-                await stream.aclose()
-            yield "data: [DONE]\n\n"
+                        id=request_id, created=created, model=model,
+                        choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                  finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason)]))
+            if include_usage:
+                yield sse_event(CompletionResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=prompts.usage(completion_tokens)))
 
         return await self._respond(request, bool(body.stream), start, events, collect)
 
@@ -436,28 +430,34 @@ class OpenAIServing:
         async def events(stream: MultiStream) -> AsyncGenerator[str, None]:
             finished: set[int] = set()
             completion_tokens = 0
-            try:
-                for j in range(params.n):
-                    yield chunk(ChatChunkChoice(index=j, delta=ChatDelta(role="assistant",
-                                                                         content="")))
-                async for _, output in stream:
-                    prompts.note(0, output)
-                    for _, c in _fresh(output.outputs, 0, finished):
-                        completion_tokens += len(c.token_ids)
-                        logprobs = None if k is None else ChatLogprobs(
-                            content=self.logprobs.chat(c.token_ids, c.logprobs or [], k))
-                        yield chunk(ChatChunkChoice(
-                            index=c.index, delta=ChatDelta(content=c.text or None),
-                            logprobs=logprobs, finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason))
-                if include_usage:
-                    yield sse_event(ChatCompletionChunk(
-                        id=request_id, created=created, model=model, choices=[],
-                        usage=prompts.usage(completion_tokens)))
-            except Exception as exc:  # the status is sent already: report it as an event
-                yield error_event(exc)
-            finally:
-                await stream.aclose()
-            yield "data: [DONE]\n\n"
+            for j in range(params.n):
+                yield chunk(ChatChunkChoice(index=j, delta=ChatDelta(role="assistant",
+                                                                     content="")))
+            async for _, output in stream:
+                prompts.note(0, output)
+                for _, c in _fresh(output.outputs, 0, finished):
+                    completion_tokens += len(c.token_ids)
+                    logprobs = None if k is None else ChatLogprobs(
+                        content=self.logprobs.chat(c.token_ids, c.logprobs or [], k))
+                    yield chunk(ChatChunkChoice(
+                        index=c.index, delta=ChatDelta(content=c.text or None),
+                        logprobs=logprobs, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason))
+            if include_usage:
+                yield sse_event(ChatCompletionChunk(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=prompts.usage(completion_tokens)))
 
         return await self._respond(request, bool(body.stream), start, events, collect)
+
+
+async def _terminated(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """Relays a response's ``events``, reports an error raised once the status line is sent as
+    an error event, and ends the stream with ``data: [DONE]``."""
+    async with aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # the status is sent already: report it as an event
+            yield error_event(exc)
+    yield "data: [DONE]\n\n"
