@@ -129,8 +129,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 def show(command: Sequence[str]) -> str:
     """The command as a newcomer types it: the repo's interpreter and relative paths."""
-    text = shlex.join(command)
-    return text.replace(sys.executable, ".venv/bin/python").replace(str(REPO) + "/", "")
+    text = shlex.join(command).replace(sys.executable, ".venv/bin/python")
+    return text.replace(str(REPO) + "/", "").replace(str(REPO.parent) + "/", "../")
 
 
 def start(server: Server, port: int, log_path: Path) -> subprocess.Popen[bytes]:

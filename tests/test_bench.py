@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 from server_helpers import ServerProcess
 
 from prefixserve.cli import main
@@ -29,7 +30,13 @@ from prefixserve.tools.bench.datasets import (
 )
 from prefixserve.tools.bench.metrics import RequestRecord, summarize
 from prefixserve.tools.bench.predict import perfect_cache
-from prefixserve.tools.bench.report import build_table, plot_ttft_cdf, read_run, write_run
+from prefixserve.tools.bench.report import (
+    build_table,
+    plot_ttft_cdf,
+    print_runs,
+    read_run,
+    write_run,
+)
 from prefixserve.tools.bench.runner import SentPrompt, session_starts
 from prefixserve.tools.bench.trace import trace_dataset
 
@@ -355,6 +362,21 @@ def test_report_files_and_compare(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["bench", "compare", str(tmp_path / "other.json")]) == 2
     plot_ttft_cdf([a], str(tmp_path / "one.png"))
     assert (tmp_path / "one.png").exists()
+
+
+def test_load_line_names_the_arrival_process(capsys: pytest.CaptureFixture[str]) -> None:
+    limited = document("limited", [0.1])
+    replayed = document("replayed", [0.1])
+    replayed["dataset"] = {"name": "trace", "params": {"time_scale": 0.1,
+                                                       "compress_arrivals": False}}
+    replayed["load"]["max_concurrency"] = None
+    compressed = document("compressed", [0.1])
+    compressed["dataset"] = {"name": "trace", "params": {"time_scale": 0.1,
+                                                         "compress_arrivals": True}}
+    print_runs([limited, replayed, compressed], Console(width=400))
+    out = capsys.readouterr().out
+    assert out.count("rate inf, max 2 in flight") == 2
+    assert "arrivals at the trace's times x0.1, no limit" in out
 
 
 def test_bench_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,7 +63,11 @@ def _load(document: dict[str, Any]) -> str:
     load = document["load"]
     rate = load.get("request_rate")
     concurrency = load.get("max_concurrency")
-    parts = [f"rate {rate:g}/s" if rate is not None else "rate inf"]
+    params = document["dataset"].get("params") or {}
+    if params.get("time_scale") is not None and not params.get("compress_arrivals"):
+        parts = [f"arrivals at the trace's times x{params['time_scale']:g}"]
+    else:
+        parts = [f"rate {rate:g}/s" if rate is not None else "rate inf"]
     parts.append(f"max {concurrency} in flight" if concurrency else "no limit")
     return ", ".join(parts)
 
@@ -161,6 +165,7 @@ def plot_ttft_cdf(documents: Sequence[dict[str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for document in documents:
@@ -171,13 +176,16 @@ def plot_ttft_cdf(documents: Sequence[dict[str, Any]], path: str) -> None:
         fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
         axes.step(ttfts, fractions, where="post", label=document.get("label") or "run")
     axes.set_xscale("log")
+    axes.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    axes.xaxis.set_minor_formatter(NullFormatter())
     axes.set_xlabel("time to first token (ms, log scale)")
     axes.set_ylabel("share of requests")
     axes.set_ylim(0, 1.02)
     axes.grid(True, which="both", alpha=0.3)
-    names = sorted({d["dataset"]["name"] for d in documents})
-    axes.set_title(f"TTFT CDF: {', '.join(names)}")
-    axes.legend(loc="lower right", fontsize="small")
+    scenarios = sorted({f"{d['dataset']['name']} ({_load(d)})" for d in documents})
+    axes.set_title(f"TTFT CDF: {'; '.join(scenarios)}", fontsize="medium")
+    axes.legend(loc="best", fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
