@@ -13,6 +13,8 @@ Parts (each compared within one run, as ratios):
    costs, one hash and one map insert per full block).
 3. Prefill tokens/s at 256 / 1,024 / 2,048 tokens and decode tokens/s at batch 1 / 8 / 32,
    for prefixserve and Hugging Face transformers on the same weights and dtype.
+4. Decode tokens/s of 16 sequences on shared cached prefixes, with the two-pass attention for
+   shared prefixes and without it (plain: every sequence copies its whole context).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rich.table import Table
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.model import attention
 
 console = Console()
 
@@ -117,10 +120,15 @@ def ours_prefill(llm: LLM, n: int, rng: random.Random) -> float:
 
 def ours_decode(llm: LLM, batch: int, rng: random.Random, steps: int = 32) -> float:
     """Decode tokens/s of ``batch`` requests decoding together (prefill excluded)."""
+    return decode_rate(llm, [random_tokens(rng, 32) for _ in range(batch)], steps)
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], steps: int = 32) -> float:
+    """Decode tokens/s of ``prompts`` decoding together (prefill excluded)."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(random_tokens(rng, 32), params)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
     while any(r.num_computed_tokens < r.num_tokens - 1 or not r.output_token_ids
               for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -196,6 +204,38 @@ def part3(llm: LLM, dtype: torch.dtype, repeat: int, with_hf: bool) -> None:
     console.print(table)
 
 
+def part4(llm: LLM, repeat: int) -> None:
+    """Decode with and without the two-pass attention for shared prefixes."""
+    rng = random.Random(4)
+    table = Table(title="4. Decode with shared prefixes: two-pass attention vs plain (tokens/s)")
+    for col in ("batch", "two-pass", "plain", "two-pass / plain"):
+        table.add_column(col, justify="right")
+    cases = [("16 on one 1,024-token prefix, 64 own tokens each", 1, 16),
+             ("16 on 8 prefixes of 1,024 tokens (2 each)", 8, 2),
+             ("16 on one 256-token prefix", 1, 16)]
+    saved_keys = attention.MIN_SAVED_KEYS
+    for label, groups, members in cases:
+        prefix_len = 256 if "256" in label else 1024
+        on, off, ratios = [], [], []
+        for i in range(repeat):
+            prefixes = [random_tokens(rng, prefix_len) for _ in range(groups)]
+            prompts = [p + random_tokens(rng, 64) for p in prefixes for _ in range(members)]
+            result = {}
+            for two_pass in ((True, False) if i % 2 == 0 else (False, True)):
+                attention.MIN_SAVED_KEYS = saved_keys if two_pass else 1 << 62
+                llm.reset_prefix_cache()
+                for prefix in prefixes:  # cache the prefixes, as a server would have them
+                    llm.generate([prefix], SamplingParams(max_tokens=1))
+                result[two_pass] = decode_rate(llm, prompts)
+            attention.MIN_SAVED_KEYS = saved_keys
+            on.append(result[True])
+            off.append(result[False])
+            ratios.append(result[True] / result[False])
+        table.add_row(label, median_range(on, "{:.0f}"), median_range(off, "{:.0f}"),
+                      median_range(ratios, "{:.2f}"))
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -210,12 +250,14 @@ def main() -> None:
     console.print(f"command: python benchmarks/bench_engine.py --dtype {args.dtype} "
                   f"--parts {args.parts} --repeat {args.repeat}"
                   + (" --no-hf" if args.no_hf else ""))
-    if parts & {1, 3}:
+    if parts & {1, 3, 4}:
         llm = LLM(**kwargs)
         if 1 in parts:
             part1(llm, args.repeat)
         if 3 in parts:
             part3(llm, getattr(torch, args.dtype), args.repeat, not args.no_hf)
+        if 4 in parts:
+            part4(llm, args.repeat)
         del llm
     if 2 in parts:
         part2(kwargs, args.repeat)

@@ -8,6 +8,13 @@ Each layer first writes the new K/V of every sequence of the step (:func:`write_
 computes attention (:func:`paged_attention`), so a sequence may read blocks that another
 sequence of the same step writes. All index tensors are built once per step in
 :class:`AttentionMetadata` and reused by every layer.
+
+Decoding sequences that begin with the same cached blocks (a shared system prompt, the turns of
+one conversation) attend in two passes (:class:`SharedPrefixes`): each group's shared keys are
+read from the cache once for all its members, each sequence's own keys once for itself, and the
+two partial results are merged by their log-sum-exp. Without it every member copies the whole
+shared prefix out of the cache at every layer, which at long shared contexts is most of the time
+of a decode step on CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +24,33 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+MIN_SAVED_KEYS = 2048
+"""Two-pass decode is used when it saves copying at least this many keys in a step (each
+layer): below that its extra operations cost more than the copies they save."""
+MIN_GROUP_BLOCKS = 4
+"""Sequences are grouped on a shared prefix of at least this many blocks."""
+
+
+@dataclass
+class SharedPrefixes:
+    """Groups of decoding sequences whose block tables begin with the same blocks.
+
+    ``block_tables`` is ``[G, max_blocks]``: the blocks each of the G groups shares (padded with
+    block 0), ``num_keys`` the longest shared prefix in tokens, ``key_mask`` ``[G, 1, 1,
+    num_keys]`` additive (0 or -inf; None when all prefixes have ``num_keys`` tokens).
+    ``members`` is ``[G, max_members]``: positions of each group's sequences in the decode batch
+    (padded by repeating the group's first member); ``member_slots`` picks the real entries of
+    ``members.flatten()``, in the order of ``grouped``, the decode-batch positions of every
+    sequence that belongs to a group.
+    """
+
+    block_tables: torch.Tensor
+    num_keys: int
+    key_mask: torch.Tensor | None
+    members: torch.Tensor
+    member_slots: torch.Tensor
+    grouped: torch.Tensor
+
 
 @dataclass
 class DecodeGroup:
@@ -25,13 +59,16 @@ class DecodeGroup:
     ``rows`` are their rows in the flattened token batch (None when they are all the rows, in
     order). ``block_tables`` is ``[B, max_blocks]`` (padded with block 0), ``num_keys`` the
     longest context, and ``mask`` ``[B, 1, 1, num_keys]`` (True = attend) or None when every
-    context has length ``num_keys``.
+    context has length ``num_keys``. With ``shared`` set, ``block_tables`` and ``num_keys``
+    cover only the blocks after each sequence's shared prefix and ``mask`` is additive (0 or
+    -inf, in the cache's dtype), as the two-pass attention needs.
     """
 
     rows: torch.Tensor | None
     block_tables: torch.Tensor
     num_keys: int
     mask: torch.Tensor | None
+    shared: SharedPrefixes | None = None
 
 
 @dataclass
@@ -67,11 +104,13 @@ def build_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
     ``seq_lens[i]`` is ``(start_pos, num_new_tokens)`` of sequence i; sequences occupy
-    consecutive rows of the flattened batch in order.
+    consecutive rows of the flattened batch in order. ``dtype`` is the cache's (for additive
+    masks).
     """
     slots: list[int] = []
     decode_rows: list[int] = []
@@ -102,9 +141,81 @@ def build_metadata(
         row += n
     decode = None
     if decode_rows:
-        decode = _decode_group(decode_rows, decode_tables, decode_lens, row, device)
+        decode = _decode_group(decode_rows, decode_tables, decode_lens, row, block_size, device,
+                               dtype)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     return AttentionMetadata(slot_mapping, decode, prefills, row)
+
+
+def _shared_prefix_groups(
+    tables: list[list[int]], lens: list[int], block_size: int
+) -> list[tuple[list[int], int]]:
+    """``(members, shared blocks)`` for each run of at least two decoding sequences that share
+    their first ``MIN_GROUP_BLOCKS`` blocks or more, when sharing saves copying
+    ``MIN_SAVED_KEYS`` keys or more in all.
+
+    Tables are sorted, so sequences with common first blocks are neighbours; a run goes on while
+    each next table shares at least ``MIN_GROUP_BLOCKS`` blocks with the one before, and the
+    group shares what all its members have in common. A prefix stops before the block of any
+    member's last position, so every member keeps at least one key (its new token's) of its own.
+    """
+    order = sorted(range(len(tables)), key=tables.__getitem__)
+    groups: list[tuple[list[int], int]] = []
+    saved = 0
+    members = [order[0]]
+    shared = 0
+    for i in [*order[1:], None]:
+        common = 0
+        if i is not None:
+            a, b = tables[members[-1]], tables[i]
+            limit = min(len(a), len(b), (lens[members[-1]] - 1) // block_size,
+                        (lens[i] - 1) // block_size)
+            while common < limit and a[common] == b[common]:
+                common += 1
+        if common >= MIN_GROUP_BLOCKS:
+            shared = common if len(members) == 1 else min(shared, common)
+            members.append(i)
+            continue
+        if len(members) > 1:
+            groups.append((members, shared))
+            saved += (len(members) - 1) * shared * block_size
+        members = [i]
+    return groups if saved >= MIN_SAVED_KEYS else []
+
+
+def _additive_mask(lens: list[int], num_keys: int, device: torch.device, dtype: torch.dtype
+                   ) -> torch.Tensor | None:
+    """``[len(lens), 1, 1, num_keys]``: 0 before each length, -inf after (None if no padding)."""
+    if min(lens) == num_keys:
+        return None
+    lens_t = torch.tensor(lens, device=device)
+    pad = torch.arange(num_keys, device=device)[None, :] >= lens_t[:, None]
+    mask = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
+    return mask[:, None, None, :]
+
+
+def _shared_prefixes(
+    groups: list[tuple[list[int], int]],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> SharedPrefixes:
+    max_blocks = max(shared for _, shared in groups)
+    max_members = max(len(members) for members, _ in groups)
+    prefix_tables = [tables[m[0]][:n] + [0] * (max_blocks - n) for m, n in groups]
+    padded_members = [m + [m[0]] * (max_members - len(m)) for m, _ in groups]
+    slots = [g * max_members + j for g, (m, _) in enumerate(groups) for j in range(len(m))]
+    grouped = [i for m, _ in groups for i in m]
+    lens = [n * block_size for _, n in groups]
+    return SharedPrefixes(
+        torch.tensor(prefix_tables, dtype=torch.long, device=device),
+        max_blocks * block_size,
+        _additive_mask(lens, max_blocks * block_size, device, dtype),
+        torch.tensor(padded_members, dtype=torch.long, device=device),
+        torch.tensor(slots, dtype=torch.long, device=device),
+        torch.tensor(grouped, dtype=torch.long, device=device),
+    )
 
 
 def _decode_group(
@@ -112,19 +223,35 @@ def _decode_group(
     tables: list[list[int]],
     lens: list[int],
     num_tokens: int,
+    block_size: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> DecodeGroup:
+    rows_t = None
+    if len(rows) != num_tokens:
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    # The two-pass path uses the CPU flash-attention kernel (for its log-sum-exp).
+    groups = _shared_prefix_groups(tables, lens, block_size) if device.type == "cpu" else []
+    shared = None
+    if groups:
+        shared = _shared_prefixes(groups, tables, block_size, device, dtype)
+        skip = [0] * len(tables)
+        for members, n in groups:
+            for i in members:
+                skip[i] = n
+        tables = [t[n:] for t, n in zip(tables, skip, strict=True)]
+        lens = [length - n * block_size for length, n in zip(lens, skip, strict=True)]
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
     num_keys = max(lens)
+    tables_t = torch.tensor(padded, dtype=torch.long, device=device)
+    if shared is not None:
+        return DecodeGroup(rows_t, tables_t, num_keys,
+                           _additive_mask(lens, num_keys, device, dtype), shared)
     mask = None
     if min(lens) != num_keys:
         lens_t = torch.tensor(lens, device=device)
         mask = (torch.arange(num_keys, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-    rows_t = None
-    if len(rows) != num_tokens:
-        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
-    tables_t = torch.tensor(padded, dtype=torch.long, device=device)
     return DecodeGroup(rows_t, tables_t, num_keys, mask)
 
 
@@ -188,13 +315,62 @@ def _decode_attention(
     keys, values = _gather(layer_cache, group.block_tables, block_size, group.num_keys)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
-    out = F.scaled_dot_product_attention(
-        q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=group.mask,
-    )
+    query = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if group.shared is not None:
+        out = _two_pass_decode(query, keys, values, layer_cache, group, block_size)
+    else:
+        out = F.scaled_dot_product_attention(
+            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask
+        )
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _attention_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``[N, kv_heads, Q, head_dim]`` over ``keys``/``values`` ``[N,
+    K, kv_heads, head_dim]`` with an additive ``mask``; returns the output and the log-sum-exp
+    of each query's scores (float32, ``[N, kv_heads, Q]``)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+    )
+    return out, lse
+
+
+def _two_pass_decode(
+    query: torch.Tensor,
+    own_keys: torch.Tensor,
+    own_values: torch.Tensor,
+    layer_cache: torch.Tensor,
+    group: DecodeGroup,
+    block_size: int,
+) -> torch.Tensor:
+    """Decode attention for ``query`` ``[B, kv_heads, heads per kv head, head_dim]`` as the
+    softmax-weighted merge of attention over each sequence's own keys (``own_keys``, after its
+    shared prefix) and over its group's shared prefix (read once per group)."""
+    shared = group.shared
+    assert shared is not None
+    out, lse = _attention_with_lse(query, own_keys, own_values, group.mask)
+    num_kv_heads, per_kv, head_dim = query.shape[1:]
+    num_groups, max_members = shared.members.shape
+    # [G, M, kv_heads, per_kv, D] -> [G, kv_heads, M * per_kv, D]: a group's queries together.
+    members_q = query.index_select(0, shared.members.flatten())
+    members_q = members_q.view(num_groups, max_members, num_kv_heads, per_kv, head_dim)
+    members_q = members_q.transpose(1, 2).reshape(num_groups, num_kv_heads, -1, head_dim)
+    keys, values = _gather(layer_cache, shared.block_tables, block_size, shared.num_keys)
+    prefix_out, prefix_lse = _attention_with_lse(members_q, keys, values, shared.key_mask)
+    prefix_out = prefix_out.view(num_groups, num_kv_heads, max_members, per_kv, head_dim)
+    prefix_out = prefix_out.transpose(1, 2).reshape(-1, num_kv_heads, per_kv, head_dim)
+    prefix_lse = prefix_lse.view(num_groups, num_kv_heads, max_members, per_kv)
+    prefix_lse = prefix_lse.transpose(1, 2).reshape(-1, num_kv_heads, per_kv)
+    prefix_out = prefix_out.index_select(0, shared.member_slots)
+    prefix_lse = prefix_lse.index_select(0, shared.member_slots)
+    own_out = out.index_select(0, shared.grouped)
+    own_lse = lse.index_select(0, shared.grouped)
+    total = torch.logaddexp(own_lse, prefix_lse)
+    merged = (own_out.float() * torch.exp(own_lse - total).unsqueeze(-1)
+              + prefix_out.float() * torch.exp(prefix_lse - total).unsqueeze(-1))
+    return out.index_copy(0, shared.grouped, merged.to(out.dtype))
 
 
 def _prefill_attention(

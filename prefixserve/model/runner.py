@@ -131,6 +131,7 @@ class ModelRunner:
             [s.block_table for s in seqs],
             self.block_size,
             self.device,
+            self.dtype,
         )
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
