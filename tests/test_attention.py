@@ -50,7 +50,11 @@ def test_two_pass_decode_matches_plain_attention(dtype: torch.dtype, with_prefil
         seq_lens.insert(2, (0, 20))
     meta = build_metadata(seq_lens, tables, BLOCK, torch.device("cpu"), dtype)
     assert meta.decode is not None and meta.decode.shared is not None
-    assert meta.decode.shared.members.shape[0] == 2
+    # The group of three, the pair, and the other two alone (each with its own prefix).
+    sizes = sorted(tuple(b.members.shape) for b in meta.decode.shared.batches)
+    assert sizes == [(1, 2), (1, 3), (2, 1)]
+    # The second pass: the longest part after a prefix, the third member's 4 blocks and 9.
+    assert meta.decode.num_keys == 4 * BLOCK + 9
     num_tokens = sum(n for _, n in seq_lens)
     q = torch.randn(num_tokens, KV_HEADS * PER_KV, HEAD_DIM, dtype=dtype)
     k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, dtype=dtype)
@@ -78,4 +82,4 @@ def test_two_pass_only_when_it_saves_enough(monkeypatch: pytest.MonkeyPatch) -> 
     same = [list(range(10)), list(range(10))]
     monkeypatch.setattr(attention, "MIN_SAVED_KEYS", 1)
     shared = build_metadata([(159, 1), (150, 1)], same, BLOCK, cpu).decode.shared
-    assert shared is not None and shared.num_keys == 9 * BLOCK
+    assert shared is not None and shared.batches[0].num_keys == 9 * BLOCK

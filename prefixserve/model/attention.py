@@ -32,23 +32,31 @@ MIN_GROUP_BLOCKS = 4
 
 
 @dataclass
-class SharedPrefixes:
-    """Groups of decoding sequences whose block tables begin with the same blocks.
+class PrefixBatch:
+    """Prefix groups with the same number of members, attended in one call.
 
-    ``block_tables`` is ``[G, max_blocks]``: the blocks each of the G groups shares (padded with
-    block 0), ``num_keys`` the longest shared prefix in tokens, ``key_mask`` ``[G, 1, 1,
-    num_keys]`` additive (0 or -inf; None when all prefixes have ``num_keys`` tokens).
-    ``members`` is ``[G, max_members]``: positions of each group's sequences in the decode batch
-    (padded by repeating the group's first member); ``member_slots`` picks the real entries of
-    ``members.flatten()``, in the order of ``grouped``, the decode-batch positions of every
-    sequence that belongs to a group.
+    ``block_tables`` is ``[G, max_blocks]``: the blocks each of the G groups has in common
+    (padded with block 0), ``num_keys`` the longest of those prefixes in tokens, ``key_mask``
+    ``[G, 1, 1, num_keys]`` additive (0 or -inf; None when every prefix has ``num_keys``
+    tokens), and ``members`` ``[G, M]`` the positions of each group's sequences in the decode
+    batch.
     """
 
     block_tables: torch.Tensor
     num_keys: int
     key_mask: torch.Tensor | None
     members: torch.Tensor
-    member_slots: torch.Tensor
+
+
+@dataclass
+class SharedPrefixes:
+    """The decoding sequences split into a prefix (shared by a group, or a sequence's own when
+    alone) and what follows it. ``batches`` hold the groups, by number of members; ``grouped``
+    is ``cat(batch.members.flatten() for batch in batches)``: which decode-batch position each
+    row of the concatenated prefix results belongs to.
+    """
+
+    batches: list[PrefixBatch]
     grouped: torch.Tensor
 
 
@@ -152,7 +160,8 @@ def _shared_prefix_groups(
 ) -> list[tuple[list[int], int]]:
     """``(members, shared blocks)`` for each run of at least two decoding sequences that share
     their first ``MIN_GROUP_BLOCKS`` blocks or more, when sharing saves copying
-    ``MIN_SAVED_KEYS`` keys or more in all.
+    ``MIN_SAVED_KEYS`` keys or more in all (otherwise none), and then a group of one for every
+    other sequence longer than a block.
 
     Tables are sorted, so sequences with common first blocks are neighbours; a run goes on while
     each next table shares at least ``MIN_GROUP_BLOCKS`` blocks with the one before, and the
@@ -161,6 +170,7 @@ def _shared_prefix_groups(
     """
     order = sorted(range(len(tables)), key=tables.__getitem__)
     groups: list[tuple[list[int], int]] = []
+    alone: list[int] = []
     saved = 0
     members = [order[0]]
     shared = 0
@@ -179,8 +189,15 @@ def _shared_prefix_groups(
         if len(members) > 1:
             groups.append((members, shared))
             saved += (len(members) - 1) * shared * block_size
+        else:
+            alone.append(members[0])
         members = [i]
-    return groups if saved >= MIN_SAVED_KEYS else []
+    if saved < MIN_SAVED_KEYS:
+        return []
+    # The rest have their own prefix in the same pass, so that the second pass, padded to its
+    # longest sequence, holds only the last blocks of each.
+    groups += [([i], (lens[i] - 1) // block_size) for i in alone if lens[i] > block_size]
+    return groups
 
 
 def _additive_mask(lens: list[int], num_keys: int, device: torch.device, dtype: torch.dtype
@@ -201,21 +218,23 @@ def _shared_prefixes(
     device: torch.device,
     dtype: torch.dtype,
 ) -> SharedPrefixes:
-    max_blocks = max(shared for _, shared in groups)
-    max_members = max(len(members) for members, _ in groups)
-    prefix_tables = [tables[m[0]][:n] + [0] * (max_blocks - n) for m, n in groups]
-    padded_members = [m + [m[0]] * (max_members - len(m)) for m, _ in groups]
-    slots = [g * max_members + j for g, (m, _) in enumerate(groups) for j in range(len(m))]
-    grouped = [i for m, _ in groups for i in m]
-    lens = [n * block_size for _, n in groups]
-    return SharedPrefixes(
-        torch.tensor(prefix_tables, dtype=torch.long, device=device),
-        max_blocks * block_size,
-        _additive_mask(lens, max_blocks * block_size, device, dtype),
-        torch.tensor(padded_members, dtype=torch.long, device=device),
-        torch.tensor(slots, dtype=torch.long, device=device),
-        torch.tensor(grouped, dtype=torch.long, device=device),
-    )
+    by_size: dict[int, list[tuple[list[int], int]]] = {}
+    for members, shared in groups:
+        by_size.setdefault(len(members), []).append((members, shared))
+    batches = []
+    grouped: list[int] = []
+    for same_size in by_size.values():
+        max_blocks = max(shared for _, shared in same_size)
+        prefix_tables = [tables[m[0]][:n] + [0] * (max_blocks - n) for m, n in same_size]
+        lens = [n * block_size for _, n in same_size]
+        batches.append(PrefixBatch(
+            torch.tensor(prefix_tables, dtype=torch.long, device=device),
+            max_blocks * block_size,
+            _additive_mask(lens, max_blocks * block_size, device, dtype),
+            torch.tensor([m for m, _ in same_size], dtype=torch.long, device=device),
+        ))
+        grouped += [i for m, _ in same_size for i in m]
+    return SharedPrefixes(batches, torch.tensor(grouped, dtype=torch.long, device=device))
 
 
 def _decode_group(
@@ -346,25 +365,27 @@ def _two_pass_decode(
     block_size: int,
 ) -> torch.Tensor:
     """Decode attention for ``query`` ``[B, kv_heads, heads per kv head, head_dim]`` as the
-    softmax-weighted merge of attention over each sequence's own keys (``own_keys``, after its
-    shared prefix) and over its group's shared prefix (read once per group)."""
+    softmax-weighted merge of attention over the keys after each sequence's prefix
+    (``own_keys``) and over the prefix (read once for all members of a group)."""
     shared = group.shared
     assert shared is not None
     out, lse = _attention_with_lse(query, own_keys, own_values, group.mask)
     num_kv_heads, per_kv, head_dim = query.shape[1:]
-    num_groups, max_members = shared.members.shape
-    # [G, M, kv_heads, per_kv, D] -> [G, kv_heads, M * per_kv, D]: a group's queries together.
-    members_q = query.index_select(0, shared.members.flatten())
-    members_q = members_q.view(num_groups, max_members, num_kv_heads, per_kv, head_dim)
-    members_q = members_q.transpose(1, 2).reshape(num_groups, num_kv_heads, -1, head_dim)
-    keys, values = _gather(layer_cache, shared.block_tables, block_size, shared.num_keys)
-    prefix_out, prefix_lse = _attention_with_lse(members_q, keys, values, shared.key_mask)
-    prefix_out = prefix_out.view(num_groups, num_kv_heads, max_members, per_kv, head_dim)
-    prefix_out = prefix_out.transpose(1, 2).reshape(-1, num_kv_heads, per_kv, head_dim)
-    prefix_lse = prefix_lse.view(num_groups, num_kv_heads, max_members, per_kv)
-    prefix_lse = prefix_lse.transpose(1, 2).reshape(-1, num_kv_heads, per_kv)
-    prefix_out = prefix_out.index_select(0, shared.member_slots)
-    prefix_lse = prefix_lse.index_select(0, shared.member_slots)
+    outs, lses = [], []
+    for batch in shared.batches:
+        num_groups, members = batch.members.shape
+        # [G, M, kv_heads, per_kv, D] -> [G, kv_heads, M * per_kv, D]: a group's queries.
+        members_q = query.index_select(0, batch.members.flatten())
+        members_q = members_q.view(num_groups, members, num_kv_heads, per_kv, head_dim)
+        members_q = members_q.transpose(1, 2).reshape(num_groups, num_kv_heads, -1, head_dim)
+        keys, values = _gather(layer_cache, batch.block_tables, block_size, batch.num_keys)
+        prefix_out, prefix_lse = _attention_with_lse(members_q, keys, values, batch.key_mask)
+        prefix_out = prefix_out.view(num_groups, num_kv_heads, members, per_kv, head_dim)
+        outs.append(prefix_out.transpose(1, 2).reshape(-1, num_kv_heads, per_kv, head_dim))
+        prefix_lse = prefix_lse.view(num_groups, num_kv_heads, members, per_kv)
+        lses.append(prefix_lse.transpose(1, 2).reshape(-1, num_kv_heads, per_kv))
+    prefix_out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    prefix_lse = lses[0] if len(lses) == 1 else torch.cat(lses)
     own_out = out.index_select(0, shared.grouped)
     own_lse = lse.index_select(0, shared.grouped)
     total = torch.logaddexp(own_lse, prefix_lse)
