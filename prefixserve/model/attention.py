@@ -11,8 +11,9 @@ sequence of the same step writes. All index tensors are built once per step in
 
 Decoding sequences that begin with the same cached blocks (a shared system prompt, the turns of
 one conversation) attend in two passes (:class:`SharedPrefixes`): each group's shared keys are
-read from the cache once for all its members, each sequence's own keys once for itself, and the
-two partial results are merged by their log-sum-exp. Without it every member copies the whole
+read from the cache once for all its members (a sequence without a partner is a group of one),
+the keys after the prefix once per sequence, and the two partial results are merged by their
+log-sum-exp. Without it every member copies the whole
 shared prefix out of the cache at every layer, which at long shared contexts is most of the time
 of a decode step on CPU.
 """
@@ -68,7 +69,8 @@ class DecodeGroup:
     order). ``block_tables`` is ``[B, max_blocks]`` (padded with block 0), ``num_keys`` the
     longest context, and ``mask`` ``[B, 1, 1, num_keys]`` (True = attend) or None when every
     context has length ``num_keys``. With ``shared`` set, ``block_tables`` and ``num_keys``
-    cover only the blocks after each sequence's shared prefix and ``mask`` is additive (0 or
+    cover only the blocks after each sequence's prefix (see :class:`SharedPrefixes`; all of
+    them for a sequence in no group) and ``mask`` is additive (0 or
     -inf, in the cache's dtype), as the two-pass attention needs.
     """
 
