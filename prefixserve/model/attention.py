@@ -67,11 +67,10 @@ class DecodeGroup:
 
     ``rows`` are their rows in the flattened token batch (None when they are all the rows, in
     order). ``block_tables`` is ``[B, max_blocks]`` (padded with block 0), ``num_keys`` the
-    longest context, and ``mask`` ``[B, 1, 1, num_keys]`` (True = attend) or None when every
-    context has length ``num_keys``. With ``shared`` set, ``block_tables`` and ``num_keys``
-    cover only the blocks after each sequence's prefix (see :class:`SharedPrefixes`; all of
-    them for a sequence in no group) and ``mask`` is additive (0 or
-    -inf, in the cache's dtype), as the two-pass attention needs.
+    longest context, and ``mask`` ``[B, 1, 1, num_keys]`` additive (0 or -inf, in the cache's
+    dtype) or None when every context has length ``num_keys``. With ``shared`` set,
+    ``block_tables`` and ``num_keys`` cover only the blocks after each sequence's prefix (see
+    :class:`SharedPrefixes`; all of them for a sequence in no group).
     """
 
     rows: torch.Tensor | None
@@ -266,14 +265,8 @@ def _decode_group(
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
     num_keys = max(lens)
     tables_t = torch.tensor(padded, dtype=torch.long, device=device)
-    if shared is not None:
-        return DecodeGroup(rows_t, tables_t, num_keys,
-                           _additive_mask(lens, num_keys, device, dtype), shared)
-    mask = None
-    if min(lens) != num_keys:
-        lens_t = torch.tensor(lens, device=device)
-        mask = (torch.arange(num_keys, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-    return DecodeGroup(rows_t, tables_t, num_keys, mask)
+    return DecodeGroup(rows_t, tables_t, num_keys, _additive_mask(lens, num_keys, device, dtype),
+                       shared)
 
 
 def write_kv(
