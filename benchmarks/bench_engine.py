@@ -2,7 +2,7 @@
 
 Reproduce with::
 
-    .venv/bin/python benchmarks/bench_engine.py                 # all three parts, float32
+    .venv/bin/python benchmarks/bench_engine.py                 # all four parts, float32
     .venv/bin/python benchmarks/bench_engine.py --dtype bfloat16 --parts 3
 
 Parts (each compared within one run, as ratios):
@@ -239,7 +239,7 @@ def part4(llm: LLM, repeat: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--parts", default="1,2,3")
+    parser.add_argument("--parts", default="1,2,3,4")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
     args = parser.parse_args()
