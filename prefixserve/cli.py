@@ -119,26 +119,42 @@ it is counted with no hit and leaves that pool's cache as it was."""
     parser.set_defaults(func=run)
 
 
-def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
-
-    description = """\
+_SERVE_DESCRIPTION = """\
 Serves MODEL (a .gguf file or an HF directory; default: SmolLM2-135M-Instruct) over an
 OpenAI-compatible HTTP API: POST /v1/completions, POST /v1/chat/completions (streamed or not),
 GET /v1/models, plus GET /health, GET /version, GET /metrics (Prometheus) and
-POST /reset_prefix_cache. Prefix caching is on unless --no-enable-prefix-caching; each response
-reports the prompt tokens served from the cache in usage.prompt_tokens_details.cached_tokens.
-The API is described at /openapi.json (and /docs). SIGINT or SIGTERM stops it gracefully."""
+POST /reset_prefix_cache (an admin action). Prefix caching is on unless
+--no-enable-prefix-caching; each response reports the prompt tokens served from the cache in
+usage.prompt_tokens_details.cached_tokens. With --api-key, each key gets its own prefix-cache
+namespace unless --share-cache-across-keys. The API is described at /openapi.json (and /docs).
+SIGINT or SIGTERM stops it gracefully (exit status 0)."""
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description=description,
+        description=_SERVE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", nargs="?", metavar="MODEL",
                         help="a .gguf file or an HF model directory (default: the default "
                         "model, SmolLM2-135M-Instruct)")
-    http = parser.add_argument_group("HTTP")
+    _add_serve_http(parser.add_argument_group("HTTP"))
+    _add_serve_security(parser.add_argument_group("keys and tenants"))
+    _add_serve_limits(parser.add_argument_group("limits"))
+    _add_serve_engine(parser.add_argument_group("engine"))
+    _add_serve_logging(parser.add_argument_group("logging and metrics"))
+
+    def run(args: argparse.Namespace) -> int:
+        from prefixserve.server.launch import run_server
+
+        return run_server(args)
+
+    parser.set_defaults(func=run)
+
+
+def _add_serve_http(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
                       "127.0.0.1; 0.0.0.0 for every interface)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -146,17 +162,61 @@ The API is described at /openapi.json (and /docs). SIGINT or SIGTERM stops it gr
                       help="names requests may give as 'model' (default: MODEL as given, or "
                       "SmolLM2-135M-Instruct for the default model); the first is the "
                       "reported one")
-    http.add_argument("--api-key", action="append", metavar="KEY",
-                      help="require 'Authorization: Bearer KEY' on /v1/* and "
-                      "/reset_prefix_cache; repeat for several keys, or give @FILE to read "
-                      "keys from FILE, one a line")
-    http.add_argument("--salt-by-api-key", action="store_true",
-                      help="give each API key's requests their own prefix-cache salt (mixed "
-                      "with any request's cache_salt), so tenants never share cached blocks")
     http.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="on SIGTERM, how long running requests may take to finish before "
-                      "they are aborted (default 30)")
-    engine = parser.add_argument_group("engine")
+                      "they are ended with an error (default 30)")
+
+
+def _add_serve_security(keys: argparse._ArgumentGroup) -> None:
+    keys.add_argument("--api-key", action="append", metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several "
+                      "keys, or give @FILE to read keys from FILE, one a line")
+    keys.add_argument("--share-cache-across-keys", action="store_true",
+                      help="let requests of different API keys share prefix-cache blocks "
+                      "(default: each key has its own cache namespace, so one tenant cannot "
+                      "time another's prompts)")
+    keys.add_argument("--salt-by-api-key", action="store_true",
+                      help=argparse.SUPPRESS)  # the default since 0.2; accepted, no effect
+    keys.add_argument("--admin-key", action="append", metavar="KEY",
+                      help="key (repeatable, or @FILE) for admin actions such as "
+                      "POST /reset_prefix_cache; with --api-key and no admin key, nobody may "
+                      "reset the cache")
+    keys.add_argument("--metrics-key", action="append", metavar="KEY",
+                      help="require this key (or an admin key) on GET /metrics (repeatable, or "
+                      "@FILE; default: /metrics is open)")
+
+
+def _add_serve_limits(limits: argparse._ArgumentGroup) -> None:
+    from prefixserve.server import config
+
+    limits.add_argument("--max-prompts-per-request", type=int, metavar="N",
+                        default=config.DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="prompts one /v1/completions request may batch (default "
+                        f"{config.DEFAULT_MAX_PROMPTS_PER_REQUEST})")
+    limits.add_argument("--max-n", type=int, metavar="N", default=config.DEFAULT_MAX_N,
+                        help=f"largest n (sequences per prompt; default {config.DEFAULT_MAX_N})")
+    limits.add_argument("--max-sequences-per-request", type=int, metavar="N",
+                        default=config.DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                        help="sequences one request may ask for in all, prompts times n "
+                        f"(default {config.DEFAULT_MAX_SEQUENCES_PER_REQUEST})")
+    limits.add_argument("--max-waiting-requests", type=int, metavar="N",
+                        default=config.DEFAULT_MAX_WAITING_REQUESTS,
+                        help="sequences that may wait to be scheduled; beyond, requests get 503 "
+                        "with Retry-After (default "
+                        f"{config.DEFAULT_MAX_WAITING_REQUESTS})")
+    limits.add_argument("--max-request-body-size", metavar="SIZE", default="32MiB",
+                        help="largest request body, e.g. 1MiB (default 32MiB); larger bodies "
+                        "get 413")
+    limits.add_argument("--request-read-timeout", type=float, metavar="SECONDS",
+                        default=config.DEFAULT_REQUEST_READ_TIMEOUT,
+                        help="seconds a client has to send a request's headers and body before "
+                        "the connection is closed (default "
+                        f"{config.DEFAULT_REQUEST_READ_TIMEOUT:g})")
+
+
+def _add_serve_engine(engine: argparse._ArgumentGroup) -> None:
+    from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
+
     engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights and KV cache dtype (default bfloat16; float32 gives "
                         "results that do not depend on batch shapes)")
@@ -179,13 +239,13 @@ The API is described at /openapi.json (and /docs). SIGINT or SIGTERM stops it gr
                         help="context length, prompt plus output (default: the model's, capped "
                         "by the KV cache)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                        default=None, help="compute long prompts in chunks (default: on)")
-    engine.add_argument("--max-waiting-requests", type=int, metavar="N",
-                        help="queue bound; beyond it requests get 503 with Retry-After "
-                        "(default: unbounded)")
+                        default=None, help="compute long prompts in chunks (default: on; off, "
+                        "a prompt longer than --max-num-batched-tokens is refused)")
     engine.add_argument("--num-threads", type=int, metavar="N",
                         help="CPU threads for the model (default: torch's)")
-    logs = parser.add_argument_group("logging")
+
+
+def _add_serve_logging(logs: argparse._ArgumentGroup) -> None:
     logs.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                       help="seconds between engine stats log lines (throughput, queue, KV "
                       "cache usage, rolling prefix cache hit rate); 0 turns them off "
@@ -195,13 +255,9 @@ The API is described at /openapi.json (and /docs). SIGINT or SIGTERM stops it gr
                       help="log level (default info)")
     logs.add_argument("--disable-access-log", action="store_true",
                       help="do not log every HTTP request")
-
-    def run(args: argparse.Namespace) -> int:
-        from prefixserve.server.launch import run_server
-
-        return run_server(args)
-
-    parser.set_defaults(func=run)
+    logs.add_argument("--metrics-prefix", choices=("prefixserve", "vllm"), default="prefixserve",
+                      help="prefix of the /metrics names: prefixserve:... (default) or vllm:... "
+                      "so that vLLM's Grafana dashboards and autoscaling rules work unchanged")
 
 
 _BENCH_DESCRIPTION = """\

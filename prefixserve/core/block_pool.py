@@ -233,10 +233,12 @@ class BlockPool:
         queue.num_free_blocks += count
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached hash. Allowed only while no block is in use; returns whether it
-        happened."""
-        if self.get_num_free_blocks() != self.num_blocks - (self.null_block is not None):
-            return False
+        """Forgets every cached hash, also while requests hold blocks; always returns True.
+
+        The map is emptied and every block, free or held, loses its hash at once. A held block
+        stays in its request's table (its KV is still valid for that request) but can no longer
+        be found, and when freed it joins the free list uncached, so its eviction touches no map
+        entry. Blocks that become full later are cached again by ``cache_full_blocks``."""
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None

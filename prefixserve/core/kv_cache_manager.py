@@ -229,9 +229,13 @@ class KVCacheManager:
         return [block.block_id for block in self.req_to_blocks.get(request.request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache. Refused (returns False) while any block is in use."""
-        if not self.block_pool.reset_prefix_cache():
-            return False
+        """Empties the prefix cache, also under traffic; returns True (kept for callers).
+
+        Running requests keep their blocks, chains and ``num_cached_block`` counts: their blocks
+        cached before the reset are never registered again (they lie below the count), and the
+        blocks they fill afterwards are cached under their still valid chain hashes. The stats
+        are flagged ``reset`` (which clears the rolling hit-rate window, not the counters)."""
+        self.block_pool.reset_prefix_cache()
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve import __version__
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.protocol import (
@@ -39,7 +40,7 @@ from prefixserve.server.protocol import (
     StatusResponse,
     VersionResponse,
 )
-from prefixserve.server.serving import OpenAIServing, ServerConfig
+from prefixserve.server.serving import OpenAIServing
 
 #: Largest request body accepted, in bytes (a 413 beyond).
 MAX_BODY_SIZE = 32 << 20
@@ -143,7 +144,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def models(api_key: ApiKey) -> ModelList:
         """The served model, once per served name."""
         return ModelList(data=[
-            ModelCard(id=name, created=started, root=config.model_root,
+            ModelCard(id=name, created=started, root=name,
                       max_model_len=serving.max_model_len)
             for name in config.served_model_names])
 

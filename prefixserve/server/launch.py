@@ -13,7 +13,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from prefixserve.engine.config import EngineConfig
+from prefixserve.engine.config import EngineConfig, parse_memory
+from prefixserve.server.config import ServerConfig
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -56,13 +57,31 @@ def default_served_name(model: str | None) -> str:
     return DEFAULT_MODEL_NAME if model is None else model
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The HTTP layer's settings from the command line; raises ValueError for invalid ones
+    and OSError for an unreadable key file."""
+    api_keys = read_api_keys(args.api_key or ())
+    admin_keys = read_api_keys(args.admin_key or ())
+    metrics_keys = read_api_keys(args.metrics_key or ())
+    if args.share_cache_across_keys and not api_keys:
+        raise ValueError("--share-cache-across-keys needs at least one --api-key")
+    if args.salt_by_api_key and not api_keys:
+        raise ValueError("--salt-by-api-key needs at least one --api-key")
+    return ServerConfig(
+        served_model_names=tuple(args.served_model_name or [default_served_name(args.model)]),
+        api_keys=api_keys, share_cache_across_keys=args.share_cache_across_keys,
+        admin_keys=admin_keys, metrics_keys=metrics_keys, metrics_prefix=args.metrics_prefix,
+        max_prompts_per_request=args.max_prompts_per_request, max_n=args.max_n,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_request_body_size=parse_memory(args.max_request_body_size),
+        request_read_timeout=args.request_read_timeout)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Runs the server until SIGINT/SIGTERM; returns the process exit status."""
     try:
-        api_keys = read_api_keys(args.api_key or ())
-        if args.salt_by_api_key and not api_keys:
-            raise ValueError("--salt-by-api-key needs at least one --api-key")
         config = engine_config(args)
+        http_config = server_config(args)
     except (OSError, ValueError) as exc:
         print(f"prefixserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -72,7 +91,6 @@ def run_server(args: argparse.Namespace) -> int:
     from prefixserve.engine.async_llm import AsyncLLM
     from prefixserve.model.config import resolve_model_path
     from prefixserve.server.app import create_app
-    from prefixserve.server.serving import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,16 +100,14 @@ def run_server(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"prefixserve serve: cannot load the model: {exc}", file=sys.stderr)
         return 1
-    server_config = ServerConfig(
-        served_model_names=tuple(args.served_model_name or [default_served_name(args.model)]),
-        model_root=model_root, api_keys=api_keys, salt_by_api_key=args.salt_by_api_key)
+    api_keys = http_config.api_keys
     logger.info("serving %s as %s on http://%s:%d (%s, prefix caching %s, %d KV blocks of %d "
                 "tokens, context %d tokens%s)", model_root,
-                ", ".join(server_config.served_model_names), args.host, args.port,
+                ", ".join(http_config.served_model_names), args.host, args.port,
                 config.dtype, "on" if config.prefix_caching else "off", engine.engine.kv.num_blocks,
                 config.block_size, engine.engine.max_model_len,
                 f", {len(api_keys)} API key(s)" if api_keys else "")
-    app = create_app(engine, server_config)
+    app = create_app(engine, http_config)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         access_log=not args.disable_access_log,

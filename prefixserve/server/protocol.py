@@ -308,7 +308,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "prefixserve"
-    root: str = Field(description="The model's file or directory.")
+    root: str = Field(description="The base model's id (never a path on the server).")
     max_model_len: int = Field(description="Context length in tokens (prompt plus output).")
 
 

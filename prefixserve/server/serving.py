@@ -35,6 +35,7 @@ from prefixserve.engine.async_llm import AsyncLLM, EngineDeadError
 from prefixserve.engine.llm_engine import QueueFullError, RequestError
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
 from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError
 from prefixserve.server.logprobs import LogprobEntry, LogprobFormatter
 from prefixserve.server.metrics import ServerMetrics
@@ -66,21 +67,6 @@ from prefixserve.server.streams import (
 #: Seconds a client is asked to wait (``Retry-After``) when the waiting queue is full.
 RETRY_AFTER_SECONDS = 1
 ResponseT = TypeVar("ResponseT", bound=BaseModel)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """What the HTTP layer needs besides the engine.
-
-    ``served_model_names``: the names requests may give as ``model`` (the first is reported
-    when a request gives none). ``api_keys``: accepted bearer tokens (empty: no authentication).
-    ``salt_by_api_key``: derive each request's cache salt from the caller's key, so that
-    callers with different keys never share prefix-cache blocks."""
-
-    served_model_names: tuple[str, ...]
-    model_root: str
-    api_keys: tuple[str, ...] = ()
-    salt_by_api_key: bool = False
 
 
 def _fresh(completions: Sequence[CompletionOutput], base: int,
