@@ -169,9 +169,9 @@ def kv_blocks(port: int) -> int | None:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        if line.startswith("prefixserve:kv_cache_num_blocks "):
-            return int(float(line.split()[1]))
+    for line in text.splitlines():  # prefixserve:kv_cache_num_blocks{model_name="..."} 256.0
+        if line.split("{", 1)[0].split(" ", 1)[0] == "prefixserve:kv_cache_num_blocks":
+            return int(float(line.split()[-1]))
     return None
 
 
@@ -249,7 +249,8 @@ def caching_row(name: str, runs: dict[str, dict], predicted: dict | None) -> str
         """Prompt tokens the server computed over the run: all of them less the cache hits."""
         metrics = run.get("server_metrics") or {}
         prompt = metrics.get("prefixserve:prompt_tokens_total")
-        hits = metrics.get("prefixserve:prefix_cache_hit_tokens_total", 0.0)
+        hits = metrics.get("prefixserve:prefix_cache_hit_tokens_total",  # runs before the rename
+                           metrics.get("prefixserve:prefix_cache_hits_total", 0.0))
         return None if prompt is None else prompt - hits
 
     on_computed, off_computed = computed(on), computed(off)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 STARTUP_TIMEOUT = 180.0
 
@@ -27,11 +28,14 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m prefixserve serve ARGS`` on a free port, its output in ``log_path``.
 
-    ``start`` returns once ``/health`` answers 200 (or fails with the log if the process dies
+    ``metrics_key`` is sent to ``/metrics`` when the server protects it. ``start`` returns once
+    ``/health`` answers 200 (or fails with the log if the process dies
     or does not come up in time); ``stop`` sends SIGTERM and returns the exit status."""
 
-    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+    def __init__(self, args: Sequence[str], log_path: Path,
+                 metrics_key: str | None = None) -> None:
         self.port = free_port()
+        self.metrics_headers = {"Authorization": f"Bearer {metrics_key}"} if metrics_key else {}
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
@@ -72,14 +76,21 @@ class ServerProcess:
         self._log.close()
         return self.process.returncode
 
+    def samples(self) -> list[Sample]:
+        """Every sample of ``/metrics``, with all its labels."""
+        response = httpx.get(self.url + "/metrics", headers=self.metrics_headers, timeout=10)
+        response.raise_for_status()
+        text = response.text
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
     def metrics(self) -> dict[str, float]:
-        """Every sample of ``/metrics`` by name, labels appended as ``name{k=v,...}``."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        """Every sample of ``/metrics`` by name, labels but ``model_name`` (which every sample
+        has) appended as ``name{k=v,...}``."""
         samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+        for sample in self.samples():
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k != "model_name")
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
         return samples
 
     def wait_for_metrics(self, condition: Callable[[dict[str, float]], bool],

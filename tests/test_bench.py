@@ -327,8 +327,10 @@ def test_event_and_prometheus_parsing() -> None:
     with pytest.raises(ValueError):
         parse_event("data: [1, 2]")
     text = ("# HELP x_total x\n# TYPE x_total counter\nx_total 12.0\n"
-            'y_bucket{le="0.1"} 3\nprefixserve:prefix_cache_hits_total 7\n')
-    assert parse_prometheus(text) == {"x_total": 12.0, "prefixserve:prefix_cache_hits_total": 7}
+            'y_bucket{le="0.1",model_name="m"} 3\nprefixserve:prefix_cache_hits_total 7\n'
+            'vllm:prompt_tokens_total{engine="0",model_name="m"} 5\n')
+    assert parse_prometheus(text) == {"x_total": 12.0, "prefixserve:prefix_cache_hits_total": 7,
+                                      "vllm:prompt_tokens_total": 5}
     assert metrics_url("http://h:1/v1/") == "http://h:1/metrics"
 
 
@@ -424,7 +426,7 @@ def test_end_to_end_shared_prefix_and_multi_turn(server: ServerProcess, tmp_path
     assert summary["cached_tokens"] == 2 * 2 * 64
     assert summary["cached_share"] == pytest.approx(run["perfect_cache"]["token_hit_rate"])
     metrics = run["server_metrics"]
-    assert metrics["prefixserve:prefix_cache_hit_tokens_total"] == summary["cached_tokens"]
+    assert metrics["prefixserve:prefix_cache_hits_total"] == summary["cached_tokens"]
     assert (tmp_path / "shared.png").exists()
 
     chat = bench(server, tmp_path / "chat.json", "--dataset", "multi-turn",

@@ -349,17 +349,75 @@ def test_use_eagle_drops_the_last_hit_block() -> None:
     assert manager.get_computed_blocks(req("b", list(range(13))))[1] == 8
 
 
-def test_reset_refused_while_in_use_then_empties_the_cache() -> None:
+def test_reset_when_idle_empties_the_cache() -> None:
     manager = KVCacheManager(8, 4)
-    r = req("a", list(range(9)))
-    admit(manager, r)
-    assert manager.reset_prefix_cache() is False
-    assert manager.block_pool.cached_block_hash_to_block
-    finish(manager, r)
+    run_once(manager, req("a", list(range(9))))
     assert manager.reset_prefix_cache() is True
     assert manager.block_pool.cached_block_hash_to_block == {}
     assert all(b.block_hash is None for b in manager.block_pool.blocks)
     assert run_once(manager, req("b", list(range(9)))) == 0
+
+
+def test_reset_under_traffic_drops_every_hash_so_an_identical_request_gets_no_hit() -> None:
+    manager = KVCacheManager(8, 4)
+    admit(manager, req("a", list(range(9))))  # holds 3 blocks, 2 of them cached
+    assert manager.reset_prefix_cache() is True
+    assert manager.block_pool.cached_block_hash_to_block == {}
+    assert all(b.block_hash is None for b in manager.block_pool.blocks)
+    assert manager.get_computed_blocks(req("b", list(range(9))))[1] == 0
+
+
+def test_blocks_held_across_a_reset_come_back_uncached_and_their_eviction_keeps_the_map() -> None:
+    manager = KVCacheManager(3, 4)
+    a = req("a", list(range(9)))
+    admit(manager, a)
+    manager.reset_prefix_cache()
+    decode(manager, a, [50, 51, 52])  # fills block 2: cached; blocks 0 and 1 stay uncached
+    held = manager.req_to_blocks["a"]
+    assert [b.block_hash is not None for b in held] == [False, False, True]
+    finish(manager, a)
+    assert manager.num_free_blocks == 3
+    pool = manager.block_pool
+    assert len(pool.cached_block_hash_to_block) == 1  # only the block filled after the reset
+    run_once(manager, req("c", list(range(500, 509))))  # evicts all three blocks
+    assert manager.num_free_blocks == 3
+    assert len(pool.cached_block_hash_to_block) == 2  # c's two full blocks, nothing stale
+    assert run_once(manager, req("d", list(range(9)))) == 0
+    assert run_once(manager, req("e", list(range(500, 509)))) == 8
+
+
+def test_blocks_a_running_request_fills_after_a_reset_are_cached_and_found() -> None:
+    manager = KVCacheManager(16, 4)
+    a = req("a", list(range(9)))
+    admit(manager, a)
+    manager.reset_prefix_cache()
+    decode(manager, a, [50, 51, 52, 53])  # 13 tokens: block 2 became full after the reset
+    tokens = list(a.token_ids[:12])
+    # block 0 is a miss now, so the lookup stops there (first-miss rule) ...
+    assert manager.get_computed_blocks(req("x", tokens + [7]))[1] == 0
+    # ... until a request computes the head again; then a's post-reset block 2 is found
+    run_once(manager, req("b", tokens[:8] + [99]))
+    blocks, num = manager.get_computed_blocks(req("c", tokens + [7]))
+    assert num == 12
+    assert blocks[2] is manager.req_to_blocks["a"][2]
+    finish(manager, a)
+    assert manager.num_free_blocks == 16
+
+
+def test_sliding_window_and_null_block_survive_a_reset_under_traffic() -> None:
+    manager = KVCacheManager(32, 4, sliding_window=4)
+    r = req("a", list(range(9)))
+    admit(manager, r)
+    decode(manager, r, [1, 2, 3])
+    manager.reset_prefix_cache()
+    decode(manager, r, list(range(10)))  # blocks slide out (freed uncached) and new ones fill
+    null = manager.block_pool.null_block
+    assert null is not None and null.is_null and null.block_hash is None
+    assert manager.req_to_blocks["a"][0] is null
+    finish(manager, r)
+    assert manager.num_free_blocks == 31
+    assert run_once(manager, req("b", list(range(600, 621)))) == 0
+    assert manager.num_free_blocks == 31
 
 
 def test_usage_and_free_count() -> None:

@@ -4,10 +4,15 @@ design's rules; blocks always come back."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.engine.llm_engine import RequestError
+from prefixserve.engine import async_llm
+from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.engine.llm_engine import QueueFullError, RequestError
+from prefixserve.engine.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -165,4 +170,74 @@ def test_abort_frees_the_blocks(cached: LLM) -> None:
     engine.step()
     assert engine.kv.num_free_blocks < engine.kv.num_blocks
     assert engine.abort_request(request_id)
+    assert_idle(cached)
+
+
+def test_a_prompt_longer_than_one_step_is_refused_without_chunked_prefill(
+        cached: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = cached.engine
+    monkeypatch.setattr(engine.scheduler, "enable_chunked_prefill", False)
+    assert engine.scheduler.max_num_batched_tokens == 2048 < 2100 < engine.max_model_len
+    with pytest.raises(RequestError, match=r"2100 tokens.*2048.*--max-num-batched-tokens"):
+        engine.add_request([1] * 2100, GREEDY)
+    assert_idle(cached)  # refused, not queued at the head of the line
+    engine.abort_request(engine.add_request([1] * 2048, GREEDY))  # one step's worth is fine
+    assert_idle(cached)
+
+
+def test_the_waiting_queue_bound_counts_sequences_not_requests(
+        cached: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = cached.engine
+    monkeypatch.setattr(engine.config, "max_waiting_requests", 4)
+    prompt = prompts(cached)[0]
+    with pytest.raises(RequestError, match="--max-waiting-requests"):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, n=5))
+    ids = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, n=3))]
+    with pytest.raises(QueueFullError):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, n=2))
+    assert len(engine.scheduler.waiting) == 3  # a refused request leaves nothing behind
+    ids.append(engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4)))
+    for request_id in ids:
+        assert engine.abort_request(request_id)
+    assert_idle(cached)
+
+
+def test_reset_under_traffic_then_an_identical_request_hits_nothing(cached: LLM) -> None:
+    engine = cached.engine
+    prompt = prompts(cached)[0]
+    reference = cached.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    first = engine.add_request(prompt, GREEDY)
+    engine.step()  # prefill done: the prompt's blocks are cached and held
+    assert engine.reset_prefix_cache() is True
+    again = cached.generate([prompt], GREEDY)[0]  # also runs ``first`` to its end
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == reference
+    assert first not in engine.groups
+    assert_idle(cached)
+
+
+def test_async_loop_waits_instead_of_spinning_when_nothing_can_be_scheduled(
+        cached: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = cached.engine
+    calls = []
+
+    def schedule_nothing() -> SchedulerOutput:
+        calls.append(time.monotonic())
+        return SchedulerOutput()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_nothing)
+    monkeypatch.setattr(async_llm, "LLMEngine", lambda config: engine)
+    request_id = engine.add_request(prompts(cached)[0], GREEDY)
+    llm = AsyncLLM(log_stats_interval=None)
+    try:
+        time.sleep(0.5)
+        assert 1 <= len(calls) <= 3, f"{len(calls)} steps in 0.5 s: the loop spins"
+        llm.abort(request_id)  # new work wakes the loop at once
+        deadline = time.monotonic() + 0.5
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+    monkeypatch.undo()
     assert_idle(cached)

@@ -12,7 +12,7 @@ import pytest
 
 from prefixserve.cli import build_parser
 from prefixserve.server.errors import describe_validation_errors
-from prefixserve.server.launch import engine_config, read_api_keys, run_server
+from prefixserve.server.launch import engine_config, read_api_keys, run_server, server_config
 
 
 def parse(*argv: str):
@@ -26,7 +26,10 @@ def test_help_lists_the_options() -> None:
                  "--prefix-caching-hash-algo", "--block-size", "--kv-cache-memory",
                  "--num-blocks", "--max-num-seqs", "--max-num-batched-tokens",
                  "--max-model-len", "--dtype", "--served-model-name", "--api-key",
-                 "--salt-by-api-key", "--max-waiting-requests", "--log-stats-interval"):
+                 "--share-cache-across-keys", "--admin-key", "--metrics-key",
+                 "--metrics-prefix", "--max-waiting-requests", "--max-n",
+                 "--max-prompts-per-request", "--max-sequences-per-request",
+                 "--max-request-body-size", "--request-read-timeout", "--log-stats-interval"):
         assert flag in result.stdout
     top = subprocess.run([sys.executable, "-m", "prefixserve", "--help"], capture_output=True,
                          text=True, check=True)
@@ -53,7 +56,33 @@ def test_defaults_leave_the_engine_defaults() -> None:
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
     config = engine_config(args)
     assert config.enable_prefix_caching is None and config.prefix_caching
-    assert config.block_size == 16 and config.max_waiting_requests is None
+    assert config.block_size == 16 and config.max_waiting_requests == 1024
+    server = server_config(args)
+    assert server.api_keys == () and not server.salt_by_api_key
+    assert not server.admin_protected and server.metrics_keys == ()
+    assert (server.max_n, server.max_prompts_per_request, server.max_sequences_per_request,
+            server.max_request_body_size, server.request_read_timeout) == (
+        128, 256, 256, 32 << 20, 30.0)
+
+
+def test_with_api_keys_each_key_has_its_own_cache_and_admin_needs_its_own_key() -> None:
+    server = server_config(parse("--api-key", "a", "--api-key", "b"))
+    assert server.salt_by_api_key and server.admin_protected and server.admin_keys == ()
+    shared = server_config(parse("--api-key", "a", "--share-cache-across-keys",
+                                 "--admin-key", "root", "--metrics-key", "scraper"))
+    assert not shared.salt_by_api_key
+    assert (shared.admin_keys, shared.metrics_keys) == (("root",), ("scraper",))
+    assert server_config(parse("--admin-key", "root")).admin_protected
+
+
+def test_limit_flags_reach_the_server_config() -> None:
+    server = server_config(parse("--max-n", "4", "--max-prompts-per-request", "8",
+                                 "--max-sequences-per-request", "16", "--max-request-body-size",
+                                 "1KiB", "--request-read-timeout", "2.5", "--metrics-prefix",
+                                 "vllm"))
+    assert (server.max_n, server.max_prompts_per_request, server.max_sequences_per_request,
+            server.max_request_body_size, server.request_read_timeout,
+            server.metrics_prefix) == (4, 8, 16, 1024, 2.5, "vllm")
 
 
 def test_engine_flags_reach_the_engine_config() -> None:
@@ -87,7 +116,10 @@ def test_bad_flags_are_refused_by_the_parser(argv: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (("--salt-by-api-key",), "needs at least one --api-key"),
+    (("--share-cache-across-keys",), "needs at least one --api-key"),
+    (("--max-n", "0"), "max_n must be positive"),
+    (("--max-n", "129"), "max_n"),
+    (("--max-request-body-size", "huge"), "memory size"),
     (("--max-num-seqs", "0"), "max_num_seqs"),
     (("--kv-cache-memory", "lots"), "memory size"),
     (("--api-key", "@/no/such/file"), "No such file"),

@@ -1,12 +1,14 @@
-"""A server with API keys, per-key cache salts, a small context and a bounded queue, as a real
-process: 401s, tenant isolation, 503 with Retry-After on a full queue, a schemathesis run against
-its own OpenAPI document, and a graceful SIGTERM."""
+"""A server with API keys, an admin key, a metrics key, a small context and a bounded queue, as
+a real process: 401s and 403s, tenant isolation by default, admin-only cache reset, 503 with
+Retry-After on a full queue, a schemathesis run against its own OpenAPI document, and a
+graceful SIGTERM."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +18,8 @@ import pytest
 from server_helpers import ServerProcess, idle
 
 KEY_A, KEY_B = "key-alpha", "key-beta"
-MAX_MODEL_LEN = 24
+ADMIN_KEY, METRICS_KEY = "key-admin", "key-scraper"
+MAX_MODEL_LEN = 64
 #: A prompt of 20 token ids: one full block of 16 can come from the cache.
 PROMPT = list(range(2000, 2020))
 
@@ -27,10 +30,11 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
     key_file = directory / "keys.txt"
     key_file.write_text(f"# the second tenant\n{KEY_B}\n\n")
     process = ServerProcess(["--api-key", KEY_A, "--api-key", f"@{key_file}",
-                             "--salt-by-api-key", "--max-model-len", str(MAX_MODEL_LEN),
-                             "--max-num-seqs", "64", "--max-waiting-requests", "2",
+                             "--admin-key", ADMIN_KEY, "--metrics-key", METRICS_KEY,
+                             "--max-model-len", str(MAX_MODEL_LEN),
+                             "--max-num-seqs", "2", "--max-waiting-requests", "2",
                              "--num-blocks", "256", "--log-stats-interval", "0"],
-                            directory / "server.log").start()
+                            directory / "server.log", metrics_key=METRICS_KEY).start()
     yield process
     process.stop()
     assert "Traceback" not in process.log, process.log
@@ -47,7 +51,7 @@ def complete(server: ServerProcess, key: str, **body: object) -> httpx.Response:
 
 @pytest.mark.parametrize(("method", "path"), [
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-    ("POST", "/reset_prefix_cache")])
+    ("POST", "/reset_prefix_cache"), ("GET", "/metrics")])
 def test_api_routes_need_a_key(guarded: ServerProcess, method: str, path: str) -> None:
     body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
     missing = httpx.request(method, guarded.url + path, json=body if "comp" in path else None)
@@ -68,8 +72,32 @@ def test_keys_from_the_command_line_and_the_file_work(guarded: ServerProcess) ->
                       max_retries=0).models.list()
 
 
+def test_only_an_admin_key_resets_the_cache(guarded: ServerProcess) -> None:
+    for key in (KEY_A, KEY_B, METRICS_KEY):
+        refused = httpx.post(guarded.url + "/reset_prefix_cache", headers=auth(key))
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["type"] == "permission_error"
+    assert complete(guarded, KEY_A, cache_salt="admin-test").status_code == 200
+    assert complete(guarded, KEY_A, cache_salt="admin-test").json()["usage"][
+        "prompt_tokens_details"]["cached_tokens"] == 16
+    reset = httpx.post(guarded.url + "/reset_prefix_cache", headers=auth(ADMIN_KEY))
+    assert reset.status_code == 200 and reset.json() == {"status": "reset"}
+    assert complete(guarded, KEY_A, cache_salt="admin-test").json()["usage"][
+        "prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_metrics_need_the_metrics_or_the_admin_key(guarded: ServerProcess) -> None:
+    for key in (KEY_A, KEY_B):
+        assert httpx.get(guarded.url + "/metrics", headers=auth(key)).status_code == 403
+    for key in (METRICS_KEY, ADMIN_KEY):
+        scraped = httpx.get(guarded.url + "/metrics", headers=auth(key))
+        assert scraped.status_code == 200 and "num_requests_running" in scraped.text
+    assert httpx.post(guarded.url + "/v1/completions", headers=auth(METRICS_KEY),
+                      json={"prompt": PROMPT, "max_tokens": 1}).status_code == 401
+
+
 def test_open_routes_and_unknown_routes_need_no_key(guarded: ServerProcess) -> None:
-    for path in ("/health", "/version", "/metrics", "/openapi.json"):
+    for path in ("/health", "/version", "/openapi.json"):
         assert httpx.get(guarded.url + path).status_code == 200
     assert httpx.get(guarded.url + "/v2/anything").status_code == 404
 
@@ -89,23 +117,32 @@ def test_tenants_never_share_blocks(guarded: ServerProcess) -> None:
     assert cached(KEY_A, cache_salt="shared") == 16
 
 
-def test_full_queue_answers_503_with_retry_after(guarded: ServerProcess) -> None:
-    # 66 sequences on 64 slots: 2 wait (the limit) while the first 64 generate 12 tokens.
+def test_the_queue_bound_counts_sequences(guarded: ServerProcess) -> None:
+    """Two slots run, at most two sequences wait; a request is refused (503) when its sequences
+    would not fit in the queue, and with a 400 when they never could."""
+    never = complete(guarded, KEY_A, n=3)
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text
+    waiter: list[httpx.Response] = []
     with httpx.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
-                      json={"prompt": PROMPT[:3], "n": 66, "max_tokens": 12,
+                      json={"prompt": PROMPT[:3], "n": 2, "max_tokens": 60,
                             "ignore_eos": True, "stream": True}) as big:
         assert big.status_code == 200
         lines = big.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
-        refused = [complete(guarded, KEY_B) for _ in range(3)]
+        assert next(line for line in lines if line.startswith("data:"))  # both slots taken
+        thread = threading.Thread(target=lambda: waiter.append(complete(guarded, KEY_B, n=2)))
+        thread.start()
+        guarded.wait_for_metrics(lambda s: s["prefixserve:num_requests_waiting"] == 2,
+                                 timeout=30)
+        refused = [complete(guarded, KEY_B) for _ in range(3)]  # 2 waiting + 1 > 2
         for response in refused:
             assert response.status_code == 503, response.text
             assert response.headers["retry-after"] == "1"
             assert response.json()["error"]["code"] == "queue_full"
         events = [line for line in lines if line.startswith("data:")]
+    thread.join(120)
     assert events[-1] == "data: [DONE]"
-    finished = sum('"finish_reason":"length"' in line for line in events)
-    assert finished == 66
+    assert sum('"finish_reason":"length"' in line for line in events) == 2
+    assert waiter[0].status_code == 200, waiter[0].text
     guarded.wait_for_metrics(idle)
     assert complete(guarded, KEY_B).status_code == 200
 
@@ -113,7 +150,7 @@ def test_full_queue_answers_503_with_retry_after(guarded: ServerProcess) -> None
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error(guarded: ServerProcess, tmp_path: Path) -> None:
     """Every check but positive_data_acceptance (valid-looking prompts are rightly refused when
-    they do not fit the 24-token context), bounded to 15 examples an operation."""
+    they do not fit the 64-token context), bounded to 15 examples an operation."""
     st = Path(sys.executable).with_name("st")
     result = subprocess.run(
         [str(st), "run", guarded.url + "/openapi.json", "--header",
@@ -135,5 +172,5 @@ def test_sigterm_lets_a_running_request_finish(guarded: ServerProcess) -> None:
         events = [line for line in lines if line.startswith("data:")]
     assert '"finish_reason":"length"' in events[-2]
     assert events[-1] == "data: [DONE]"
-    assert guarded.process.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal
+    assert guarded.process.wait(60) == 0
     assert "Application shutdown complete" in guarded.log

@@ -27,6 +27,9 @@ logger = logging.getLogger("prefixserve.engine")
 
 T = TypeVar("T")
 
+_IDLE_WAIT_S = 1.0
+"""Longest sleep of the engine thread while no work can run (it wakes at once on a command)."""
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped."""
@@ -92,6 +95,17 @@ class AsyncLLM:
             self.engine.abort_request(request_id)
         self._submit(run)
 
+    def abort_all(self, message: str) -> None:
+        """Aborts every running request (freeing its blocks); each caller's iteration raises
+        ``EngineDeadError(message)``. A no-op once the engine thread has stopped (its callers
+        got that error already)."""
+        def run() -> None:
+            for request_id in list(self._streams):
+                self.engine.abort_request(request_id)
+                self._deliver(request_id, EngineDeadError(message))
+        if self._thread.is_alive():
+            self._submit(run)
+
     async def reset_prefix_cache(self) -> bool:
         return await self._call(self.engine.reset_prefix_cache)
 
@@ -141,7 +155,16 @@ class AsyncLLM:
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             self.engine.abort_request(request_id)
 
+    def _wait_for_work(self) -> None:
+        """Sleeps until a command arrives (or ``_IDLE_WAIT_S`` passes). Commands are drained at
+        the top of every loop turn, so a wakeup cleared here after it was set is never lost."""
+        self._wakeup.wait(_IDLE_WAIT_S)
+        self._wakeup.clear()
+
     def _loop(self) -> None:
+        """Drains the commands, then steps the engine. It never spins: with nothing unfinished,
+        or after a step that scheduled nothing (no work can run until a request arrives or is
+        aborted), it waits for a command instead of stepping again."""
         engine = self.engine
         while not self._stopping:
             while True:
@@ -151,8 +174,7 @@ class AsyncLLM:
                     break
             if not engine.has_unfinished_requests():
                 self._stats = engine.get_stats()
-                self._wakeup.wait(1.0)
-                self._wakeup.clear()
+                self._wait_for_work()
                 continue
             try:
                 outputs = engine.step()
@@ -167,6 +189,8 @@ class AsyncLLM:
             self._stats = engine.get_stats()
             if self._stat_logger is not None:
                 self._stat_logger.maybe_log(self._stats)
+            if not engine.last_step_scheduled:
+                self._wait_for_work()
         for request_id in list(self._streams):
             engine.abort_request(request_id)
             self._deliver(request_id, EngineDeadError("the engine is shutting down"))

@@ -36,8 +36,10 @@ class EngineConfig:
     ``num_blocks`` when given, else by ``kv_cache_memory`` (bytes or a string like ``"2GiB"``,
     default 1 GiB). ``max_model_len`` defaults to the model's context length, capped by the KV
     cache. ``max_num_batched_tokens`` is the token budget of one step; with
-    ``enable_chunked_prefill`` a prompt longer than what is left of it is computed in chunks.
-    ``max_waiting_requests`` bounds the queue (None: unbounded); a full queue refuses requests.
+    ``enable_chunked_prefill`` a prompt longer than what is left of it is computed in chunks,
+    without it a prompt longer than the whole budget is refused (it could never run).
+    ``max_waiting_requests`` bounds the queue in sequences (a request of ``n`` takes ``n``;
+    None: unbounded); a request that does not fit the room left is refused.
     ``dtype`` defaults to bfloat16, the fastest on current CPUs (and the default model's own);
     float32 gives bit-stable results across batch shapes.
     """
@@ -73,6 +75,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be positive, got "
+                             f"{self.max_waiting_requests}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

@@ -90,6 +90,7 @@ class LLMEngine:
         self.groups: dict[str, list[Request]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.last_step_scheduled = False
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -105,15 +106,15 @@ class LLMEngine:
     ) -> str:
         """Queues a prompt (text, or token ids used as given) and returns its request id.
 
-        Raises ``RequestError`` for a request that cannot run (empty, longer than the context,
-        token ids out of the vocabulary) and ``QueueFullError`` when the queue is full."""
+        Raises ``RequestError`` for a request that could never run (empty, longer than the
+        context, token ids out of the vocabulary, longer than one step without chunked prefill,
+        more sequences than the queue holds) and ``QueueFullError`` when the queue has no room
+        for its ``n`` sequences now. Nothing is queued unless it can be scheduled."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.groups:
             raise RequestError(f"request id {request_id!r} is already in use")
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+        self._check_queue_room(params.n)
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -149,6 +150,21 @@ class LLMEngine:
             self.scheduler.add_request(request)
         return request_id
 
+    def _check_queue_room(self, n: int) -> None:
+        """The waiting queue holds at most ``max_waiting_requests`` sequences (each of the ``n``
+        sequences of a request waits on its own): a request is queued whole or refused."""
+        limit = self.config.max_waiting_requests
+        if limit is None:
+            return
+        if n > limit:
+            raise RequestError(
+                f"the request asks for {n} sequences, but the waiting queue holds at most "
+                f"{limit} (--max-waiting-requests)")
+        waiting = len(self.scheduler.waiting)
+        if waiting + n > limit:
+            raise QueueFullError(f"the waiting queue is full ({waiting} of {limit} sequences "
+                                 f"waiting, {n} more asked for)")
+
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise RequestError("the prompt is empty")
@@ -160,6 +176,9 @@ class LLMEngine:
             raise RequestError(
                 f"the prompt has {len(token_ids)} tokens; this model's context is "
                 f"{self.max_model_len} tokens, and at least one must be left to generate")
+        reason = self.scheduler.check_admissible(len(token_ids))
+        if reason is not None:
+            raise RequestError(reason)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks; returns whether it existed."""
@@ -176,15 +195,24 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache; refused (False) while requests hold blocks."""
+        """Empties the prefix cache, also while requests run; returns True.
+
+        Every cached hash is dropped at once: nothing computed before the reset is found again.
+        Running requests keep their blocks (which go back to the pool uncached when freed) and
+        cache the blocks they fill afterwards as usual."""
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step and returns an output (new tokens and text since the last
-        one) for each request that produced something or finished."""
+        one) for each request that produced something or finished.
+
+        ``last_step_scheduled`` says whether the step ran anything: False means no work can
+        run until something changes (a request arrives or is aborted), so a loop driving the
+        engine should wait for new work rather than step again at once."""
         sched = self.scheduler.schedule()
         self.metrics.observe(self.kv.make_prefix_cache_stats())
+        self.last_step_scheduled = bool(sched.scheduled)
         if not sched.scheduled:
             return []
         self._run(sched)

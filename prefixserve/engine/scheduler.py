@@ -11,8 +11,18 @@ Each step the scheduler fills a token budget (``max_num_batched_tokens``):
    preemption happened in this step: ``get_computed_blocks`` (a pure query), then
    ``allocate_slots`` with the hits; a request that does not fit stays at the head of the queue.
 
-Invariant: every block a request holds is released exactly once, by ``finish_request`` or by
-preemption; when the engine is idle the pool's free count equals its size.
+Invariants:
+
+* Every block a request holds is released exactly once, by ``finish_request`` or by
+  preemption; when the engine is idle the pool's free count equals its size.
+* Liveness: a request that passes ``check_admissible`` is scheduled within a bounded number of
+  steps, and every step with unfinished requests schedules at least one token. The oldest
+  running request always gets the whole budget's first tokens and is never the preemption
+  victim while another running request is left, so it finishes; the waiting head then fits
+  once nothing runs, because (a) ``max_model_len`` is capped by the pool's capacity, so one
+  request alone always fits the pool, and (b) without chunked prefill a new prompt is admitted
+  only if it fits one step's budget, while a resumed request (prompt plus outputs, possibly
+  more than one step) is always chunked.
 """
 
 from __future__ import annotations
@@ -53,6 +63,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+
+    def check_admissible(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt of ``num_prompt_tokens`` could never be scheduled, or None if it can.
+
+        Without chunked prefill a new prompt is computed in one step, so it must fit the step
+        budget (``max_num_batched_tokens``), or it would wait at the head of the queue forever.
+        (The context limit is the engine's check: it knows ``max_model_len``.)"""
+        if self.enable_chunked_prefill or num_prompt_tokens <= self.max_num_batched_tokens:
+            return None
+        return (f"the prompt has {num_prompt_tokens} tokens, but with chunked prefill off a "
+                f"prompt must be computed in one step of at most {self.max_num_batched_tokens} "
+                f"tokens (--max-num-batched-tokens); enable chunked prefill or raise the limit")
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -100,7 +122,7 @@ class Scheduler:
             computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
-                if not self.enable_chunked_prefill:
+                if not self._may_chunk(request):
                     break
                 num_new = budget
             request.num_computed_tokens = 0
@@ -116,6 +138,13 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    def _may_chunk(self, request: Request) -> bool:
+        """Whether a waiting request may start with part of its tokens. Always with chunked
+        prefill; without it only a resumed (preempted) request, which recomputes its prompt
+        plus its outputs and might otherwise never fit one step (``check_admissible`` bounds
+        the prompt alone)."""
+        return self.enable_chunked_prefill or request.status is RequestStatus.PREEMPTED
 
     def finish_request(self, request: Request) -> None:
         """Releases a finished (or aborted) request's blocks, tail first, and its hash chain."""

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 #: Prompts one ``/v1/completions`` request may batch.
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
-#: Sequences one prompt may ask for (``n``; OpenAI's own limit).
-DEFAULT_MAX_N = 128
+#: Sequences one prompt may ask for (``n``): OpenAI's limit, the most the API accepts.
+MAX_N = DEFAULT_MAX_N = 128
 #: Sequences one request may ask for in all (prompts times ``n``).
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 #: Largest request body, in bytes.
@@ -56,6 +56,8 @@ class ServerConfig:
                      "max_request_body_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_n > MAX_N:
+            raise ValueError(f"max_n may be at most {MAX_N} (OpenAI's limit), got {self.max_n}")
         if self.request_read_timeout <= 0:
             raise ValueError("request_read_timeout must be positive")
         if self.metrics_prefix not in METRICS_PREFIXES:

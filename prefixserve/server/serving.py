@@ -2,9 +2,12 @@
 
 Contract of both endpoints:
 
-- Everything that can be checked before generating is checked first and answered with a 400:
-  the model name, the sampling parameters, the prompt (empty, token ids outside the vocabulary,
-  longer than the context, or too long for ``max_tokens`` more), the chat template.
+- Everything that can be checked before generating is checked first and answered with a 4xx:
+  the model name (404), fields not implemented, the per-request limits (prompts, ``n``,
+  sequences), the sampling parameters, the prompt (empty, token ids outside the vocabulary,
+  longer than the context, or too long for ``max_tokens`` more), the chat template (400s).
+- Fields accepted for compatibility but ignored are named in the ``x-ignored-fields`` response
+  header (and logged once each at debug level).
 - Each prompt becomes one engine request of ``n`` sequences; choice ``i * n + j`` is sequence
   ``j`` of prompt ``i``. A streamed response starts only once every engine request has produced
   its first output, so a full queue (503 with ``Retry-After``) or a shut-down engine (503) is
@@ -19,6 +22,7 @@ Contract of both endpoints:
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
@@ -64,8 +68,15 @@ from prefixserve.server.streams import (
     sse_event,
 )
 
+logger = logging.getLogger("prefixserve.server")
+
 #: Seconds a client is asked to wait (``Retry-After``) when the waiting queue is full.
 RETRY_AFTER_SECONDS = 1
+#: ``max_tokens`` of a completion that gives none (OpenAI's default).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Variables of the chat template that ``chat_template_kwargs`` may not set.
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "tokenize",
+                                      "bos_token", "eos_token"})
 ResponseT = TypeVar("ResponseT", bound=BaseModel)
 
 
@@ -139,18 +150,54 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.engine.max_model_len
         self.vocab_size: int = engine.engine.model_config.vocab_size
+        self.max_waiting: int | None = engine.engine.config.max_waiting_requests
         self.logprobs = LogprobFormatter(engine.tokenizer)
+        self._logged_ignored: set[str] = set()
 
     # ------------------------------------------------------------------ checks and inputs
     def resolve_model(self, name: str | None) -> str:
-        """The served model name to report; a 400 for a name that is not served."""
+        """The served model name to report; a 404 for a name that is not served."""
         if name is None:
             return self.config.served_model_names[0]
         if name not in self.config.served_model_names:
             served = ", ".join(self.config.served_model_names)
-            raise ApiError(400, f"the model {name!r} is not served here; use one of: {served}",
+            raise ApiError(404, f"the model {name!r} does not exist here; use one of: {served}",
                            param="model", code="model_not_found")
         return name
+
+    def check_fields(self, body: GenerationRequest, response: Response) -> None:
+        """A 400 for a field that is not implemented and would change the result; names the
+        fields accepted but ignored in the ``x-ignored-fields`` header."""
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            raise ApiError(400, f"{unsupported} is not supported by this server; leave it out",
+                           param=unsupported, code="unsupported_parameter")
+        ignored = body.ignored_fields()
+        if ignored:
+            response.headers["x-ignored-fields"] = ",".join(ignored)
+            for name in set(ignored) - self._logged_ignored:
+                self._logged_ignored.add(name)
+                logger.debug("accepting and ignoring the request field %r", name)
+
+    def check_limits(self, num_prompts: int, n: int | None) -> None:
+        """A 400 for a request over the per-request limits, or one that asks for more sequences
+        than the waiting queue may ever hold."""
+        config, n = self.config, n or 1
+        if num_prompts > config.max_prompts_per_request:
+            raise ApiError(400, f"the request has {num_prompts} prompts; at most "
+                           f"{config.max_prompts_per_request} are allowed "
+                           "(--max-prompts-per-request)", param="prompt",
+                           code="too_many_prompts")
+        if n > config.max_n:
+            raise ApiError(400, f"n is {n}; at most {config.max_n} is allowed (--max-n)",
+                           param="n", code="invalid_value")
+        total = num_prompts * n
+        limit = min(config.max_sequences_per_request, self.max_waiting or total)
+        if total > limit:
+            raise ApiError(400, f"the request asks for {total} sequences ({num_prompts} "
+                           f"prompt(s) x n={n}); at most {limit} are allowed per request "
+                           "(--max-sequences-per-request, --max-waiting-requests)",
+                           param="n", code="too_many_sequences")
 
     def cache_salt(self, salt: str | None, api_key: str | None) -> str | None:
         """The request's salt, prefixed with the SHA-256 of the caller's key under
@@ -180,25 +227,30 @@ class OpenAIServing:
                            f"max_tokens or shorten the prompt", param="max_tokens",
                            code="context_length_exceeded")
 
-    @staticmethod
-    def sampling_params(body: GenerationRequest, *, max_tokens: int | None,
+    def sampling_params(self, body: GenerationRequest, *, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """The request's sampling parameters (an unset field takes SamplingParams' default);
-        a value SamplingParams refuses is a 400 naming the field."""
+        """The request's sampling parameters (an unset field takes SamplingParams' default;
+        a ``top_k`` of the vocabulary size or more means all tokens); a value SamplingParams
+        refuses is a 400 naming the field."""
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        top_k = pick(body.top_k, 0)
+        if top_k >= self.vocab_size:
+            top_k = 0
         try:
             return SamplingParams(
                 n=pick(body.n, 1), temperature=pick(body.temperature, 1.0),
-                top_p=pick(body.top_p, 1.0), top_k=pick(body.top_k, 0),
+                top_p=pick(body.top_p, 1.0), top_k=top_k,
                 min_p=pick(body.min_p, 0.0), seed=body.seed,
                 repetition_penalty=pick(body.repetition_penalty, 1.0),
                 presence_penalty=pick(body.presence_penalty, 0.0),
                 frequency_penalty=pick(body.frequency_penalty, 0.0),
                 stop=body.stop, stop_token_ids=body.stop_token_ids, max_tokens=max_tokens,
                 min_tokens=pick(body.min_tokens, 0), ignore_eos=pick(body.ignore_eos, False),
+                skip_special_tokens=pick(body.skip_special_tokens, True),
+                include_stop_str_in_output=pick(body.include_stop_str_in_output, False),
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:
             message = str(exc)
@@ -258,32 +310,41 @@ class OpenAIServing:
     async def _respond(request: Request, stream_events: bool,
                        start: Callable[[], Awaitable[MultiStream]],
                        events: Callable[[MultiStream], AsyncGenerator[str, None]],
-                       collect: Callable[[], Awaitable[ResponseT]]) -> ResponseT | Response:
-        """Starts the engine requests and answers with an event stream or a whole response;
-        a client gone before that gets an empty 499."""
+                       collect: Callable[[], Awaitable[ResponseT]],
+                       response: Response) -> ResponseT | Response:
+        """Starts the engine requests and answers with an event stream or a whole response
+        (with the headers set on ``response``); a client gone before that gets an empty 499."""
         try:
             if stream_events:
                 stream = await run_unless_disconnected(request, start())
-                return EventStreamResponse(_terminated(events(stream)), stream)
+                events_response = EventStreamResponse(_terminated(events(stream)), stream)
+                for name, value in response.headers.items():
+                    if name.startswith("x-"):
+                        events_response.headers[name] = value
+                return events_response
             return await run_unless_disconnected(request, collect())
         except ClientDisconnectedError:
             return Response(status_code=499)
 
     # ------------------------------------------------------------------ /v1/completions
     async def create_completion(self, body: CompletionRequest, request: Request,
-                                api_key: str | None) -> CompletionResponse | Response:
+                                api_key: str | None, response: Response,
+                                ) -> CompletionResponse | Response:
         model = self.resolve_model(body.model)
+        self.check_fields(body, response)
         prompt = body.prompt
         if isinstance(prompt, str) or isinstance(prompt[0], int):
             items: list[Any] = [prompt]
         else:
             items = list(prompt)
+        self.check_limits(len(items), body.n)
+        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
         for ids in ids_list:
-            self.check_prompt(ids, body.max_tokens, "prompt")
+            self.check_prompt(ids, max_tokens, "prompt")
         k = body.logprobs
         echo = bool(body.echo)
-        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=k,
+        params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
                                       prompt_logprobs=k if echo else None)
         echo_texts = [p if isinstance(p, str) else
                       self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -348,7 +409,7 @@ class OpenAIServing:
                     id=request_id, created=created, model=model, choices=[],
                     usage=prompts.usage(completion_tokens)))
 
-        return await self._respond(request, bool(body.stream), start, events, collect)
+        return await self._respond(request, bool(body.stream), start, events, collect, response)
 
     @staticmethod
     def _prompt_entries(prompts: _Prompts, index: int) -> list[LogprobEntry]:
@@ -369,9 +430,14 @@ class OpenAIServing:
                 item["name"] = message.name
             messages.append(item)
         add_generation_prompt = body.add_generation_prompt is not False
+        extra = dict(body.chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_NAMES & extra.keys())
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs", code="invalid_value")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}",
                            param="messages", code="invalid_messages") from exc
@@ -379,8 +445,11 @@ class OpenAIServing:
         return ids
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request,
-                                     api_key: str | None) -> ChatCompletionResponse | Response:
+                                     api_key: str | None, response: Response,
+                                     ) -> ChatCompletionResponse | Response:
         model = self.resolve_model(body.model)
+        self.check_fields(body, response)
+        self.check_limits(1, body.n)
         max_tokens = body.max_completion_tokens or body.max_tokens
         ids = self.chat_prompt(body)
         self.check_prompt(ids, max_tokens, "messages")
@@ -434,7 +503,7 @@ class OpenAIServing:
                     id=request_id, created=created, model=model, choices=[],
                     usage=prompts.usage(completion_tokens)))
 
-        return await self._respond(request, bool(body.stream), start, events, collect)
+        return await self._respond(request, bool(body.stream), start, events, collect, response)
 
 
 async def _terminated(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:

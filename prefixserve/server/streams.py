@@ -148,7 +148,12 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 
 
 def error_event(exc: Exception) -> str:
-    """The event that reports an error after a stream started (its status is sent already)."""
+    """The event that reports an error after a stream started (its status is sent already):
+    a 503 ``engine_unavailable`` when the engine stopped or the server is shutting down
+    (``EngineDeadError``), else a 500 ``generation_failed``."""
+    if isinstance(exc, EngineDeadError):
+        logger.warning("a streamed response was cut: %s", exc)
+        return sse_event(error_body(503, f"generation stopped: {exc}",
+                                    code="engine_unavailable"))
     logger.error("generation failed after its response started: %s", exc)
-    status = 503 if isinstance(exc, EngineDeadError) else 500
-    return sse_event(error_body(status, f"generation failed: {exc}", code="generation_failed"))
+    return sse_event(error_body(500, f"generation failed: {exc}", code="generation_failed"))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixserve.tools.bench.metrics import Measurement
 
@@ -209,22 +210,31 @@ def metrics_url(base_url: str) -> str:
     return root + "/metrics"
 
 
+SERVER_LABELS = frozenset({"model_name", "engine"})
+"""Labels that only say which model or engine a sample comes from (prefixserve and vLLM put
+``model_name`` on every sample): a sample with no other label is read by its bare name."""
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
-    """The samples without labels of a Prometheus text exposition, by name."""
+    """The samples of a Prometheus text exposition that carry no label besides
+    ``SERVER_LABELS``, by name (summed over those labels); lines that do not parse are skipped."""
     samples: dict[str, float] = {}
     for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 2 or line.startswith("#") or "{" in parts[0]:
+        if not line.strip() or line.startswith("#"):
             continue
         try:
-            samples[parts[0]] = float(parts[1])
+            families = list(text_string_to_metric_families(line + "\n"))
         except ValueError:
             continue
+        for sample in (s for family in families for s in family.samples):
+            if SERVER_LABELS.issuperset(sample.labels):
+                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     return samples
 
 
 async def scrape(url: str, timeout: float = 10.0) -> dict[str, float] | None:
-    """The unlabelled samples of ``url``, or None when it cannot be read (no such endpoint)."""
+    """The samples of ``url`` (see ``parse_prometheus``), or None when it cannot be read (no
+    such endpoint)."""
     try:
         async with httpx.AsyncClient(timeout=timeout) as http:
             response = await http.get(url)

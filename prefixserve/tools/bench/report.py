@@ -21,8 +21,14 @@ from rich.table import Table
 
 FORMAT = "prefixserve-bench/1"
 
-PREFIX_CACHE_QUERIES = "prefixserve:prefix_cache_queries_total"
-PREFIX_CACHE_HITS = "prefixserve:prefix_cache_hits_total"
+PREFIX_CACHE_COUNTERS = (
+    # older runs: the token counters had these names (the ones below then counted blocks)
+    ("prefixserve:prefix_cache_query_tokens_total", "prefixserve:prefix_cache_hit_tokens_total"),
+    ("prefixserve:prefix_cache_queries_total", "prefixserve:prefix_cache_hits_total"),
+    ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+)
+"""(queries, hits) prefix-cache counters in tokens, as prefixserve (either ``--metrics-prefix``)
+and vLLM name them; ``server_hit_rate`` reads the first pair a run document holds."""
 
 
 def write_run(document: dict[str, Any], path: str) -> None:
@@ -73,12 +79,13 @@ def _load(document: dict[str, Any]) -> str:
 
 
 def server_hit_rate(document: dict[str, Any]) -> float | None:
-    """Block hit rate of the server's own counters over the run (prefixserve's names)."""
+    """Token hit rate of the server's own prefix-cache counters over the run."""
     metrics = document.get("server_metrics") or {}
-    queries = metrics.get(PREFIX_CACHE_QUERIES)
-    if not queries:
-        return None
-    return metrics.get(PREFIX_CACHE_HITS, 0.0) / queries
+    for queries_name, hits_name in PREFIX_CACHE_COUNTERS:
+        queries = metrics.get(queries_name)
+        if queries is not None:
+            return metrics.get(hits_name, 0.0) / queries if queries else None
+    return None
 
 
 Row = tuple[str, Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], float | None] | None]
@@ -112,7 +119,7 @@ def _rows() -> list[Row]:
         ("total tokens/s", lambda d: _number(d["summary"]["total_token_throughput"]),
          _summary("total_token_throughput")),
         ("prompt tokens from cache", lambda d: _share(d["summary"]["cached_share"]), None),
-        ("server block hit rate", lambda d: _share(server_hit_rate(d)), None),
+        ("server token hit rate", lambda d: _share(server_hit_rate(d)), None),
         ("perfect cache would serve",
          lambda d: _share((d.get("perfect_cache") or {}).get("token_hit_rate")), None),
     ]
