@@ -1,0 +1,153 @@
+"""The ``prefixserve serve`` command line: its parser, one function per argument group. Building
+it imports only the constants of ``prefixserve.core`` and ``prefixserve.server.config``; the
+server itself (``launch``) is imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+Serves MODEL (a .gguf file or an HF directory; default: SmolLM2-135M-Instruct) over an
+OpenAI-compatible HTTP API: POST /v1/completions, POST /v1/chat/completions (streamed or not),
+GET /v1/models, plus GET /health, GET /version, GET /metrics (Prometheus) and
+POST /reset_prefix_cache (an admin action). Prefix caching is on unless
+--no-enable-prefix-caching; each response reports the prompt tokens served from the cache in
+usage.prompt_tokens_details.cached_tokens. With --api-key, each key gets its own prefix-cache
+namespace unless --share-cache-across-keys. The API is described at /openapi.json (and /docs).
+SIGINT or SIGTERM stops it gracefully (exit status 0)."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``prefixserve serve`` on ``subparsers``."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="a .gguf file or an HF model directory (default: the default "
+                        "model, SmolLM2-135M-Instruct)")
+    _add_http(parser.add_argument_group("HTTP"))
+    _add_security(parser.add_argument_group("keys and tenants"))
+    _add_limits(parser.add_argument_group("limits"))
+    _add_engine(parser.add_argument_group("engine"))
+    _add_logging(parser.add_argument_group("logging and metrics"))
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the server (imports the engine and the HTTP stack)."""
+    from prefixserve.server.launch import run_server
+
+    return run_server(args)
+
+
+def _add_http(http: argparse._ArgumentGroup) -> None:
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                      "127.0.0.1; 0.0.0.0 for every interface)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    http.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                      help="names requests may give as 'model' (default: MODEL as given, or "
+                      "SmolLM2-135M-Instruct for the default model); the first is the "
+                      "reported one")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="on SIGTERM, how long running requests may take to finish before "
+                      "they are ended with an error (default 30)")
+
+
+def _add_security(keys: argparse._ArgumentGroup) -> None:
+    keys.add_argument("--api-key", action="append", metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several "
+                      "keys, or give @FILE to read keys from FILE, one a line")
+    keys.add_argument("--share-cache-across-keys", action="store_true",
+                      help="let requests of different API keys share prefix-cache blocks "
+                      "(default: each key has its own cache namespace, so one tenant cannot "
+                      "time another's prompts)")
+    keys.add_argument("--salt-by-api-key", action="store_true",
+                      help=argparse.SUPPRESS)  # the default since 0.2; accepted, no effect
+    keys.add_argument("--admin-key", action="append", metavar="KEY",
+                      help="key (repeatable, or @FILE) for admin actions such as "
+                      "POST /reset_prefix_cache; with --api-key and no admin key, nobody may "
+                      "reset the cache")
+    keys.add_argument("--metrics-key", action="append", metavar="KEY",
+                      help="require this key (or an admin key) on GET /metrics (repeatable, or "
+                      "@FILE; default: /metrics is open)")
+
+
+def _add_limits(limits: argparse._ArgumentGroup) -> None:
+    from prefixserve.server import config
+
+    limits.add_argument("--max-prompts-per-request", type=int, metavar="N",
+                        default=config.DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                        help="prompts one /v1/completions request may batch (default "
+                        f"{config.DEFAULT_MAX_PROMPTS_PER_REQUEST})")
+    limits.add_argument("--max-n", type=int, metavar="N", default=config.DEFAULT_MAX_N,
+                        help=f"largest n (sequences per prompt; default {config.DEFAULT_MAX_N})")
+    limits.add_argument("--max-sequences-per-request", type=int, metavar="N",
+                        default=config.DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                        help="sequences one request may ask for in all, prompts times n "
+                        f"(default {config.DEFAULT_MAX_SEQUENCES_PER_REQUEST})")
+    limits.add_argument("--max-waiting-requests", type=int, metavar="N",
+                        default=config.DEFAULT_MAX_WAITING_REQUESTS,
+                        help="sequences that may wait to be scheduled; beyond, requests get 503 "
+                        "with Retry-After (default "
+                        f"{config.DEFAULT_MAX_WAITING_REQUESTS})")
+    limits.add_argument("--max-request-body-size", metavar="SIZE", default="32MiB",
+                        help="largest request body, e.g. 1MiB (default 32MiB); larger bodies "
+                        "get 413")
+    limits.add_argument("--request-read-timeout", type=float, metavar="SECONDS",
+                        default=config.DEFAULT_REQUEST_READ_TIMEOUT,
+                        help="seconds a client has to send a request's headers and body before "
+                        "the connection is closed (default "
+                        f"{config.DEFAULT_REQUEST_READ_TIMEOUT:g})")
+
+
+def _add_engine(engine: argparse._ArgumentGroup) -> None:
+    from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
+
+    engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="weights and KV cache dtype (default bfloat16; float32 gives "
+                        "results that do not depend on batch shapes)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None, help="automatic prefix caching (default: on)")
+    engine.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,
+                        help="hash of the prefix-cache block keys (default builtin)")
+    engine.add_argument("--block-size", type=int, choices=ALLOWED_BLOCK_SIZES,
+                        help="tokens per KV cache block (default 16)")
+    _add_kv_cache_size(engine.add_mutually_exclusive_group())
+    engine.add_argument("--max-num-seqs", type=int, metavar="N",
+                        help="sequences running at once (default 32)")
+    engine.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                        help="tokens computed per step (default 2048)")
+    engine.add_argument("--max-model-len", type=int, metavar="N",
+                        help="context length, prompt plus output (default: the model's, capped "
+                        "by the KV cache)")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=None, help="compute long prompts in chunks (default: on; off, "
+                        "a prompt longer than --max-num-batched-tokens is refused)")
+    engine.add_argument("--num-threads", type=int, metavar="N",
+                        help="CPU threads for the model (default: torch's)")
+
+
+def _add_kv_cache_size(size: argparse._MutuallyExclusiveGroup) -> None:
+    size.add_argument("--kv-cache-memory", metavar="SIZE",
+                      help="memory for the KV cache, e.g. 512MiB or 2GiB (default 1GiB)")
+    size.add_argument("--num-blocks", type=int, metavar="N",
+                      help="KV cache size in blocks (instead of --kv-cache-memory)")
+
+
+def _add_logging(logs: argparse._ArgumentGroup) -> None:
+    logs.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                      help="seconds between engine stats log lines (throughput, queue, KV "
+                      "cache usage, rolling prefix cache hit rate); 0 turns them off "
+                      "(default 10)")
+    logs.add_argument("--log-level", default="info",
+                      choices=("critical", "error", "warning", "info", "debug"),
+                      help="log level (default info)")
+    logs.add_argument("--disable-access-log", action="store_true",
+                      help="do not log every HTTP request")
+    logs.add_argument("--metrics-prefix", choices=("prefixserve", "vllm"), default="prefixserve",
+                      help="prefix of the /metrics names: prefixserve:... (default) or vllm:... "
+                      "so that vLLM's Grafana dashboards and autoscaling rules work unchanged")

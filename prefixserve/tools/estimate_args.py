@@ -1,0 +1,119 @@
+"""The ``prefixserve estimate`` command line: its parser, one function per argument group. Only
+argparse is imported here; ``estimate`` itself is imported when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+Replays a prompt log or a block-hash trace, in file order, through the engine's own prefix-cache
+code (prefixserve.core) for each KV cache size asked for and for an infinite cache (the upper
+bound), and reports the hit rate by blocks and by tokens, the prefill tokens saved, the 1/(1-h)
+bound on prefill speed-up and the share of requests with any hit. No model is run.
+
+Inputs (detected from the first record, or --format), plain, .gz or .xz, one JSON object a line:
+  tokens          {"token_ids": [...], "output_token_ids"?, "cache_salt"?, "lora_id"?}
+  text / chat     {"prompt": "..."} or {"messages": [...]} with optional "response", tokenised
+                  with --tokenizer's tokenizer and chat template
+  mooncake        {"hash_ids": [...], "input_length": n}: chained ids of 512-token blocks
+                  (or the record's "block_size")
+  bailian         {"chat_id", "hash_ids", "input_length", ...}: 16-token blocks hashed on their
+                  own content; chained here so that a block only hits after the same history
+  kvcache-tester  one session a line (64-token blocks, ids local to the session, sub-agent
+                  requests nested): each session gets its own id space
+The "timestamp" of a record is not used: requests are replayed in file order.
+
+Blocks: the cache is simulated with --block-size blocks. A trace with larger blocks is split
+(id i becomes sub-blocks (i, 0..k-1)); one with smaller blocks is merged. Only full blocks are
+ever cached, as in the engine: the partial last block of a prompt (and any tokens a trace gives no
+id for) is always computed and never cached, and a prompt that fills its last block exactly still
+computes that block (logits need one computed token). Splitting cannot see that two different
+trace blocks start with the same tokens, so it may miss hits inside a trace block (for the
+infinite cache, it gives a lower bound).
+
+Known outputs (output_token_ids, response) are decoded in the simulation: the blocks they fill
+are cached, so a follow-up turn hits on the previous answer. Trace outputs (output_length) have
+no ids and are not simulated. A request needing more blocks than a pool holds could never run:
+it is counted with no hit and leaves that pool's cache as it was."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``prefixserve estimate`` on ``subparsers``."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="estimate what prefix caching would buy on a prompt log or trace",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_input(parser)
+    _add_sizes(parser.add_argument_group(
+        "KV cache sizes (default: 1%, 5%, 20% and 50% of the distinct blocks; the infinite "
+        "cache is always added)"))
+    _add_replay(parser.add_argument_group("replay"))
+    _add_output(parser.add_argument_group("output"))
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the estimate (imports the estimator)."""
+    from prefixserve.tools.estimate import run_estimate
+
+    return run_estimate(args)
+
+
+def _add_input(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="the prompt log or trace (JSONL, optionally .gz/.xz; "
+                        "- for stdin)")
+    parser.add_argument("--format", choices=("tokens", "text", "chat", "mooncake", "bailian",
+                                             "kvcache-tester"),
+                        help="input format (default: detected from the first record)")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="simulated KV block size in tokens (default: 16, as the engine)")
+    parser.add_argument("--trace-block-size", type=int,
+                        help="tokens per hash_ids entry of a trace (default: the record's "
+                        "block_size, else 512 mooncake, 16 bailian, the session's kvcache-tester)")
+    parser.add_argument("--chain", action=argparse.BooleanOptionalAction, default=None,
+                        help="chain trace ids here (treat them as per-block content hashes); "
+                        "default: only for bailian")
+    parser.add_argument("--tokenizer", metavar="MODEL",
+                        help="tokenizer for text/chat logs: a .gguf file or HF directory "
+                        "(default: the default model's)")
+
+
+def _add_sizes(sizes: argparse._ArgumentGroup) -> None:
+    sizes.add_argument("--capacity", metavar="BLOCKS",
+                       help="pool sizes in blocks of --block-size, e.g. 1000,10000,50000")
+    sizes.add_argument("--kv-memory", metavar="SIZES",
+                       help="pool sizes in bytes, e.g. 4GiB,16GiB (needs --kv-bytes-per-token "
+                       "or --kv-model)")
+    sizes.add_argument("--kv-bytes-per-token", type=int, metavar="N",
+                       help="KV bytes one token takes (all layers, K and V)")
+    sizes.add_argument("--kv-model", metavar="MODEL",
+                       help="take the KV bytes per token from this model's config (a .gguf "
+                       "file, an HF directory, or 'default')")
+    sizes.add_argument("--kv-dtype", default="bf16",
+                       help="KV cache dtype for --kv-model: fp32, bf16, fp16, fp8 (default bf16)")
+
+
+def _add_replay(replay: argparse._ArgumentGroup) -> None:
+    replay.add_argument("--concurrency", type=int, default=1, metavar="N",
+                        help="requests kept resident, released in arrival order (default 1: "
+                        "each request is allocated, decoded and freed before the next)")
+    replay.add_argument("--warmup-fraction", type=float, default=0.0, metavar="F",
+                        help="count figures only over the requests after the first F of them "
+                        "(default 0)")
+    replay.add_argument("--window", type=int, metavar="N",
+                        help="requests in the rolling hit rate (default: 5%% of the requests, "
+                        "at most 1000)")
+    replay.add_argument("--jobs", type=int, metavar="N",
+                        help="processes replaying caches in parallel (default: CPU count)")
+    replay.add_argument("--skip-bad-lines", action="store_true",
+                        help="count and skip unreadable lines instead of stopping at the first")
+
+
+def _add_output(output: argparse._ArgumentGroup) -> None:
+    output.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+    output.add_argument("--plot", metavar="FILE.png",
+                        help="plot hit rate against cache size and the rolling hit rate")
+    output.add_argument("--no-progress", action="store_true", help="never show a progress bar")
