@@ -104,7 +104,8 @@ class CacheResult:
 
     @property
     def speedup_bound(self) -> float:
-        """1/(1-h) with h the token hit rate: the most prefill can speed up (SPEC section 5)."""
+        """1/(1-h) with h the token hit rate: the most prefill can speed up
+        (docs/DESIGN.md section 5)."""
         miss = 1.0 - self.token_hit_rate
         return 1.0 / miss if miss > 0 else math.inf
 
