@@ -1,4 +1,4 @@
-"""Each rule of SPEC sections 1-4 and 6 as its own test, on prefixserve.core alone."""
+"""Each rule of docs/DESIGN.md sections 1-4 and 6 as its own test, on prefixserve.core alone."""
 
 from __future__ import annotations
 
@@ -382,8 +382,8 @@ def test_blocks_held_across_a_reset_come_back_uncached_and_their_eviction_keeps_
     run_once(manager, req("c", list(range(500, 509))))  # evicts all three blocks
     assert manager.num_free_blocks == 3
     assert len(pool.cached_block_hash_to_block) == 2  # c's two full blocks, nothing stale
-    assert run_once(manager, req("d", list(range(9)))) == 0
     assert run_once(manager, req("e", list(range(500, 509)))) == 8
+    assert run_once(manager, req("d", list(range(9)))) == 0
 
 
 def test_blocks_a_running_request_fills_after_a_reset_are_cached_and_found() -> None:

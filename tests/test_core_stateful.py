@@ -81,8 +81,9 @@ class ReferenceCache:
         self.cached.pop(rid, None)
 
     def reset(self) -> bool:
-        if any(self.ref.values()):
-            return False
+        """Drops every key, also of held blocks; a held block's request keeps its cached
+        count, so that block is never keyed again (docs/DESIGN.md section 3: reset under
+        traffic)."""
         self.holders.clear()
         self.key = dict.fromkeys(self.key)
         return True

@@ -205,11 +205,12 @@ def test_the_waiting_queue_bound_counts_sequences_not_requests(
 def test_reset_under_traffic_then_an_identical_request_hits_nothing(cached: LLM) -> None:
     engine = cached.engine
     prompt = prompts(cached)[0]
-    reference = cached.generate([prompt], GREEDY)[0].outputs[0].token_ids
-    first = engine.add_request(prompt, GREEDY)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    reference = cached.generate([prompt], params)[0].outputs[0].token_ids
+    first = engine.add_request(prompt, params)
     engine.step()  # prefill done: the prompt's blocks are cached and held
     assert engine.reset_prefix_cache() is True
-    again = cached.generate([prompt], GREEDY)[0]  # also runs ``first`` to its end
+    again = cached.generate([prompt], params)[0]  # also runs ``first`` to its end
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == reference
     assert first not in engine.groups

@@ -61,7 +61,7 @@ class LLM:
         return self._run(prompts, sampling_params, cache_salt)
 
     def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache (refused while requests run)."""
+        """Empties the prefix cache, also while requests run (their blocks come back uncached)."""
         return self.engine.reset_prefix_cache()
 
     def _run(self, prompts: list[Prompt],
