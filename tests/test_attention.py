@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import attention
+from prefixserve.model import shared_prefix_attention
 from prefixserve.model.attention import build_metadata, paged_attention
 
 BLOCK = 16
@@ -74,12 +74,12 @@ def test_two_pass_only_when_it_saves_enough(monkeypatch: pytest.MonkeyPatch) -> 
     cpu = torch.device("cpu")
     seq_lens = [(length - 1, 1) for length in lens]
     # Saved copies: 2 x 70 blocks + 1 x 40 blocks = 2,880 keys.
-    monkeypatch.setattr(attention, "MIN_SAVED_KEYS", 2880)
+    monkeypatch.setattr(shared_prefix_attention, "MIN_SAVED_KEYS", 2880)
     assert build_metadata(seq_lens, tables, BLOCK, cpu).decode.shared is not None
-    monkeypatch.setattr(attention, "MIN_SAVED_KEYS", 2881)
+    monkeypatch.setattr(shared_prefix_attention, "MIN_SAVED_KEYS", 2881)
     assert build_metadata(seq_lens, tables, BLOCK, cpu).decode.shared is None
     # A prefix stops before the block that holds a member's new token.
     same = [list(range(10)), list(range(10))]
-    monkeypatch.setattr(attention, "MIN_SAVED_KEYS", 1)
+    monkeypatch.setattr(shared_prefix_attention, "MIN_SAVED_KEYS", 1)
     shared = build_metadata([(159, 1), (150, 1)], same, BLOCK, cpu).decode.shared
     assert shared is not None and shared.batches[0].num_keys == 9 * BLOCK

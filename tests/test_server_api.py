@@ -232,16 +232,16 @@ def test_reset_prefix_cache_works_while_requests_run(server: ServerProcess,
     """Blocks a running request holds stop being findable at once and come back uncached."""
     system = system_prompt()
     chat(client, system, "Hello?")
-    started = threading.Event()
-    done = threading.Event()
+    started, stop = threading.Event(), threading.Event()
 
-    def long_stream() -> None:
+    def long_stream() -> None:  # runs until told to stop (closing it aborts the request)
         with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                          json={"prompt": "Count: 1, 2, 3,", "max_tokens": 24,
+                          json={"prompt": "Count: 1, 2, 3,", "max_tokens": 900,
                                 "ignore_eos": True, "stream": True}) as response:
             for _ in response.iter_lines():
                 started.set()
-        done.set()
+                if stop.is_set():
+                    break
 
     thread = threading.Thread(target=long_stream)
     thread.start()
@@ -249,11 +249,12 @@ def test_reset_prefix_cache_works_while_requests_run(server: ServerProcess,
         assert started.wait(60)
         reset = httpx.post(server.url + "/reset_prefix_cache")
         assert reset.status_code == 200 and reset.json() == {"status": "reset"}
-        assert not done.is_set()  # the reset happened under traffic
+        running = server.metrics()["prefixserve:num_requests_running"]
         after_reset = chat(client, system, "Hello?")
     finally:
+        stop.set()
         thread.join(120)
-    assert done.is_set()
+    assert running == 1  # the reset happened under traffic
     assert after_reset.usage.prompt_tokens_details.cached_tokens == 0
     server.wait_for_metrics(idle)  # every block back in the pool
     assert chat(client, system, "Hello?").usage.prompt_tokens_details.cached_tokens > 0

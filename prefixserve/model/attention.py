@@ -10,55 +10,25 @@ sequence of the same step writes. All index tensors are built once per step in
 :class:`AttentionMetadata` and reused by every layer.
 
 Decoding sequences that begin with the same cached blocks (a shared system prompt, the turns of
-one conversation) attend in two passes (:class:`SharedPrefixes`): each group's shared keys are
-read from the cache once for all its members (a sequence without a partner is a group of one),
-the keys after the prefix once per sequence, and the two partial results are merged by their
-log-sum-exp. Without it every member copies the whole
-shared prefix out of the cache at every layer, which at long shared contexts is most of the time
-of a decode step on CPU.
+one conversation) attend in two passes on CPU, the shared keys read from the cache once per
+group: :mod:`prefixserve.model.shared_prefix_attention` plans that when building the metadata
+(:attr:`DecodeGroup.shared`) and runs it in :func:`paged_attention`; this module keeps the paged
+layout and the plain attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-MIN_SAVED_KEYS = 2048
-"""Two-pass decode is used when it saves copying at least this many keys in a step (each
-layer): below that its extra operations cost more than the copies they save."""
-MIN_GROUP_BLOCKS = 4
-"""Sequences are grouped on a shared prefix of at least this many blocks."""
-
-
-@dataclass
-class PrefixBatch:
-    """Prefix groups with the same number of members, attended in one call.
-
-    ``block_tables`` is ``[G, max_blocks]``: the blocks each of the G groups has in common
-    (padded with block 0), ``num_keys`` the longest of those prefixes in tokens, ``key_mask``
-    ``[G, 1, 1, num_keys]`` additive (0 or -inf; None when every prefix has ``num_keys``
-    tokens), and ``members`` ``[G, M]`` the positions of each group's sequences in the decode
-    batch.
-    """
-
-    block_tables: torch.Tensor
-    num_keys: int
-    key_mask: torch.Tensor | None
-    members: torch.Tensor
-
-
-@dataclass
-class SharedPrefixes:
-    """The decoding sequences split into a prefix (shared by a group, or a sequence's own when
-    alone) and what follows it. ``batches`` hold the groups, by number of members; ``grouped``
-    is ``cat(batch.members.flatten() for batch in batches)``: which decode-batch position each
-    row of the concatenated prefix results belongs to.
-    """
-
-    batches: list[PrefixBatch]
-    grouped: torch.Tensor
+from prefixserve.model.shared_prefix_attention import (
+    SharedPrefixes,
+    split_shared_prefixes,
+    two_pass_decode,
+)
 
 
 @dataclass
@@ -70,7 +40,8 @@ class DecodeGroup:
     longest context, and ``mask`` ``[B, 1, 1, num_keys]`` additive (0 or -inf, in the cache's
     dtype) or None when every context has length ``num_keys``. With ``shared`` set,
     ``block_tables`` and ``num_keys`` cover only the blocks after each sequence's prefix (see
-    :class:`SharedPrefixes`; all of them for a sequence in no group).
+    :class:`~prefixserve.model.shared_prefix_attention.SharedPrefixes`; all of them for a
+    sequence in no group).
     """
 
     rows: torch.Tensor | None
@@ -129,11 +100,7 @@ def build_metadata(
     row = 0
     for (start_pos, n), table in zip(seq_lens, block_tables, strict=True):
         end_pos = start_pos + n
-        for b in range(start_pos // block_size, (end_pos - 1) // block_size + 1):
-            base = table[b] * block_size
-            lo = max(start_pos, b * block_size) - b * block_size
-            hi = min(end_pos, (b + 1) * block_size) - b * block_size
-            slots.extend(range(base + lo, base + hi))
+        slots += _slots(table, start_pos, end_pos, block_size)
         used_blocks = table[: (end_pos - 1) // block_size + 1]
         if n == 1:
             decode_rows.append(row)
@@ -142,11 +109,7 @@ def build_metadata(
         elif start_pos == 0:
             prefills.append(PrefillSeq(row, row + n, False, None, n, None))
         else:
-            q_pos = torch.arange(start_pos, end_pos, device=device)
-            k_pos = torch.arange(end_pos, device=device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            bt = torch.tensor(used_blocks, dtype=torch.long, device=device)
-            prefills.append(PrefillSeq(row, row + n, True, bt, end_pos, mask))
+            prefills.append(_cached_prefill(row, start_pos, end_pos, used_blocks, device))
         row += n
     decode = None
     if decode_rows:
@@ -156,49 +119,27 @@ def build_metadata(
     return AttentionMetadata(slot_mapping, decode, prefills, row)
 
 
-def _shared_prefix_groups(
-    tables: list[list[int]], lens: list[int], block_size: int
-) -> list[tuple[list[int], int]]:
-    """``(members, shared blocks)`` for each run of at least two decoding sequences that share
-    their first ``MIN_GROUP_BLOCKS`` blocks or more, when sharing saves copying
-    ``MIN_SAVED_KEYS`` keys or more in all (otherwise none), and then a group of one for every
-    other sequence longer than a block.
+def _slots(table: list[int], start_pos: int, end_pos: int, block_size: int) -> list[int]:
+    """The cache slots of positions ``[start_pos, end_pos)`` of the sequence with blocks
+    ``table``, in order."""
+    slots: list[int] = []
+    for b in range(start_pos // block_size, (end_pos - 1) // block_size + 1):
+        base = table[b] * block_size
+        lo = max(start_pos, b * block_size) - b * block_size
+        hi = min(end_pos, (b + 1) * block_size) - b * block_size
+        slots.extend(range(base + lo, base + hi))
+    return slots
 
-    Tables are sorted, so sequences with common first blocks are neighbours; a run goes on while
-    each next table shares at least ``MIN_GROUP_BLOCKS`` blocks with the one before, and the
-    group shares what all its members have in common. A prefix stops before the block of any
-    member's last position, so every member keeps at least one key (its new token's) of its own.
-    """
-    order = sorted(range(len(tables)), key=tables.__getitem__)
-    groups: list[tuple[list[int], int]] = []
-    alone: list[int] = []
-    saved = 0
-    members = [order[0]]
-    shared = 0
-    for i in [*order[1:], None]:
-        common = 0
-        if i is not None:
-            a, b = tables[members[-1]], tables[i]
-            limit = min(len(a), len(b), (lens[members[-1]] - 1) // block_size,
-                        (lens[i] - 1) // block_size)
-            while common < limit and a[common] == b[common]:
-                common += 1
-        if common >= MIN_GROUP_BLOCKS:
-            shared = common if len(members) == 1 else min(shared, common)
-            members.append(i)
-            continue
-        if len(members) > 1:
-            groups.append((members, shared))
-            saved += (len(members) - 1) * shared * block_size
-        else:
-            alone.append(members[0])
-        members = [i]
-    if saved < MIN_SAVED_KEYS:
-        return []
-    # The rest have their own prefix in the same pass, so that the second pass, padded to its
-    # longest sequence, holds only the last blocks of each.
-    groups += [([i], (lens[i] - 1) // block_size) for i in alone if lens[i] > block_size]
-    return groups
+
+def _cached_prefill(row: int, start_pos: int, end_pos: int, used_blocks: list[int],
+                    device: torch.device) -> PrefillSeq:
+    """The prefill of positions ``[start_pos, end_pos)`` (``start_pos`` > 0: earlier positions
+    are cached) at rows from ``row``, over the keys of ``used_blocks``, causally masked."""
+    q_pos = torch.arange(start_pos, end_pos, device=device)
+    k_pos = torch.arange(end_pos, device=device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    bt = torch.tensor(used_blocks, dtype=torch.long, device=device)
+    return PrefillSeq(row, row + end_pos - start_pos, True, bt, end_pos, mask)
 
 
 def _additive_mask(lens: list[int], num_keys: int, device: torch.device, dtype: torch.dtype
@@ -210,32 +151,6 @@ def _additive_mask(lens: list[int], num_keys: int, device: torch.device, dtype: 
     pad = torch.arange(num_keys, device=device)[None, :] >= lens_t[:, None]
     mask = torch.zeros(pad.shape, dtype=dtype, device=device).masked_fill_(pad, float("-inf"))
     return mask[:, None, None, :]
-
-
-def _shared_prefixes(
-    groups: list[tuple[list[int], int]],
-    tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> SharedPrefixes:
-    by_size: dict[int, list[tuple[list[int], int]]] = {}
-    for members, shared in groups:
-        by_size.setdefault(len(members), []).append((members, shared))
-    batches = []
-    grouped: list[int] = []
-    for same_size in by_size.values():
-        max_blocks = max(shared for _, shared in same_size)
-        prefix_tables = [tables[m[0]][:n] + [0] * (max_blocks - n) for m, n in same_size]
-        lens = [n * block_size for _, n in same_size]
-        batches.append(PrefixBatch(
-            torch.tensor(prefix_tables, dtype=torch.long, device=device),
-            max_blocks * block_size,
-            _additive_mask(lens, max_blocks * block_size, device, dtype),
-            torch.tensor([m for m, _ in same_size], dtype=torch.long, device=device),
-        ))
-        grouped += [i for m, _ in same_size for i in m]
-    return SharedPrefixes(batches, torch.tensor(grouped, dtype=torch.long, device=device))
 
 
 def _decode_group(
@@ -250,17 +165,11 @@ def _decode_group(
     rows_t = None
     if len(rows) != num_tokens:
         rows_t = torch.tensor(rows, dtype=torch.long, device=device)
-    # The two-pass path uses the CPU flash-attention kernel (for its log-sum-exp).
-    groups = _shared_prefix_groups(tables, lens, block_size) if device.type == "cpu" else []
     shared = None
-    if groups:
-        shared = _shared_prefixes(groups, tables, block_size, device, dtype)
-        skip = [0] * len(tables)
-        for members, n in groups:
-            for i in members:
-                skip[i] = n
-        tables = [t[n:] for t, n in zip(tables, skip, strict=True)]
-        lens = [length - n * block_size for length, n in zip(lens, skip, strict=True)]
+    # The two-pass path uses the CPU flash-attention kernel (for its log-sum-exp).
+    if device.type == "cpu":
+        shared, tables, lens = split_shared_prefixes(
+            tables, lens, block_size, device, partial(_additive_mask, device=device, dtype=dtype))
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
     num_keys = max(lens)
@@ -331,62 +240,15 @@ def _decode_attention(
     num_kv_heads = keys.shape[2]
     query = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if group.shared is not None:
-        out = _two_pass_decode(query, keys, values, layer_cache, group, block_size)
+        def read(block_tables: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return _gather(layer_cache, block_tables, block_size, num_keys)
+
+        out = two_pass_decode(query, keys, values, group.mask, group.shared, read)
     else:
         out = F.scaled_dot_product_attention(
             query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask
         )
     return out.reshape(batch, num_heads, head_dim)
-
-
-def _attention_with_lse(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query`` ``[N, kv_heads, Q, head_dim]`` over ``keys``/``values`` ``[N,
-    K, kv_heads, head_dim]`` with an additive ``mask``; returns the output and the log-sum-exp
-    of each query's scores (float32, ``[N, kv_heads, Q]``)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
-    )
-    return out, lse
-
-
-def _two_pass_decode(
-    query: torch.Tensor,
-    own_keys: torch.Tensor,
-    own_values: torch.Tensor,
-    layer_cache: torch.Tensor,
-    group: DecodeGroup,
-    block_size: int,
-) -> torch.Tensor:
-    """Decode attention for ``query`` ``[B, kv_heads, heads per kv head, head_dim]`` as the
-    softmax-weighted merge of attention over the keys after each sequence's prefix
-    (``own_keys``) and over the prefix (read once for all members of a group)."""
-    shared = group.shared
-    assert shared is not None
-    out, lse = _attention_with_lse(query, own_keys, own_values, group.mask)
-    num_kv_heads, per_kv, head_dim = query.shape[1:]
-    outs, lses = [], []
-    for batch in shared.batches:
-        num_groups, members = batch.members.shape
-        # [G, M, kv_heads, per_kv, D] -> [G, kv_heads, M * per_kv, D]: a group's queries.
-        members_q = query.index_select(0, batch.members.flatten())
-        members_q = members_q.view(num_groups, members, num_kv_heads, per_kv, head_dim)
-        members_q = members_q.transpose(1, 2).reshape(num_groups, num_kv_heads, -1, head_dim)
-        keys, values = _gather(layer_cache, batch.block_tables, block_size, batch.num_keys)
-        prefix_out, prefix_lse = _attention_with_lse(members_q, keys, values, batch.key_mask)
-        prefix_out = prefix_out.view(num_groups, num_kv_heads, members, per_kv, head_dim)
-        outs.append(prefix_out.transpose(1, 2).reshape(-1, num_kv_heads, per_kv, head_dim))
-        prefix_lse = prefix_lse.view(num_groups, num_kv_heads, members, per_kv)
-        lses.append(prefix_lse.transpose(1, 2).reshape(-1, num_kv_heads, per_kv))
-    prefix_out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    prefix_lse = lses[0] if len(lses) == 1 else torch.cat(lses)
-    own_out = out.index_select(0, shared.grouped)
-    own_lse = lse.index_select(0, shared.grouped)
-    total = torch.logaddexp(own_lse, prefix_lse)
-    merged = (own_out.float() * torch.exp(own_lse - total).unsqueeze(-1)
-              + prefix_out.float() * torch.exp(prefix_lse - total).unsqueeze(-1))
-    return out.index_copy(0, shared.grouped, merged.to(out.dtype))
 
 
 def _prefill_attention(

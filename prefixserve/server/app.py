@@ -5,23 +5,28 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 admin action (an admin key is needed once the server has any key: a tenant's key gets 403);
 ``GET /metrics`` (open unless the server has metrics keys; an admin key works too); and
 ``GET /health``, ``GET /version`` (always open). ``/openapi.json``
-describes exactly what each route accepts and answers: FastAPI's 422 is never sent (validation
-errors are 400s), so it is not documented either.
+describes exactly what each route accepts and answers (see :mod:`prefixserve.server.openapi`):
+FastAPI's 422 is never sent (validation errors are 400s), so it is not documented either.
+
+:func:`create_app` builds the app, installs the error handlers and transport guards, declares
+the routes (:func:`_add_openai_routes`, :func:`_add_operation_routes`) and installs the OpenAPI
+document.
 
 Annotations here are evaluated (no ``from __future__ import annotations``): FastAPI reads the
-dependencies of the route functions, which are local to ``create_app``, from them.
+dependencies of the route functions, which are local to the ``_add_..._routes`` functions,
+from them.
 """
 
 import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Security
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -30,13 +35,13 @@ from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.metrics import ServerMetrics
+from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
 from prefixserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     StatusResponse,
@@ -52,24 +57,6 @@ came from the prefix cache. Errors have the OpenAI shape `{"error": {"message", 
 "code"}}`."""
 
 AuthDependency = Callable[..., Coroutine[Any, Any, str | None]]
-
-
-def _error(description: str) -> dict[str, Any]:
-    return {"model": ErrorResponse, "description": description}
-
-
-def _stream_doc(chunk: type) -> dict[str, Any]:
-    """The 200 response of a generation route: JSON, or with ``stream`` server-sent events,
-    each described (as OpenAPI 3.1 does without ``itemSchema``) by the schema of one event."""
-    data = (f"A {chunk.__name__} as JSON; an `ErrorResponse` as JSON if generation fails after "
-            "the stream started; `[DONE]` last.")
-    event = {"type": "object", "required": ["data"],
-             "properties": {"data": {"type": "string", "description": data},
-                            "event": {"type": "string"}, "id": {"type": "string"},
-                            "retry": {"type": "integer"}}}
-    return {"description": f"The response, or with `stream` server-sent events: `data: <"
-            f"{chunk.__name__}>` lines, then `data: [DONE]`.",
-            "content": {"text/event-stream": {"schema": event}}}
 
 
 def make_auth(keys: tuple[str, ...], *, what: str = "API key",
@@ -114,61 +101,93 @@ def _matches(given: bytes, keys: list[bytes]) -> bool:
     return any([hmac.compare_digest(given, key) for key in keys])
 
 
+@dataclass(frozen=True)
+class KeyParameters:
+    """The types of the route parameters that check a key: each is ``Annotated[str | None,
+    Depends(<a make_auth dependency>)]``, and a route with a parameter of that type answers 401
+    or 403 as :func:`make_auth` says, or gets the caller's key.
+
+    ``api``: an API key (open without API keys). ``admin``: an admin key; API and metrics keys
+    get 403 (open while admin actions are not protected). ``metrics``: a metrics or admin key;
+    API keys get 403 (open without metrics keys).
+    """
+
+    api: Any
+    admin: Any
+    metrics: Any
+
+    @classmethod
+    def for_config(cls, config: ServerConfig) -> "KeyParameters":
+        """The key checks of a server with ``config``."""
+        api = make_auth(config.api_keys)
+        admin = make_auth(config.admin_keys, what="admin key",
+                          other_keys=config.api_keys + config.metrics_keys,
+                          protected=config.admin_protected)
+        metrics = make_auth(config.metrics_keys + config.admin_keys, what="metrics key",
+                            other_keys=config.api_keys, protected=bool(config.metrics_keys))
+        return cls(api=Annotated[str | None, Depends(api)],
+                   admin=Annotated[str | None, Depends(admin)],
+                   metrics=Annotated[str | None, Depends(metrics)])
+
+
+#: The 200 of ``/metrics``: Prometheus' text format (its errors are JSON, as every route's).
+_PROMETHEUS_DOC: dict[str, Any] = {
+    "description": "Prometheus metrics in the text exposition format.",
+    "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
 def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The server's application. It owns ``engine``: its lifespan ends by shutting it down."""
+    app = FastAPI(title="prefixserve", version=__version__, description=_DESCRIPTION,
+                  lifespan=_shutting_down(engine), redirect_slashes=False)
+    install_error_handlers(app)
+    install_transport_guards(app, config)
+    metrics = ServerMetrics(engine, config.served_model_names[0], config.metrics_prefix)
+    serving = OpenAIServing(engine, config, metrics)
+    keys = KeyParameters.for_config(config)
+    docs = ErrorDocs.for_config(config)
+    _add_openai_routes(app, serving, config, keys, docs)
+    _add_operation_routes(app, engine, metrics, keys, docs)
+    install_openapi(app, config)
+    return app
+
+
+def _shutting_down(engine: AsyncLLM,
+                   ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """A lifespan that does nothing at startup and shuts ``engine`` down (in a thread) at the
+    end."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="prefixserve", version=__version__, description=_DESCRIPTION,
-                  lifespan=lifespan, redirect_slashes=False)
-    install_error_handlers(app)
-    install_transport_guards(app, config)
-    metrics = ServerMetrics(engine, config.served_model_names[0], config.metrics_prefix)
-    serving = OpenAIServing(engine, config, metrics)
-    ApiKey = Annotated[str | None, Depends(make_auth(config.api_keys))]
-    AdminKey = Annotated[str | None, Depends(make_auth(
-        config.admin_keys, what="admin key", other_keys=config.api_keys + config.metrics_keys,
-        protected=config.admin_protected))]
-    MetricsKey = Annotated[str | None, Depends(make_auth(
-        config.metrics_keys + config.admin_keys, what="metrics key",
-        other_keys=config.api_keys, protected=bool(config.metrics_keys)))]
+    return lifespan
+
+
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
+                       keys: KeyParameters, docs: ErrorDocs) -> None:
+    """Declares ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models``
+    (in that order), each behind an API key."""
+    ApiKey = keys.api
     started = int(time.time())
-    guarded: dict[int | str, dict[str, Any]] = (
-        {401: _error("Missing or wrong API key.")} if config.api_keys else {})
-    admin_errors: dict[int | str, dict[str, Any]] = (
-        {401: _error("Missing or wrong admin key."),
-         403: _error("The key is not an admin key.")} if config.admin_protected else {})
-    metrics_errors: dict[int | str, dict[str, Any]] = (
-        {401: _error("Missing or wrong metrics key."),
-         403: _error("The key is not a metrics or admin key.")} if config.metrics_keys else {})
-    generation_errors: dict[int | str, dict[str, Any]] = {
-        400: _error("Invalid request: bad JSON, wrong types or values, a field not supported, "
-                    "over a per-request limit, prompt too long for the context..."),
-        **guarded,
-        404: _error("The model is not served here (`model_not_found`)."),
-        503: _error("The waiting queue is full (retry after `Retry-After` seconds) or the "
-                    "engine is shutting down."),
-    }
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["OpenAI"],
-              responses={200: _stream_doc(CompletionResponse), **generation_errors})
+              responses={200: stream_doc(CompletionResponse), **docs.generation})
     async def completions(body: CompletionRequest, request: Request, response: Response,
                           api_key: ApiKey) -> Response | CompletionResponse:
         """Continues a prompt (a string, token ids, or a batch of either)."""
         return await serving.create_completion(body, request, api_key, response)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["OpenAI"],
-              responses={200: _stream_doc(ChatCompletionChunk), **generation_errors})
+              responses={200: stream_doc(ChatCompletionChunk), **docs.generation})
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                response: Response, api_key: ApiKey,
                                ) -> Response | ChatCompletionResponse:
         """Writes the assistant's next message of a conversation."""
         return await serving.create_chat_completion(body, request, api_key, response)
 
-    @app.get("/v1/models", response_model=ModelList, tags=["OpenAI"], responses=guarded)
+    @app.get("/v1/models", response_model=ModelList, tags=["OpenAI"], responses=docs.guarded)
     async def models(api_key: ApiKey) -> ModelList:
         """The served model, once per served name."""
         return ModelList(data=[
@@ -176,8 +195,15 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
                       max_model_len=serving.max_model_len)
             for name in config.served_model_names])
 
+
+def _add_operation_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics,
+                          keys: KeyParameters, docs: ErrorDocs) -> None:
+    """Declares ``POST /reset_prefix_cache`` (an admin action), ``GET /health``,
+    ``GET /version`` (open) and ``GET /metrics`` (behind a metrics key), in that order."""
+    AdminKey, MetricsKey = keys.admin, keys.metrics
+
     @app.post("/reset_prefix_cache", response_model=StatusResponse, tags=["Operations"],
-              responses=admin_errors)
+              responses=docs.admin)
     async def reset_prefix_cache(admin_key: AdminKey) -> StatusResponse:
         """Empties the prefix cache (its counters are kept), also while requests run: blocks
         they hold stop being findable and return to the pool uncached. An admin action."""
@@ -185,7 +211,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         return StatusResponse(status="reset")
 
     @app.get("/health", response_model=StatusResponse, tags=["Operations"],
-             responses={503: _error("The engine has stopped.")})
+             responses={503: error_doc("The engine has stopped.")})
     async def health() -> StatusResponse:
         """200 while the engine runs."""
         if not engine.is_running:
@@ -197,33 +223,9 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         """The prefixserve version."""
         return VersionResponse(version=__version__)
 
-    @app.get("/metrics", response_class=PlainTextResponse, tags=["Operations"],
-             responses=metrics_errors)
+    @app.get("/metrics", tags=["Operations"], response_class=Response,
+             responses={200: _PROMETHEUS_DOC, **docs.metrics})
     async def prometheus_metrics(metrics_key: MetricsKey) -> Response:
         """Prometheus metrics, named ``prefixserve:...`` (or ``vllm:...``); needs a metrics
         or admin key when the server has metrics keys."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version,
-                                 description=app.description, routes=app.routes)
-            for path_item in schema["paths"].values():
-                for operation in path_item.values():
-                    operation.get("responses", {}).pop("422", None)
-            schemas = schema.get("components", {}).get("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                schemas.pop(name, None)
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                model = schemas[name]["properties"]["model"]
-                model["anyOf"][0]["enum"] = list(config.served_model_names)
-            chunk = ChatCompletionChunk.model_json_schema(
-                ref_template="#/components/schemas/{model}", mode="serialization")
-            for name, definition in chunk.pop("$defs", {}).items():
-                schemas.setdefault(name, definition)
-            schemas["ChatCompletionChunk"] = chunk
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-    return app

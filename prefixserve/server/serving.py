@@ -139,6 +139,89 @@ class _Prompts:
                      prompt_tokens_details=PromptTokensDetails(
                          cached_tokens=sum(self.cached_tokens)))
 
+    def logprob_entries(self, index: int) -> list[LogprobEntry]:
+        """A new list of the logprob entries of prompt ``index``'s tokens: those the engine
+        reported (with ``prompt_logprobs``), else None for each token."""
+        entries = self.prompt_logprobs[index]
+        return list(entries) if entries is not None else [None] * len(self.ids[index])
+
+
+@dataclass
+class _Run:
+    """One request's engine work, and what every response or event of it repeats.
+
+    ``id`` is the response id (engine requests are named after it), ``param`` the request field
+    the prompts came from (named by a 400 on them), ``include_usage`` whether a stream ends with
+    a usage event. ``created`` is the time the run was made, in seconds."""
+
+    id: str
+    model: str
+    prompts: _Prompts
+    params: SamplingParams
+    salt: str | None
+    param: str
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def event(self, kind: type[CompletionResponse] | type[ChatCompletionChunk],
+              choices: list[Any], usage: Usage | None = None) -> str:
+        """A ``data:`` event holding a ``kind`` of this run with ``choices`` and ``usage``."""
+        return sse_event(kind(id=self.id, created=self.created, model=self.model,
+                              choices=choices, usage=usage))
+
+
+@dataclass
+class _CompletionChoices:
+    """Assembles the choices of one ``/v1/completions`` request, whole (one call per choice)
+    or streamed (one call per delta of a choice), the same way for both.
+
+    The first call for a choice puts the echoed prompt before its output (``echo_texts``, one
+    per prompt, None without ``echo``; with logprobs also the prompt's tokens and entries). With
+    ``top_logprobs`` (the request's ``logprobs``) each call reports the logprobs of its tokens,
+    their ``text_offset`` going on from where the choice's previous call ended."""
+
+    prompts: _Prompts
+    echo_texts: list[str] | None
+    top_logprobs: int | None
+    formatter: LogprobFormatter
+    _offsets: dict[int, int] = field(default_factory=dict)  # choice -> characters sent
+    _started: set[int] = field(default_factory=set)  # choices whose first part is built
+
+    def whole(self, index: int, prompt: int, seq: _Sequence) -> CompletionChoice:
+        """Choice ``index`` (of prompt ``prompt``) from everything its sequence produced."""
+        return self.choice(index, prompt, "".join(seq.text), seq.token_ids, seq.logprobs,
+                           seq.finish_reason, seq.stop_reason)
+
+    def delta(self, index: int, prompt: int, output: CompletionOutput) -> CompletionChoice:
+        """The next part of choice ``index`` (of prompt ``prompt``): one output delta."""
+        return self.choice(index, prompt, output.text, output.token_ids, output.logprobs or [],
+                           output.finish_reason, output.stop_reason)
+
+    def choice(self, index: int, prompt: int, text: str, token_ids: Sequence[int],
+               entries: Sequence[LogprobEntry], finish_reason: str | None,
+               stop_reason: int | str | None) -> CompletionChoice:
+        """Choice ``index`` (or its next part) from output of prompt ``prompt``."""
+        token_ids, entries = list(token_ids), list(entries)
+        if index not in self._started and self.echo_texts is not None:
+            text = self.echo_texts[prompt] + text
+            token_ids = self.prompts.ids[prompt] + token_ids
+            entries = self.prompts.logprob_entries(prompt) + entries
+        self._started.add(index)
+        logprobs = None
+        if self.top_logprobs is not None:
+            logprobs, self._offsets[index] = self.formatter.completion(
+                token_ids, entries, self.top_logprobs, self._offsets.get(index, 0))
+        return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                finish_reason=finish_reason, stop_reason=stop_reason)
+
+
+def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Any]:
+    """The prompts of a completion request: ``prompt`` itself when it is one (a string or
+    token ids), else its items."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
 
 class OpenAIServing:
     """Serves ``/v1/completions`` and ``/v1/chat/completions`` from an ``AsyncLLM``."""
@@ -272,19 +355,19 @@ class OpenAIServing:
         finally:
             tracker.close()
 
-    async def _start(self, prompts: _Prompts, params: SamplingParams, request_id: str,
-                     salt: str | None, param: str) -> MultiStream:
-        """Queues one engine request per prompt and waits for their first outputs."""
-        ids_list = prompts.ids
+    async def _start(self, run: _Run) -> MultiStream:
+        """Queues one engine request per prompt of ``run`` and waits for their first outputs;
+        a 400 (naming ``run.param``) or 503 when the engine refuses them."""
+        ids_list = run.prompts.ids
         stream = MultiStream([
-            self._source(ids, params, request_id if len(ids_list) == 1 else f"{request_id}-{i}",
-                         salt)
+            self._source(ids, run.params, run.id if len(ids_list) == 1 else f"{run.id}-{i}",
+                         run.salt)
             for i, ids in enumerate(ids_list)
         ])
         try:
             await stream.start()
         except RequestError as exc:
-            raise ApiError(400, str(exc), param=param, code="invalid_prompt") from exc
+            raise ApiError(400, str(exc), param=run.param, code="invalid_prompt") from exc
         except QueueFullError as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry later",
                            code="queue_full",
@@ -305,6 +388,14 @@ class OpenAIServing:
         finally:
             await stream.aclose()
         return sequences
+
+    def _run(self, kind: str, model: str, prompts: _Prompts, params: SamplingParams,
+             body: GenerationRequest, api_key: str | None, param: str) -> _Run:
+        """The run of a request: its id is ``kind`` and a fresh hex uuid, its salt the
+        request's (see :meth:`cache_salt`)."""
+        return _Run(id=f"{kind}-{uuid.uuid4().hex}", model=model, prompts=prompts,
+                    params=params, salt=self.cache_salt(body.cache_salt, api_key), param=param,
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage))
 
     @staticmethod
     async def _respond(request: Request, stream_events: bool,
@@ -330,91 +421,60 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionRequest, request: Request,
                                 api_key: str | None, response: Response,
                                 ) -> CompletionResponse | Response:
+        """Serves ``POST /v1/completions`` as the module docstring says: ``n`` choices per
+        prompt, with ``echo`` the prompt before each choice's text, with ``logprobs`` legacy
+        logprobs (``text_offset`` counted from the start of the choice, echo included)."""
         model = self.resolve_model(body.model)
         self.check_fields(body, response)
-        prompt = body.prompt
-        if isinstance(prompt, str) or isinstance(prompt[0], int):
-            items: list[Any] = [prompt]
-        else:
-            items = list(prompt)
+        items = _prompt_items(body.prompt)
         self.check_limits(len(items), body.n)
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
         for ids in ids_list:
             self.check_prompt(ids, max_tokens, "prompt")
-        k = body.logprobs
-        echo = bool(body.echo)
+        k, echo = body.logprobs, bool(body.echo)
         params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
                                       prompt_logprobs=k if echo else None)
-        echo_texts = [p if isinstance(p, str) else
-                      self.tokenizer.decode(ids, skip_special_tokens=False)
-                      for p, ids in zip(items, ids_list, strict=True)] if echo else None
+        echo_texts = self._echo_texts(items, ids_list) if echo else None
         prompts = _Prompts(ids_list)
-        salt = self.cache_salt(body.cache_salt, api_key)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        choices = _CompletionChoices(prompts, echo_texts, k, self.logprobs)
+        run = self._run("cmpl", model, prompts, params, body, api_key, "prompt")
+        return await self._respond(
+            request, bool(body.stream), lambda: self._start(run),
+            lambda stream: self._completion_events(run, choices, stream),
+            lambda: self._completion_response(run, choices), response)
 
-        def start() -> Awaitable[MultiStream]:
-            return self._start(prompts, params, request_id, salt, "prompt")
+    def _echo_texts(self, items: Sequence[Any], ids_list: Sequence[list[int]]) -> list[str]:
+        """The text to echo of each prompt: as given, or its token ids decoded (special tokens
+        included)."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+                for p, ids in zip(items, ids_list, strict=True)]
 
-        async def collect() -> CompletionResponse:
-            sequences = await self._collect(await start(), prompts, params.n)
-            choices = []
-            for i, row in enumerate(sequences):
-                for j, seq in enumerate(row):
-                    text = "".join(seq.text)
-                    logprobs = None
-                    if k is not None:
-                        token_ids, entries = seq.token_ids, list(seq.logprobs)
-                        if echo_texts is not None:
-                            token_ids = prompts.ids[i] + token_ids
-                            entries = self._prompt_entries(prompts, i) + entries
-                        logprobs, _ = self.logprobs.completion(token_ids, entries, k, 0)
-                    if echo_texts is not None:
-                        text = echo_texts[i] + text
-                    choices.append(CompletionChoice(
-                        index=i * params.n + j, text=text, logprobs=logprobs,
-                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-            completion_tokens = sum(len(s.token_ids) for row in sequences for s in row)
-            return CompletionResponse(id=request_id, created=created, model=model,
-                                      choices=choices, usage=prompts.usage(completion_tokens))
-
-        async def events(stream: MultiStream) -> AsyncGenerator[str, None]:
-            offsets: dict[int, int] = {}  # choice -> characters sent (for text_offset)
-            started: set[int] = set()  # choices whose first chunk (with the echo) is sent
-            finished: set[int] = set()
-            completion_tokens = 0
-            async for i, output in stream:
-                prompts.note(i, output)
-                for index, c in _fresh(output.outputs, i * params.n, finished):
-                    completion_tokens += len(c.token_ids)
-                    text, token_ids, entries = c.text, list(c.token_ids), c.logprobs or []
-                    if index not in started and echo_texts is not None:
-                        text = echo_texts[i] + text
-                        token_ids = prompts.ids[i] + token_ids
-                        entries = self._prompt_entries(prompts, i) + entries
-                    started.add(index)
-                    logprobs = None
-                    if k is not None:
-                        logprobs, offsets[index] = self.logprobs.completion(
-                            token_ids, entries, k, offsets.get(index, 0))
-                    yield sse_event(CompletionResponse(
-                        id=request_id, created=created, model=model,
-                        choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)]))
-            if include_usage:
-                yield sse_event(CompletionResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=prompts.usage(completion_tokens)))
-
-        return await self._respond(request, bool(body.stream), start, events, collect, response)
+    async def _completion_response(self, run: _Run,
+                                   choices: _CompletionChoices) -> CompletionResponse:
+        """Starts ``run``, runs it to its end and answers with every choice whole."""
+        n = run.params.n
+        sequences = await self._collect(await self._start(run), run.prompts, n)
+        whole = [choices.whole(i * n + j, i, seq)
+                 for i, row in enumerate(sequences) for j, seq in enumerate(row)]
+        completion_tokens = sum(len(s.token_ids) for row in sequences for s in row)
+        return CompletionResponse(id=run.id, created=run.created, model=run.model,
+                                  choices=whole, usage=run.prompts.usage(completion_tokens))
 
     @staticmethod
-    def _prompt_entries(prompts: _Prompts, index: int) -> list[LogprobEntry]:
-        entries = prompts.prompt_logprobs[index]
-        return list(entries) if entries is not None else [None] * len(prompts.ids[index])
+    async def _completion_events(run: _Run, choices: _CompletionChoices,
+                                 stream: MultiStream) -> AsyncGenerator[str, None]:
+        """The events of a started ``run``: one per choice delta with something new, then the
+        usage when asked for."""
+        finished: set[int] = set()
+        completion_tokens = 0
+        async for i, output in stream:
+            run.prompts.note(i, output)
+            for index, c in _fresh(output.outputs, i * run.params.n, finished):
+                completion_tokens += len(c.token_ids)
+                yield run.event(CompletionResponse, [choices.delta(index, i, c)])
+        if run.include_usage:
+            yield run.event(CompletionResponse, [], run.prompts.usage(completion_tokens))
 
     # ------------------------------------------------------------------ /v1/chat/completions
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -447,6 +507,9 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request,
                                      api_key: str | None, response: Response,
                                      ) -> ChatCompletionResponse | Response:
+        """Serves ``POST /v1/chat/completions`` as the module docstring says: ``n`` choices
+        of the conversation rendered by the chat template, with ``logprobs`` chat logprobs
+        (``top_logprobs`` alternatives each)."""
         model = self.resolve_model(body.model)
         self.check_fields(body, response)
         self.check_limits(1, body.n)
@@ -456,54 +519,49 @@ class OpenAIServing:
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
                                       prompt_logprobs=None)
-        prompts = _Prompts([ids])
-        salt = self.cache_salt(body.cache_salt, api_key)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        run = self._run("chatcmpl", model, _Prompts([ids]), params, body, api_key, "messages")
+        return await self._respond(
+            request, bool(body.stream), lambda: self._start(run),
+            lambda stream: self._chat_events(run, k, stream),
+            lambda: self._chat_response(run, k), response)
 
-        def start() -> Awaitable[MultiStream]:
-            return self._start(prompts, params, request_id, salt, "messages")
+    def _chat_logprobs(self, token_ids: Sequence[int], entries: Sequence[LogprobEntry],
+                       k: int | None) -> ChatLogprobs | None:
+        """The chat logprobs of a choice's tokens (or its next part's); None without ``k``."""
+        return None if k is None else ChatLogprobs(content=self.logprobs.chat(token_ids,
+                                                                              entries, k))
 
-        async def collect() -> ChatCompletionResponse:
-            sequences = (await self._collect(await start(), prompts, params.n))[0]
-            choices = [ChatChoice(
-                index=j, message=ChatResponseMessage(content="".join(seq.text)),
-                logprobs=None if k is None else ChatLogprobs(
-                    content=self.logprobs.chat(seq.token_ids, seq.logprobs, k)),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-                for j, seq in enumerate(sequences)]
-            completion_tokens = sum(len(s.token_ids) for s in sequences)
-            return ChatCompletionResponse(id=request_id, created=created, model=model,
-                                          choices=choices,
-                                          usage=prompts.usage(completion_tokens))
+    async def _chat_response(self, run: _Run, k: int | None) -> ChatCompletionResponse:
+        """Starts ``run``, runs it to its end and answers with every choice whole."""
+        sequences = (await self._collect(await self._start(run), run.prompts, run.params.n))[0]
+        choices = [ChatChoice(
+            index=j, message=ChatResponseMessage(content="".join(seq.text)),
+            logprobs=self._chat_logprobs(seq.token_ids, seq.logprobs, k),
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+            for j, seq in enumerate(sequences)]
+        completion_tokens = sum(len(s.token_ids) for s in sequences)
+        return ChatCompletionResponse(id=run.id, created=run.created, model=run.model,
+                                      choices=choices, usage=run.prompts.usage(completion_tokens))
 
-        def chunk(choice: ChatChunkChoice) -> str:
-            return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                                 choices=[choice]))
-
-        async def events(stream: MultiStream) -> AsyncGenerator[str, None]:
-            finished: set[int] = set()
-            completion_tokens = 0
-            for j in range(params.n):
-                yield chunk(ChatChunkChoice(index=j, delta=ChatDelta(role="assistant",
-                                                                     content="")))
-            async for _, output in stream:
-                prompts.note(0, output)
-                for _, c in _fresh(output.outputs, 0, finished):
-                    completion_tokens += len(c.token_ids)
-                    logprobs = None if k is None else ChatLogprobs(
-                        content=self.logprobs.chat(c.token_ids, c.logprobs or [], k))
-                    yield chunk(ChatChunkChoice(
-                        index=c.index, delta=ChatDelta(content=c.text or None),
-                        logprobs=logprobs, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason))
-            if include_usage:
-                yield sse_event(ChatCompletionChunk(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=prompts.usage(completion_tokens)))
-
-        return await self._respond(request, bool(body.stream), start, events, collect, response)
+    async def _chat_events(self, run: _Run, k: int | None,
+                           stream: MultiStream) -> AsyncGenerator[str, None]:
+        """The events of a started ``run``: the assistant role of each choice, one per choice
+        delta with something new, then the usage when asked for."""
+        finished: set[int] = set()
+        completion_tokens = 0
+        for j in range(run.params.n):
+            yield run.event(ChatCompletionChunk, [ChatChunkChoice(
+                index=j, delta=ChatDelta(role="assistant", content=""))])
+        async for _, output in stream:
+            run.prompts.note(0, output)
+            for _, c in _fresh(output.outputs, 0, finished):
+                completion_tokens += len(c.token_ids)
+                yield run.event(ChatCompletionChunk, [ChatChunkChoice(
+                    index=c.index, delta=ChatDelta(content=c.text or None),
+                    logprobs=self._chat_logprobs(c.token_ids, c.logprobs or [], k),
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        if run.include_usage:
+            yield run.event(ChatCompletionChunk, [], run.prompts.usage(completion_tokens))
 
 
 async def _terminated(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
