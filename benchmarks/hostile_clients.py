@@ -15,13 +15,18 @@ afterwards with every KV block back in the pool.
 Part B, the prefix-cache timing side channel: tenant A sends a fresh secret 512-token prompt
 (random token ids) or not (a coin flip); tenant B then sends the same prompt with
 ``max_tokens`` 1 and times its first token, guessing "A sent it" below a threshold calibrated
-on a few labelled trials. It runs on a default server (keys isolate the cache) and on one with
-``--share-cache-across-keys``, and prints B's mean times, the cached tokens B was told of, and
-B's guessing accuracy for both.
+on a few labelled trials (the geometric mean of their median times with and without A). It
+runs on a default server (keys isolate the cache) and on one with ``--share-cache-across-keys``,
+and prints B's mean times, the cached tokens B was told of, and B's guessing accuracy for both.
 
 Usage (about 5 minutes on 2 cores; ``--quick`` about 2)::
 
-    .venv/bin/python benchmarks/hostile_clients.py [--quick] [--seed N] [--out DIR]
+    .venv/bin/python benchmarks/hostile_clients.py [--quick] [--dtype float32] [--seed N]
+
+The servers run in the default dtype, bfloat16, unless ``--dtype`` says otherwise: on a CPU
+without native bfloat16 arithmetic (AVX2 only) a bfloat16 prefill is an order of magnitude
+slower than a float32 one, and part B's 512-token prefills then need ``--dtype float32`` to fit
+in minutes (the side channel is the same: it is the cache hit that is timed).
 
 The exit status is 1 if anything went wrong: a 5xx, a hang, an unexpected status or error
 shape, a slowloris connection left open, a server not idle afterwards or not exiting 0, a
@@ -276,7 +281,7 @@ def n_too_large(rng: random.Random) -> Case:
 
 
 def too_many_sequences(rng: random.Random) -> Case:
-    prompts, n = rng.choice([(3, 100), (2, 128), (64, 5), (16, 17)])
+    prompts, n = rng.choice([(3, 100), (3, 86), (64, 5), (16, 17)])
     return Case("too many sequences", COMPLETIONS,
                 {"json": {"prompt": ["hi"] * prompts, "n": n, "max_tokens": 2}}, 400)
 
@@ -329,12 +334,12 @@ def unknown_model(rng: random.Random) -> Case:
     name = rng.choice(["gpt-4o", "SmolLM2", "../../etc/passwd", "x" * 300, ""])
     body = rng.choice([completion_body(rng, model=name), chat_body(rng, model=name)])
     path = CHAT if "messages" in body else COMPLETIONS
-    return Case("unknown model", path, {"json": body}, 400 if name == "" else 404)
+    return Case("unknown model", path, {"json": body}, 404)
 
 
 def bad_key(rng: random.Random) -> Case:
-    header = rng.choice([None, "Bearer wrong-key", "Bearer ", "Basic dXNlcjpwYXNz", KEY_A,
-                         f"Bearer {KEY_A}x", f"Bearer {ADMIN_KEY[:-1]}", "Bearer \t"])
+    header = rng.choice([None, "Bearer wrong-key", "Bearer", "Basic dXNlcjpwYXNz", KEY_A,
+                         f"Bearer {KEY_A}x", f"Bearer {ADMIN_KEY[:-1]}", f"Token {KEY_A}"])
     send: dict[str, Any] = {"json": completion_body(rng)}
     if header is not None:
         send["headers"] = {"Authorization": header}
@@ -514,7 +519,7 @@ async def attack(server: Server, cases: list[Case], slow: int) -> tuple[list[Out
 
 def part_a(args: argparse.Namespace, out: Path) -> int:
     print("\n## Part A: malformed and hostile requests", flush=True)
-    server = Server(HOSTILE_ARGS, out / "hostile.log").start()
+    server = Server([*HOSTILE_ARGS, "--dtype", args.dtype], out / "hostile.log").start()
     problems = 0
     try:
         context = httpx.get(server.url + "/v1/models", timeout=10,
@@ -608,8 +613,11 @@ class Setting:
     threshold: float
     trials: list[Trial] = field(default_factory=list)
 
-    def mean(self, sent: bool) -> float:
-        return statistics.fmean(t.seconds for t in self.trials if t.sent == sent)
+    def times(self, sent: bool) -> str:
+        """B's mean TTFT in milliseconds over the trials where A sent the secret (or not),
+        with the range."""
+        ms = [t.seconds * 1000 for t in self.trials if t.sent == sent]
+        return f"{statistics.fmean(ms):.0f} ({min(ms):.0f}-{max(ms):.0f})" if ms else "-"
 
     def cached(self, sent: bool) -> float:
         return statistics.fmean(t.cached_tokens for t in self.trials if t.sent == sent)
@@ -630,7 +638,7 @@ def side_channel(name: str, args: list[str], rng: random.Random, calibration: in
             known = [trial(a, b, rng, sent=i % 2 == 0) for i in range(2 * calibration)]
             sent = statistics.median(t.seconds for t in known if t.sent)
             unsent = statistics.median(t.seconds for t in known if not t.sent)
-            setting = Setting(name, (sent + unsent) / 2)
+            setting = Setting(name, statistics.geometric_mean([sent, unsent]))
             setting.trials = [trial(a, b, rng, sent=rng.random() < 0.5) for _ in range(trials)]
     finally:
         problems = report_exit(server)
@@ -645,11 +653,12 @@ def part_b(args: argparse.Namespace, out: Path) -> int:
     settings = []
     for name, extra in (("isolated (default)", []),
                         ("shared (--share-cache-across-keys)", ["--share-cache-across-keys"])):
-        setting, failed = side_channel(name, TENANT_ARGS + extra, rng, calibration, trials, out)
+        setting, failed = side_channel(name, [*TENANT_ARGS, "--dtype", args.dtype, *extra],
+                                       rng, calibration, trials, out)
         settings.append(setting)
         problems += failed
     rows = [(s.name, len(s.trials), sum(t.sent for t in s.trials),
-             f"{s.mean(True) * 1000:.0f}", f"{s.mean(False) * 1000:.0f}",
+             s.times(True), s.times(False),
              f"{s.cached(True):.0f} / {s.cached(False):.0f}", f"{s.threshold * 1000:.0f}",
              f"{s.accuracy:.0%}") for s in settings]
     show_table(f"B's TTFT for a {SECRET_LEN}-token secret ({calibration} + {calibration} "
@@ -671,6 +680,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run (about 2 minutes)")
     parser.add_argument("--seed", type=int, default=20261130)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the servers' dtype (default: the server's default, bfloat16)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/hostile_clients"),
                         help="where the server logs go")
     parser.add_argument("--parts", default="a,b", help="which parts to run (a, b or a,b)")

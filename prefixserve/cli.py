@@ -14,6 +14,10 @@ from prefixserve.server import cli_args as serve_args
 from prefixserve.tools import demo_args, estimate_args
 from prefixserve.tools.bench import args as bench_args
 
+#: Packages of the ``tools`` extra (tables, plots, the benchmark's HTTP client): the server and
+#: the engine run without them.
+TOOLS_PACKAGES = frozenset({"rich", "matplotlib", "httpx"})
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [
     demo_args.add_parser,
     estimate_args.add_parser,
@@ -37,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the command it names; returns the exit status."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as exc:
+        if exc.name not in TOOLS_PACKAGES:
+            raise
+        print(f"prefixserve: this command needs {exc.name}, part of the 'tools' extra: "
+              "pip install 'prefixserve[tools]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
 def _add_engine(engine: argparse._ArgumentGroup) -> None:
     from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
 
-    engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="weights and KV cache dtype (default bfloat16; float32 gives "
+    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="weights and KV cache dtype (default auto: bfloat16 where the CPU "
+                        "has native bfloat16 (AVX512-BF16, AMX), else float32; float32 gives "
                         "results that do not depend on batch shapes)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None, help="automatic prefix caching (default: on)")
