@@ -101,29 +101,32 @@ class SamplingParams:
         """Validate every field and normalise ``stop``, ``stop_token_ids`` and ``top_k``."""
         if _check_int("n", self.n) < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        self._check_sampling()
+        self._check_penalties()
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self._check_lengths_and_outputs()
 
+    def _check_sampling(self) -> None:
         self.temperature = _check_float("temperature", self.temperature)
         if not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
-
         self.top_p = _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
         if _check_int("top_k", self.top_k) < -1:
             raise ValueError(f"top_k must be -1, 0 (both mean off) or >= 1, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
-
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-
         if self.seed is not None and not MIN_SEED <= _check_int("seed", self.seed) <= MAX_SEED:
             raise ValueError(
                 f"seed must be None or an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed}"
             )
 
+    def _check_penalties(self) -> None:
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty < math.inf:
             raise ValueError(
@@ -135,9 +138,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
 
-        self.stop = self._normalise_stop(self.stop)
-        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
-
+    def _check_lengths_and_outputs(self) -> None:
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be None or >= 1, got {self.max_tokens}")
         if _check_int("min_tokens", self.min_tokens) < 0:
@@ -146,12 +147,10 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}")
-
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
 
