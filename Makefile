@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test lint bench-core
+.PHONY: install run demo test test-fast lint bench-core
 
 install: $(STAMP)
 
@@ -23,6 +23,13 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+# The edit loop: the core, scheduler, layering and unit tests, in seconds (no model, no server).
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests/test_core_rules.py tests/test_core_stateful.py \
+		tests/test_scheduler_liveness.py tests/test_layering.py tests/test_sampler.py \
+		tests/test_server_cli.py
 
 lint: install
 	$(VENV)/bin/ruff check .
