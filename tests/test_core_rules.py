@@ -18,6 +18,7 @@ from prefixserve.core import (
     MultiModalInput,
     PrefixCachingMetrics,
     SlidingWindowKVCacheManager,
+    make_kv_cache_manager,
 )
 from prefixserve.core.hashing import get_hash_function, hash_block_chain, hash_block_tokens
 
@@ -238,7 +239,8 @@ def test_caching_off_finds_nothing_and_caches_nothing() -> None:
     run_once(manager, req("a", list(range(9))))
     assert run_once(manager, req("b", list(range(9)))) == 0
     assert manager.block_pool.cached_block_hash_to_block == {}
-    assert KVCacheManager(8, 4, enable_caching=None).enable_caching  # unset means on
+    with pytest.raises(TypeError):  # an unset (None) setting is resolved before the core
+        KVCacheManager(8, 4, enable_caching=None)
 
 
 def test_allocate_slots_returns_none_and_changes_nothing_when_short() -> None:
@@ -405,7 +407,7 @@ def test_blocks_a_running_request_fills_after_a_reset_are_cached_and_found() -> 
 
 
 def test_sliding_window_and_null_block_survive_a_reset_under_traffic() -> None:
-    manager = KVCacheManager(32, 4, sliding_window=4)
+    manager = SlidingWindowKVCacheManager(32, 4, sliding_window=4)
     r = req("a", list(range(9)))
     admit(manager, r)
     decode(manager, r, [1, 2, 3])
@@ -434,8 +436,11 @@ def test_usage_and_free_count() -> None:
 
 
 def test_sliding_window_hit_uses_null_blocks_outside_the_window() -> None:
-    manager = KVCacheManager(32, 4, sliding_window=8)
+    manager = make_kv_cache_manager(32, 4, sliding_window=8)
     assert isinstance(manager, SlidingWindowKVCacheManager)
+    assert type(make_kv_cache_manager(32, 4)) is KVCacheManager
+    with pytest.raises(TypeError):  # the full-attention constructor takes no window
+        KVCacheManager(32, 4, sliding_window=8)  # type: ignore[call-arg]
     prompt = list(range(21))
     run_once(manager, req("a", prompt))
     blocks, num = manager.get_computed_blocks(req("b", prompt))
@@ -447,7 +452,7 @@ def test_sliding_window_hit_uses_null_blocks_outside_the_window() -> None:
 
 
 def test_sliding_window_frees_blocks_that_slide_out_while_running() -> None:
-    manager = KVCacheManager(32, 4, sliding_window=4)
+    manager = SlidingWindowKVCacheManager(32, 4, sliding_window=4)
     r = req("a", list(range(4)))
     admit(manager, r)
     used = []
@@ -462,7 +467,8 @@ def test_sliding_window_frees_blocks_that_slide_out_while_running() -> None:
 
 
 def test_sliding_window_lookup_finds_no_hit_with_a_gap_in_the_window() -> None:
-    manager = KVCacheManager(32, 4, sliding_window=9)  # needs 2 blocks before the hit end
+    # the window needs 2 blocks before the hit end
+    manager = SlidingWindowKVCacheManager(32, 4, sliding_window=9)
     prompt = list(range(17))
     run_once(manager, req("a", prompt))
     _, num = manager.get_computed_blocks(req("b", prompt))

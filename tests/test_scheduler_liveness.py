@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from prefixserve.core import KVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 from prefixserve.engine.scheduler import Scheduler
-from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -58,8 +58,8 @@ class Run:
 
 
 def make_scheduler(setup: Setup) -> Scheduler:
-    kv = KVCacheManager(setup.num_blocks, setup.block_size, setup.caching)
-    return Scheduler(kv, setup.max_num_seqs, setup.max_num_batched_tokens, setup.chunked)
+    manager = KVCacheManager(setup.num_blocks, setup.block_size, setup.caching)
+    return Scheduler(manager, setup.max_num_seqs, setup.max_num_batched_tokens, setup.chunked)
 
 
 def admit(scheduler: Scheduler, setup: Setup, rid: str, arrival: Arrival, run: Run) -> bool:
@@ -115,14 +115,14 @@ def simulate(setup: Setup, arrivals: list[Arrival], reset_steps: frozenset[int] 
             index, arrival = pending.pop(0)
             admitted += admit(scheduler, setup, f"r{index}", arrival, run)
         if step in reset_steps:
-            assert scheduler.kv.reset_prefix_cache() is True
+            assert scheduler.kv_cache_manager.reset_prefix_cache() is True
         if scheduler.has_unfinished_requests():
             assert model_step(scheduler, setup, step, run) >= 1, "a step scheduled nothing"
         step += 1
         assert step <= bound, "an admitted request was not done within the bound"
     run.steps = step
     assert len(run.finished) == admitted
-    assert scheduler.kv.num_free_blocks == setup.num_blocks, "blocks leaked"
+    assert scheduler.kv_cache_manager.num_free_blocks == setup.num_blocks, "blocks leaked"
     return run
 
 

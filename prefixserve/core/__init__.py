@@ -17,6 +17,7 @@ from prefixserve.core.kv_cache_manager import (
     ALLOWED_BLOCK_SIZES,
     KVCacheManager,
     SlidingWindowKVCacheManager,
+    make_kv_cache_manager,
 )
 from prefixserve.core.request import (
     EXTRA_KEY_SOURCES,
@@ -47,4 +48,5 @@ __all__ = [
     "get_hash_function",
     "hash_block_chain",
     "hash_block_tokens",
+    "make_kv_cache_manager",
 ]

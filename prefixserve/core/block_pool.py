@@ -18,17 +18,22 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
+from prefixserve.core.hashing import hash_value_of
+
 
 class KVCacheBlock:
-    """One physical KV block: its id, reference count, cached block hash (or None) and the two
-    links of the intrusive free list."""
+    """One physical KV block: its id, reference count, cached block hash (or None) with its
+    hash value (the pool's map key, kept so that eviction need not derive it again; stale while
+    ``block_hash`` is None) and the two links of the intrusive free list."""
 
-    __slots__ = ("block_hash", "block_id", "is_null", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "hash_value", "is_null", "next_free", "prev_free",
+                 "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Hashable | None = None
+        self.hash_value: Hashable | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
@@ -96,16 +101,10 @@ class FreeBlockQueue:
         return self.num_free_blocks
 
 
-def cache_key(block_hash: Hashable) -> Hashable:
-    """The map key of a block hash: the hash value of a computed ``(value, tokens, extras)``
-    block hash (cheap to hash again), or a precomputed hash itself."""
-    return block_hash[0] if type(block_hash) is tuple else block_hash
-
-
 class BlockPool:
     """All KV blocks, the free list and the prefix-cache map.
 
-    The map is keyed by hash value (``cache_key``); its value is the block holding that hash or,
+    The map is keyed by hash value (``hash_value_of``); its value is the block holding that hash or,
     once several blocks hold it, a ``{block id: block}`` dict (no per-block allocation in the
     common case). A lookup compares the whole block hash (value, tokens and extra keys) with the
     block's, so a collision of the hash function alone never gives a false hit.
@@ -138,7 +137,7 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         """Any block holding ``block_hash``, or None. Changes nothing."""
-        entry = self.cached_block_hash_to_block.get(cache_key(block_hash))
+        entry = self.cached_block_hash_to_block.get(hash_value_of(block_hash))
         if entry is None:
             return None
         if type(entry) is KVCacheBlock:
@@ -150,7 +149,7 @@ class BlockPool:
 
     def cached_blocks(self, block_hash: Hashable) -> list[KVCacheBlock]:
         """Every block holding ``block_hash`` (for inspection and tests)."""
-        entry = self.cached_block_hash_to_block.get(cache_key(block_hash))
+        entry = self.cached_block_hash_to_block.get(hash_value_of(block_hash))
         if entry is None:
             return []
         blocks = [entry] if type(entry) is KVCacheBlock else list(entry.values())
@@ -168,9 +167,8 @@ class BlockPool:
         head = queue.head
         block = head.next_free
         for _ in range(n):
-            block_hash = block.block_hash
-            if block_hash is not None:
-                key = block_hash[0] if type(block_hash) is tuple else block_hash
+            if block.block_hash is not None:
+                key = block.hash_value
                 entry = cache.pop(key)
                 if entry is not block:
                     del entry[block.block_id]
@@ -201,7 +199,9 @@ class BlockPool:
         cache = self.cached_block_hash_to_block
         for block, block_hash in zip(blocks[start:end], block_hashes[start:end], strict=True):
             block.block_hash = block_hash
+            # hash_value_of(block_hash), written out (hot loop); kept for eviction
             key = block_hash[0] if type(block_hash) is tuple else block_hash
+            block.hash_value = key
             entry = cache.setdefault(key, block)
             if entry is not block:
                 if type(entry) is KVCacheBlock:

@@ -1,6 +1,9 @@
 """The KV cache manager: the scheduler's interface to the block pool and the prefix cache.
 
-``KVCacheManager(..., sliding_window=N)`` gives the sliding-window kind.
+``KVCacheManager(num_blocks, block_size)`` serves full attention,
+``SlidingWindowKVCacheManager(num_blocks, block_size, sliding_window=N)`` sliding-window attention;
+``make_kv_cache_manager(..., sliding_window=None)`` picks one of the two for callers that take the
+window as a setting.
 
 The scheduler calls, in this order:
 
@@ -41,35 +44,33 @@ class KVCacheManager:
     heads need the hidden states of the last prompt block.
     """
 
-    def __new__(cls, *args: object, **kwargs: object) -> KVCacheManager:
-        sliding_window = kwargs.get("sliding_window", args[4] if len(args) > 4 else None)
-        if cls is KVCacheManager and sliding_window is not None:
-            cls = SlidingWindowKVCacheManager
-        return super().__new__(cls)
+    sliding_window: int | None = None
+    """None: full attention. Set (before ``__init__`` runs) by ``SlidingWindowKVCacheManager``,
+    whose pool then reserves the null block."""
 
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
-        enable_caching: bool | None = True,
+        enable_caching: bool = True,
         hash_algo: str = "builtin",
-        sliding_window: int | None = None,
+        *,
         use_eagle: bool = False,
         log_stats: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-        self.sliding_window = sliding_window
+        if not isinstance(enable_caching, bool):
+            raise TypeError(f"enable_caching must be a bool, got {enable_caching!r} (an unset "
+                            f"setting is resolved by the caller, e.g. EngineConfig.prefix_caching)")
         self.block_size = block_size
-        self.enable_caching = enable_caching is not False
+        self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self._hash_function, self._hash_root = get_hash_function(hash_algo)
         self.use_eagle = use_eagle
         self.log_stats = log_stats
-        self.block_pool = BlockPool(num_blocks, self.enable_caching,
-                                    reserve_null_block=sliding_window is not None)
+        self.block_pool = BlockPool(num_blocks, enable_caching,
+                                    reserve_null_block=self.sliding_window is not None)
         self.num_blocks = num_blocks
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[Hashable]] = {}
@@ -134,6 +135,7 @@ class KVCacheManager:
         get_cached_block = self.block_pool.get_cached_block
         for i in range(max_blocks):
             block_hash = hashes[i]
+            # hash_value_of(block_hash), written out (hot loop)
             entry = cache.get(block_hash[0] if type(block_hash) is tuple else block_hash)
             if entry is None:
                 break
@@ -267,13 +269,16 @@ class SlidingWindowKVCacheManager(KVCacheManager):
     sliding_window: int
     null_block: KVCacheBlock
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool | None = True,
-                 hash_algo: str = "builtin", sliding_window: int | None = None,
-                 use_eagle: bool = False, log_stats: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_algo: str = "builtin", *, sliding_window: int, use_eagle: bool = False,
+                 log_stats: bool = True) -> None:
         if sliding_window is None:
             raise ValueError("SlidingWindowKVCacheManager needs a sliding_window")
-        super().__init__(num_blocks, block_size, enable_caching, hash_algo, sliding_window,
-                         use_eagle, log_stats)
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
+        super().__init__(num_blocks, block_size, enable_caching, hash_algo, use_eagle=use_eagle,
+                         log_stats=log_stats)
         assert self.block_pool.null_block is not None
         self.null_block = self.block_pool.null_block
 
@@ -315,3 +320,23 @@ class SlidingWindowKVCacheManager(KVCacheManager):
             out_of_window.append(block)
             req_blocks[i] = self.null_block
         self.block_pool.free_blocks(out_of_window)
+
+
+def make_kv_cache_manager(
+    num_blocks: int,
+    block_size: int,
+    enable_caching: bool = True,
+    hash_algo: str = "builtin",
+    *,
+    sliding_window: int | None = None,
+    use_eagle: bool = False,
+    log_stats: bool = True,
+) -> KVCacheManager:
+    """The manager for an attention kind: ``SlidingWindowKVCacheManager`` when
+    ``sliding_window`` is set, else the full-attention ``KVCacheManager``."""
+    if sliding_window is None:
+        return KVCacheManager(num_blocks, block_size, enable_caching, hash_algo,
+                              use_eagle=use_eagle, log_stats=log_stats)
+    return SlidingWindowKVCacheManager(num_blocks, block_size, enable_caching, hash_algo,
+                                       sliding_window=sliding_window, use_eagle=use_eagle,
+                                       log_stats=log_stats)

@@ -33,10 +33,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.core import CacheRequest, KVCacheManager, PrefixCacheStats, PrefixCachingMetrics
+from prefixserve.tools.estimate_results import CacheResult, Estimate, ReplaySettings
 from prefixserve.tools.trace_formats import (
     ReadOptions,
     TraceError,
@@ -58,60 +59,6 @@ PROGRESS_EVERY = 256
 """Requests between two progress reports of a replay."""
 
 ProgressTick = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class ReplaySettings:
-    """``warmup_requests``: requests replayed before the figures start counting;
-    ``window``: requests in the rolling hit rate; ``concurrency``: resident requests."""
-
-    concurrency: int = 1
-    warmup_requests: int = 0
-    window: int = 1000
-
-
-@dataclass
-class CacheResult:
-    """The figures of one cache (``capacity_blocks`` None: the infinite cache).
-
-    Counts cover the measured requests (after the warm-up); ``replayed_blocks`` and ``seconds``
-    cover the whole replay; ``rolling`` holds ``(requests replayed, rolling block hit rate)``."""
-
-    capacity_blocks: int | None
-    requests: int = 0
-    requests_with_hit: int = 0
-    requests_too_large: int = 0
-    query_blocks: int = 0
-    hit_blocks: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    replayed_blocks: int = 0
-    seconds: float = 0.0
-    distinct_blocks: int | None = None
-    rolling: list[tuple[int, float]] = field(default_factory=list)
-
-    @property
-    def infinite(self) -> bool:
-        return self.capacity_blocks is None
-
-    @property
-    def block_hit_rate(self) -> float:
-        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-    @property
-    def speedup_bound(self) -> float:
-        """1/(1-h) with h the token hit rate: the most prefill can speed up
-        (docs/DESIGN.md section 5)."""
-        miss = 1.0 - self.token_hit_rate
-        return 1.0 / miss if miss > 0 else math.inf
-
-    @property
-    def hit_request_share(self) -> float:
-        return self.requests_with_hit / self.requests if self.requests else 0.0
 
 
 class _Tally:
@@ -457,36 +404,6 @@ class _Progress:
         finally:
             if bar is not None:
                 bar.stop()
-
-
-@dataclass
-class Estimate:
-    """Everything the report shows: the workload, the settings and one result per cache
-    (finite pools in ascending size, the infinite cache last)."""
-
-    workload: Workload
-    settings: ReplaySettings
-    warmup_fraction: float
-    results: list[CacheResult]
-    read_seconds: float
-    replay_seconds: float
-    jobs: int
-    peak_rss_mib: float
-    worker_peak_rss_mib: float
-    kv_bytes_per_token: int | None = None
-
-    @property
-    def infinite(self) -> CacheResult:
-        return self.results[-1]
-
-    @property
-    def finite(self) -> list[CacheResult]:
-        return self.results[:-1]
-
-    @property
-    def replayed_blocks(self) -> int:
-        """Block lookups of all replays together."""
-        return sum(r.replayed_blocks for r in self.results)
 
 
 def _kv_bytes_per_token(args: argparse.Namespace) -> int | None:

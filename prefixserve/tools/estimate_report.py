@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from prefixserve.tools.estimate import CacheResult, Estimate
+from prefixserve.tools.estimate_results import CacheResult, Estimate
 
 
 def _count(n: int) -> str:
