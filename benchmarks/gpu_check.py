@@ -46,7 +46,7 @@ def check_caching() -> None:
         results[caching] = [o.outputs[0].token_ids for o in outs]
         cached = [o.num_cached_tokens for o in outs]
         print(f"caching={caching}: cached tokens per request {cached}")
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks, "block leak"
+        assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_kv_blocks, "block leak"
         if caching:
             assert cached[0] == 0 and all(c > 0 and c % 16 == 0 for c in cached[1:])
     assert results[True] == results[False], "greedy outputs differ with caching on and off"

@@ -12,7 +12,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from prefixserve.engine.llm import LLM
-    from prefixserve.model.sampling_params import SamplingParams
+    from prefixserve.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from prefixserve.model.sampling_params import SamplingParams
+        from prefixserve.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'prefixserve' has no attribute {name!r}")

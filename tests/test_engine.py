@@ -11,7 +11,7 @@ import pytest
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine import async_llm
 from prefixserve.engine.async_llm import AsyncLLM
-from prefixserve.engine.llm_engine import QueueFullError, RequestError
+from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -45,7 +45,7 @@ def token_outputs(outputs) -> list[list[int]]:
 def assert_idle(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
 
 
 def test_chat_answers_sensibly(cached: LLM) -> None:
@@ -162,13 +162,31 @@ def test_bad_requests_are_refused_and_lose_nothing(cached: LLM) -> None:
     assert_idle(cached)
 
 
+def test_validate_prompt_gives_the_servers_code_and_param(cached: LLM) -> None:
+    """The server answers a ``RequestError`` with its ``code``, and with its ``param`` when it
+    names one (else the field that held the prompt)."""
+    engine = cached.engine
+    limit = engine.max_model_len
+    cases = [([], None, "invalid_prompt", None, "the prompt is empty"),
+             ([engine.vocab_size], None, "invalid_prompt", None,
+              f"token id {engine.vocab_size} is outside the vocabulary"),
+             ([1] * limit, None, "context_length_exceeded", None, f"has {limit} tokens, but"),
+             ([1] * 10, limit - 9, "context_length_exceeded", "max_tokens",
+              f"asks for {limit - 9} more")]
+    for ids, max_tokens, code, param, message in cases:
+        with pytest.raises(RequestError, match=message) as caught:
+            engine.validate_prompt(ids, max_tokens)
+        assert (caught.value.code, caught.value.param) == (code, param)
+    engine.validate_prompt([1] * 10, limit - 10)
+
+
 def test_abort_frees_the_blocks(cached: LLM) -> None:
     engine = cached.engine
     request_id = engine.add_request(prompts(cached)[0],
                                     SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.kv.num_free_blocks < engine.kv.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks < engine.kv_cache_manager.num_blocks
     assert engine.abort_request(request_id)
     assert_idle(cached)
 

@@ -11,13 +11,16 @@ one layer, and each layer may import only the layers listed in ``ALLOWED``. From
                    server and tools never import each other
     engine
     core, model    independent of each other
+    values         sampling_params.py and outputs.py, the API's plain values: every layer may
+                   import them, and they import nothing else of prefixserve
 
 Imports only go down: core and model know nothing of each other nor of anything above them,
 the engine nothing of server, tools or the package facade. Skipping a layer downwards is allowed
-(the server imports ``SamplingParams`` from model, the estimator uses core directly).
+(the server imports ``RequestOutput`` from values, the estimator uses core directly).
 
 A second group of tests checks that the modules users import for plain values (the prefix cache,
-``SamplingParams``, the HTTP request and response models) load neither torch nor numpy.
+``SamplingParams``, the outputs, the HTTP request and response models) load neither torch nor
+numpy. A third checks that the server and the tools use only the engine's public surface.
 """
 
 from __future__ import annotations
@@ -44,17 +47,20 @@ LAYERS = {
     "tools": "tools",
     "cli": "cli",
     "__main__": "cli",
+    "sampling_params": "values",
+    "outputs": "values",
 }
 
 #: Which layers each layer may import (its own included).
 ALLOWED: dict[str, frozenset[str]] = {
-    "core": frozenset({"core"}),
-    "model": frozenset({"model"}),
-    "engine": frozenset({"engine", "model", "core"}),
-    "server": frozenset({"server", "package", "engine", "model", "core"}),
-    "tools": frozenset({"tools", "package", "engine", "model", "core"}),
-    "package": frozenset({"package", "engine", "model", "core"}),
-    "cli": frozenset({"cli", "server", "tools", "package", "engine", "model", "core"}),
+    "values": frozenset({"values"}),
+    "core": frozenset({"core", "values"}),
+    "model": frozenset({"model", "values"}),
+    "engine": frozenset({"engine", "model", "core", "values"}),
+    "server": frozenset({"server", "package", "engine", "model", "core", "values"}),
+    "tools": frozenset({"tools", "package", "engine", "model", "core", "values"}),
+    "package": frozenset({"package", "engine", "model", "core", "values"}),
+    "cli": frozenset({"cli", "server", "tools", "package", "engine", "model", "core", "values"}),
 }
 
 #: Imports that break ``ALLOWED`` today and are tolerated until they are removed, as
@@ -195,20 +201,23 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
         "from prefixserve.core import KVCacheManager\n"
         "def g():\n"
         "    from . import config\n"
-        "    from prefixserve.model.sampling_params import SamplingParams\n"
+        "    from prefixserve.sampling_params import SamplingParams\n"
     )
+    values = ast.parse("from prefixserve.model import tokenizer\n")
     modules = {
         "prefixserve.core.planted": (planted, False),
         "prefixserve.core.hashing": (ast.parse(""), False),
         "prefixserve.engine.planted": (downward, False),
         "prefixserve.engine.config": (ast.parse(""), False),
         "prefixserve.tools": (ast.parse(""), True),
+        "prefixserve.outputs": (values, False),
     }
     assert bad_edges(import_edges(modules)) == [
         ("prefixserve.core.planted", target)
         for target in ("prefixserve.engine.llm_engine", "prefixserve.model",
                        "prefixserve.server.protocol", "prefixserve.tools",
-                       "prefixserve.tools.estimate")]
+                       "prefixserve.tools.estimate")] + [
+        ("prefixserve.outputs", "prefixserve.model")]
 
 
 # ---------------------------------------------------------------------- torch-free imports
@@ -217,7 +226,9 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
 TORCH_FREE = [
     "import prefixserve.core",
     "import prefixserve; prefixserve.SamplingParams",
-    "import prefixserve.model.sampling_params",
+    "import prefixserve.sampling_params",
+    "import prefixserve.outputs",
+    "import prefixserve.engine.errors",
     "import prefixserve.server.protocol",
 ]
 
@@ -231,3 +242,72 @@ def test_value_modules_load_no_torch_or_numpy(statement: str) -> None:
                             check=False, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "none", f"{statement!r} loads {result.stdout.strip()}"
+
+
+# ---------------------------------------------------------------- the engine's public surface
+
+#: The engine classes the server and the tools hold, by file under ``prefixserve/``.
+ENGINE_CLASSES = {"engine/async_llm.py": "AsyncLLM", "engine/llm_engine.py": "LLMEngine"}
+
+#: The packages that may use the engine only through that surface.
+ENGINE_USERS = ("server", "tools")
+
+
+def engine_surface() -> frozenset[str]:
+    """The public methods and properties the bodies of the ``ENGINE_CLASSES`` define. Attributes
+    set in ``__init__`` (``AsyncLLM.engine``, ``LLMEngine.groups``, ``.config``, the KV cache
+    manager, the scheduler...) are internals, not part of it."""
+    names = set()
+    for path, class_name in ENGINE_CLASSES.items():
+        tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+        body = next(node.body for node in tree.body
+                    if isinstance(node, ast.ClassDef) and node.name == class_name)
+        names.update(node.name for node in body
+                     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                     and not node.name.startswith("_"))
+    return frozenset(names)
+
+
+def _is_engine(node: ast.expr) -> bool:
+    """An expression that holds an engine: the name ``engine`` or an attribute ``.engine``."""
+    return ((isinstance(node, ast.Name) and node.id == "engine")
+            or (isinstance(node, ast.Attribute) and node.attr == "engine"))
+
+
+def engine_reaches(tree: ast.Module, surface: frozenset[str]) -> list[str]:
+    """Each ``<engine>.name`` of ``tree`` whose name is outside ``surface``, as ``line: text``
+    in source order.
+
+    Every module of the server and the tools holds its engine (an ``AsyncLLM``, or the
+    ``LLMEngine`` of an ``LLM``) in a name or attribute called ``engine``, so this catches
+    ``engine.engine.x``, ``self.engine._streams`` and ``llm.engine.config`` alike; an engine
+    held under another name would escape it."""
+    found = sorted((node.lineno, node.col_offset, ast.unparse(node)) for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and _is_engine(node.value)
+                   and node.attr not in surface)
+    return [f"{line}: {text}" for line, _, text in found]
+
+
+def test_the_server_and_tools_use_only_the_engines_public_surface() -> None:
+    surface = engine_surface()
+    assert {"generate", "validate_prompt", "max_model_len", "add_request"} <= surface
+    problems = [
+        f"{path.relative_to(ROOT.parent)}:{reach}"
+        for package in ENGINE_USERS for path in sorted((ROOT / package).rglob("*.py"))
+        for reach in engine_reaches(ast.parse(path.read_text(encoding="utf-8")), surface)]
+    assert not problems, ("use a public method or property of AsyncLLM / LLMEngine instead "
+                          "(or add one):\n" + "\n".join(problems))
+
+
+def test_the_surface_check_sees_reaches_through_the_engine() -> None:
+    planted = ast.parse(
+        "engine.engine.model_config.vocab_size\n"
+        "self.engine._streams\n"
+        "llm.engine.groups\n"
+        "self.engine.generate(ids)\n"
+        "engine.max_model_len\n"
+        "llm.chat(messages)\n"
+    )
+    assert engine_reaches(planted, engine_surface()) == [
+        "1: engine.engine", "1: engine.engine.model_config", "2: self.engine._streams",
+        "3: llm.engine.groups"]

@@ -10,7 +10,6 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.model.sampler import (
-    Logprob,
     Sampler,
     TokenLogprobs,
     apply_penalties,
@@ -18,7 +17,8 @@ from prefixserve.model.sampler import (
     filter_logits,
     make_generator,
 )
-from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.outputs import Logprob
+from prefixserve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 EOS = 3

@@ -37,8 +37,8 @@ def test_help_lists_the_options() -> None:
 
 
 def test_help_states_the_engine_defaults() -> None:
-    """The parser cannot import EngineConfig (it pulls torch), so its help repeats the
-    defaults; this keeps them in step."""
+    """The parser module imports no engine code (it must stay cheap to build), so its help
+    repeats the defaults; this keeps them in step."""
     from prefixserve.engine.config import EngineConfig
 
     commands = next(action for action in build_parser()._actions

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 from server_helpers import ServerProcess
 
 from prefixserve.engine.async_llm import AsyncLLM
-from prefixserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from prefixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.tools.bench.report import server_hit_rate
 

@@ -1,6 +1,6 @@
 """The engine: requests, the scheduler, the engine loop, and the ``LLM`` / ``AsyncLLM`` APIs."""
 
 from prefixserve.engine.config import EngineConfig
-from prefixserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from prefixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = ["CompletionOutput", "EngineConfig", "RequestMetrics", "RequestOutput"]

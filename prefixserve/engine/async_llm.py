@@ -17,11 +17,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import torch
+
 from prefixserve.engine.config import EngineConfig
+from prefixserve.engine.errors import EngineDeadError
 from prefixserve.engine.llm_engine import EngineStats, LLMEngine
-from prefixserve.engine.outputs import RequestOutput
 from prefixserve.engine.stat_logger import StatLogger
-from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("prefixserve.engine")
 
@@ -31,17 +35,12 @@ _IDLE_WAIT_S = 1.0
 """Longest sleep of the engine thread while no work can run (it wakes at once on a command)."""
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped."""
-
-
 class AsyncLLM:
     """Submits requests to an ``LLMEngine`` running in its own thread and streams outputs."""
 
     def __init__(self, config: EngineConfig | None = None,
                  log_stats_interval: float | None = 10.0) -> None:
         self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -51,6 +50,43 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._loop, name="prefixserve-engine",
                                         daemon=True)
         self._thread.start()
+
+    # ------------------------------------------------------------------ what the engine is
+    # Fixed once the engine is built, so these read it from any thread.
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size: token ids are in ``[0, vocab_size)``."""
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length in tokens, prompt and output together."""
+        return self.engine.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The number of blocks in the KV cache."""
+        return self.engine.num_kv_blocks
+
+    @property
+    def max_waiting_requests(self) -> int | None:
+        """The most sequences the waiting queue holds (None: unbounded)."""
+        return self.engine.max_waiting_requests
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in."""
+        return self.engine.dtype
+
+    def validate_prompt(self, token_ids: Sequence[int], max_tokens: int | None) -> None:
+        """Raises ``RequestError`` unless the prompt could run (see
+        ``LLMEngine.validate_prompt``); safe from any thread."""
+        self.engine.validate_prompt(token_ids, max_tokens)
 
     # ------------------------------------------------------------------ public API
     async def generate(

@@ -32,20 +32,21 @@ def parse_memory(value: int | str) -> int:
 class EngineConfig:
     """What the engine runs and how.
 
-    ``enable_prefix_caching`` is three-valued: None (unset) means on. The KV cache is sized by
-    ``num_blocks`` when given, else by ``kv_cache_memory`` (bytes or a string like ``"2GiB"``,
-    default 1 GiB). ``max_model_len`` defaults to the model's context length, capped by the KV
-    cache. ``max_num_batched_tokens`` is the token budget of one step; with
+    ``enable_prefix_caching`` is three-valued, as users give it: None (unset) means on;
+    ``prefix_caching`` is the resolved bool, the only form the engine and the core see. The KV
+    cache is sized by ``num_blocks`` when given, else by ``kv_cache_memory`` (bytes or a string
+    like ``"2GiB"``, default 1 GiB). ``max_model_len`` defaults to the model's context length,
+    capped by the KV cache. ``max_num_batched_tokens`` is the token budget of one step; with
     ``enable_chunked_prefill`` a prompt longer than what is left of it is computed in chunks,
     without it a prompt longer than the whole budget is refused (it could never run).
     ``max_waiting_requests`` bounds the queue in sequences (a request of ``n`` takes ``n``;
     None: unbounded); a request that does not fit the room left is refused.
-    ``dtype`` defaults to bfloat16, the fastest on current CPUs (and the default model's own);
-    float32 gives bit-stable results across batch shapes.
+    ``dtype`` defaults to ``"auto"``: bfloat16 where the CPU computes it natively (AVX512-BF16 or
+    AMX), float32 elsewhere; float32 gives bit-stable results across batch shapes.
     """
 
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool | None = None
     prefix_caching_hash_algo: str = "builtin"
@@ -66,8 +67,9 @@ class EngineConfig:
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
                              f"got {self.prefix_caching_hash_algo!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be auto, float32, bfloat16 or float16, got "
+                             f"{self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -83,4 +85,5 @@ class EngineConfig:
 
     @property
     def prefix_caching(self) -> bool:
+        """``enable_prefix_caching`` resolved: on unless it is False."""
         return self.enable_prefix_caching is not False

@@ -7,10 +7,10 @@ from typing import Any
 
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.engine.outputs import RequestOutput
 from prefixserve.engine.request import Request, make_request_output
-from prefixserve.model.sampling_params import SamplingParams
 from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
@@ -78,7 +78,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = engine.add_request(prompt, params, cache_salt=cache_salt)
-                groups.append((request_id, engine.groups[request_id]))
+                groups.append((request_id, engine.sequences(request_id)))
             while engine.has_unfinished_requests():
                 engine.step()
         except BaseException:

@@ -16,26 +16,18 @@ import torch
 
 from prefixserve.core import KVCacheManager, MultiModalInput, PrefixCachingMetrics
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
-from prefixserve.engine.outputs import RequestOutput
+from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.request import Request, make_request_output
 from prefixserve.engine.scheduler import Scheduler, SchedulerOutput
+from prefixserve.model.dtypes import resolve_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.sampler import Sampler, compute_prompt_logprobs, make_generator
-from prefixserve.model.sampling_params import SamplingParams
 from prefixserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from prefixserve.outputs import RequestOutput
+from prefixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("prefixserve.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run as given (too long, bad ids...): the caller's fault."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting_requests``; try again later."""
 
 
 @dataclass
@@ -64,7 +56,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = resolve_dtype(config.dtype, config.device)
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self.model_config, model = load_model(config.model, self.dtype, config.device)
         if config.num_blocks is not None:
@@ -80,17 +72,41 @@ class LLMEngine:
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching,
-                                 config.prefix_caching_hash_algo)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, enable_caching=config.prefix_caching,
+            hash_algo=config.prefix_caching_hash_algo)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.metrics = PrefixCachingMetrics()
+        # The request id a caller sees -> its ``n`` sibling sequences (``Request.group_id`` is
+        # that parent id). Not the attention groups of ``prefixserve.model``.
         self.groups: dict[str, list[Request]] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_scheduled = False
+
+    # ------------------------------------------------------------------ what the engine is
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size: token ids are in ``[0, vocab_size)``."""
+        return self.model_config.vocab_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The number of blocks in the KV cache."""
+        return self.kv_cache_manager.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block."""
+        return self.config.block_size
+
+    @property
+    def max_waiting_requests(self) -> int | None:
+        """The most sequences the waiting queue holds (None: unbounded)."""
+        return self.config.max_waiting_requests
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -121,7 +137,7 @@ class LLMEngine:
         else:
             text = None
             token_ids = list(prompt)
-        self._check_prompt(token_ids, params)
+        self._check_prompt(token_ids)
         arrival = arrival_time or time.time()
         children = []
         for index in range(params.n):
@@ -165,20 +181,40 @@ class LLMEngine:
             raise QueueFullError(f"the waiting queue is full ({waiting} of {limit} sequences "
                                  f"waiting, {n} more asked for)")
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, token_ids: Sequence[int], max_tokens: int | None = None) -> None:
+        """Raises ``RequestError`` unless the prompt is non-empty, in the vocabulary, shorter than
+        the context and, with ``max_tokens``, leaves room for that many more tokens (the error
+        names ``max_tokens`` as its ``param`` then). Reads only what is fixed once the engine is
+        built, so any thread may call it."""
         if not token_ids:
             raise RequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(token_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, and at least one must be left to generate")
+        limit, length = self.max_model_len, len(token_ids)
+        if length >= limit:
+            raise RequestError(f"the prompt has {length} tokens, but this model's context is "
+                               f"{limit} tokens and at least one must be left to generate",
+                               code="context_length_exceeded")
+        if max_tokens is not None and length + max_tokens > limit:
+            raise RequestError(f"this model's context is {limit} tokens, but the prompt has "
+                               f"{length} and max_tokens asks for {max_tokens} more; lower "
+                               "max_tokens or shorten the prompt",
+                               code="context_length_exceeded", param="max_tokens")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        """``validate_prompt``, then whether the scheduler could ever run the prompt."""
+        self.validate_prompt(token_ids)
         reason = self.scheduler.check_admissible(len(token_ids))
         if reason is not None:
             raise RequestError(reason)
+
+    def sequences(self, request_id: str) -> list[Request]:
+        """The ``n`` sequences of a request, from ``add_request`` until the output that finishes
+        it is handed out (a ``KeyError`` after that, or for an unknown id). The list is the
+        engine's own: read it, do not modify it."""
+        return self.groups[request_id]
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks; returns whether it existed."""
@@ -200,7 +236,7 @@ class LLMEngine:
         Every cached hash is dropped at once: nothing computed before the reset is found again.
         Running requests keep their blocks (which go back to the pool uncached when freed) and
         cache the blocks they fill afterwards as usual."""
-        return self.kv.reset_prefix_cache()
+        return self.kv_cache_manager.reset_prefix_cache()
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -211,7 +247,7 @@ class LLMEngine:
         run until something changes (a request arrives or is aborted), so a loop driving the
         engine should wait for new work rather than step again at once."""
         sched = self.scheduler.schedule()
-        self.metrics.observe(self.kv.make_prefix_cache_stats())
+        self.metrics.observe(self.kv_cache_manager.make_prefix_cache_stats())
         self.last_step_scheduled = bool(sched.scheduled)
         if not sched.scheduled:
             return []
@@ -226,7 +262,7 @@ class LLMEngine:
             seqs.append(SeqBatchInput(
                 token_ids=list(request.token_ids[start:start + item.num_new_tokens]),
                 start_pos=start,
-                block_table=self.kv.get_block_ids(request),
+                block_table=self.kv_cache_manager.get_block_ids(request),
                 need_prompt_logits=(request.wants_prompt_logprobs
                                     and start < request.num_prompt_tokens),
             ))
@@ -334,32 +370,32 @@ class LLMEngine:
         seen = set()
         for item in sched.scheduled:
             request = item.request
-            group_id = request.group_id
-            if group_id in seen or group_id not in self.groups:
+            parent_id = request.group_id
+            if parent_id in seen or parent_id not in self.groups:
                 continue
-            seen.add(group_id)
-            outputs.append(self._group_output(group_id))
+            seen.add(parent_id)
+            outputs.append(self._parent_output(parent_id))
         return outputs
 
-    def _group_output(self, group_id: str) -> RequestOutput:
+    def _parent_output(self, parent_id: str) -> RequestOutput:
         """The delta output of a request: what each of its sequences added since the last
         output; a sequence whose finish was already handed out is left out."""
-        children = self.groups[group_id]
+        children = self.groups[parent_id]
         output = make_request_output(
-            group_id, children, [c.completion(True) for c in children if not c.finish_sent])
+            parent_id, children, [c.completion(True) for c in children if not c.finish_sent])
         if output.finished:
-            del self.groups[group_id]
+            del self.groups[parent_id]
         return output
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
-        kv = self.kv
+        manager = self.kv_cache_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.num_blocks,
+            kv_cache_usage=manager.usage,
+            num_free_blocks=manager.num_free_blocks,
+            num_blocks=manager.num_blocks,
             prefix_cache_hit_rate=self.metrics.hit_rate,
             prefix_cache_queries=self.metrics.queries,
             prefix_cache_hits=self.metrics.hits,

@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixserve.core import CacheRequest
-from prefixserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from prefixserve.model.sampler import Logprob
-from prefixserve.model.sampling_params import SamplingParams
 from prefixserve.model.tokenizer import IncrementalDetokenizer
+from prefixserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from prefixserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -56,7 +56,7 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
-        self.kv = kv_cache_manager
+        self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -84,7 +84,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -102,7 +102,7 @@ class Scheduler:
             if num_new <= 0:
                 scheduled_running.append(request)
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = queue.pop() if queue else request
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -119,14 +119,14 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.num_preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            computed, num_cached = self.kv.get_computed_blocks(request)
+            computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self._may_chunk(request):
                     break
                 num_new = budget
             request.num_computed_tokens = 0
-            if self.kv.allocate_slots(request, num_new, computed) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -153,5 +153,5 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.kv.free(request)
-        self.kv.free_block_hashes(request)
+        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free_block_hashes(request)

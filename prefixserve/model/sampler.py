@@ -36,21 +36,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.outputs import Logprob
+from prefixserve.sampling_params import SamplingParams
 
 #: How many of the most likely tokens top-p examines before it falls back to a full sort.
 _TOP_P_CANDIDATES = 1024
 
 #: Rows of prompt logits turned into log-softmax at a time (bounds the temporary memory).
 _PROMPT_LOGPROBS_CHUNK = 256
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """Log-probability of one token and its 1-based rank (1 = most likely; ties share a rank)."""
-
-    logprob: float
-    rank: int
 
 
 @dataclass(frozen=True)

@@ -104,32 +104,32 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
                         f"{config.DEFAULT_REQUEST_READ_TIMEOUT:g})")
 
 
-def _add_engine(engine: argparse._ArgumentGroup) -> None:
+def _add_engine(group: argparse._ArgumentGroup) -> None:
     from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
 
-    engine.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="weights and KV cache dtype (default auto: bfloat16 where the CPU "
-                        "has native bfloat16 (AVX512-BF16, AMX), else float32; float32 gives "
-                        "results that do not depend on batch shapes)")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=None, help="automatic prefix caching (default: on)")
-    engine.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,
-                        help="hash of the prefix-cache block keys (default builtin)")
-    engine.add_argument("--block-size", type=int, choices=ALLOWED_BLOCK_SIZES,
-                        help="tokens per KV cache block (default 16)")
-    _add_kv_cache_size(engine.add_mutually_exclusive_group())
-    engine.add_argument("--max-num-seqs", type=int, metavar="N",
-                        help="sequences running at once (default 32)")
-    engine.add_argument("--max-num-batched-tokens", type=int, metavar="N",
-                        help="tokens computed per step (default 2048)")
-    engine.add_argument("--max-model-len", type=int, metavar="N",
-                        help="context length, prompt plus output (default: the model's, capped "
-                        "by the KV cache)")
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                        default=None, help="compute long prompts in chunks (default: on; off, "
-                        "a prompt longer than --max-num-batched-tokens is refused)")
-    engine.add_argument("--num-threads", type=int, metavar="N",
-                        help="CPU threads for the model (default: torch's)")
+    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="weights and KV cache dtype (default auto: bfloat16 where the CPU "
+                       "has native bfloat16 (AVX512-BF16, AMX), else float32; float32 gives "
+                       "results that do not depend on batch shapes)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=None, help="automatic prefix caching (default: on)")
+    group.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,
+                       help="hash of the prefix-cache block keys (default builtin)")
+    group.add_argument("--block-size", type=int, choices=ALLOWED_BLOCK_SIZES,
+                       help="tokens per KV cache block (default 16)")
+    _add_kv_cache_size(group.add_mutually_exclusive_group())
+    group.add_argument("--max-num-seqs", type=int, metavar="N",
+                       help="sequences running at once (default 32)")
+    group.add_argument("--max-num-batched-tokens", type=int, metavar="N",
+                       help="tokens computed per step (default 2048)")
+    group.add_argument("--max-model-len", type=int, metavar="N",
+                       help="context length, prompt plus output (default: the model's, capped "
+                       "by the KV cache)")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=None, help="compute long prompts in chunks (default: on; off, "
+                       "a prompt longer than --max-num-batched-tokens is refused)")
+    group.add_argument("--num-threads", type=int, metavar="N",
+                       help="CPU threads for the model (default: torch's)")
 
 
 def _add_kv_cache_size(size: argparse._MutuallyExclusiveGroup) -> None:

@@ -110,10 +110,9 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("serving %s as %s on http://%s:%d (%s, prefix caching %s, %d KV blocks of %d "
                 "tokens, context %d tokens%s)", model_root,
                 ", ".join(http_config.served_model_names), args.host, args.port,
-                str(engine.engine.dtype).removeprefix("torch."),
-                "on" if config.prefix_caching else "off",
-                engine.engine.kv_cache_manager.num_blocks,
-                config.block_size, engine.engine.max_model_len,
+                str(engine.dtype).removeprefix("torch."),
+                "on" if config.prefix_caching else "off", engine.num_kv_blocks,
+                config.block_size, engine.max_model_len,
                 f", {len(api_keys)} API key(s)" if api_keys else "")
     app = create_app(engine, http_config)
     server = DrainingServer(

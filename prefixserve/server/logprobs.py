@@ -13,8 +13,8 @@ import functools
 import math
 from collections.abc import Sequence
 
-from prefixserve.model.sampler import Logprob
 from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.outputs import Logprob
 from prefixserve.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 MIN_LOGPROB = -9999.0

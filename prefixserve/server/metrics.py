@@ -54,7 +54,7 @@ from prometheus_client.registry import Collector
 
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.llm_engine import EngineStats
-from prefixserve.engine.outputs import RequestMetrics, RequestOutput
+from prefixserve.outputs import RequestMetrics, RequestOutput
 
 MODEL_NAME_LABEL = "model_name"
 FINISH_REASONS = ("stop", "length", "abort")

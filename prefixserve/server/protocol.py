@@ -27,10 +27,9 @@ from pydantic import (
     model_validator,
 )
 
+from prefixserve.sampling_params import MAX_LOGPROBS
 from prefixserve.server.config import MAX_N
 
-#: The most top logprobs a request may ask for per token (as ``SamplingParams``).
-MAX_TOP_LOGPROBS = 20
 #: The most stop strings one request may give.
 MAX_STOP_STRINGS = 16
 #: Seeds are 64-bit signed integers (``n`` sequences use ``seed``, ``seed + 1``, ...).
@@ -207,7 +206,7 @@ class CompletionRequest(GenerationRequest):
     suffix: Text | None = Field(None, description="Not supported: a 400 unless empty.")
     best_of: int | None = Field(None, ge=1, description="Not supported: a 400 unless 1 or "
                                 "equal to `n`.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the "
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Return the "
                                  "logprob of each token and of this many most likely "
                                  "alternatives (with `echo`, of the prompt's tokens too).")
 
@@ -263,7 +262,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(None, ge=1, description="Older name of "
                                    "`max_completion_tokens`, used when that is not given.")
     logprobs: bool | None = Field(None, description="Return the logprob of each output token.")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With "
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With "
                                      "`logprobs`: this many most likely alternatives per token.")
     add_generation_prompt: bool | None = Field(None, description="End the rendered prompt with "
                                                "the assistant's header (default true).")

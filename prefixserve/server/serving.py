@@ -35,10 +35,10 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prefixserve.engine.async_llm import AsyncLLM, EngineDeadError
-from prefixserve.engine.llm_engine import QueueFullError, RequestError
-from prefixserve.engine.outputs import CompletionOutput, RequestOutput
-from prefixserve.model.sampling_params import SamplingParams
+from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
+from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.sampling_params import SamplingParams
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError
 from prefixserve.server.logprobs import LogprobEntry, LogprobFormatter
@@ -215,6 +215,12 @@ class _CompletionChoices:
                                 finish_reason=finish_reason, stop_reason=stop_reason)
 
 
+def _bad_request(exc: RequestError, param: str) -> ApiError:
+    """The 400 of an engine's ``RequestError``: its code, and ``param`` (the request field that
+    holds the prompt) unless the error names another field."""
+    return ApiError(400, str(exc), param=exc.param or param, code=exc.code)
+
+
 def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Any]:
     """The prompts of a completion request: ``prompt`` itself when it is one (a string or
     token ids), else its items."""
@@ -231,9 +237,9 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.engine.max_model_len
-        self.vocab_size: int = engine.engine.model_config.vocab_size
-        self.max_waiting: int | None = engine.engine.config.max_waiting_requests
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
+        self.max_waiting: int | None = engine.max_waiting_requests
         self.logprobs = LogprobFormatter(engine.tokenizer)
         self._logged_ignored: set[str] = set()
 
@@ -292,23 +298,12 @@ class OpenAIServing:
 
     def check_prompt(self, ids: Sequence[int], max_tokens: int | None, param: str) -> None:
         """A 400 naming ``param`` (or ``max_tokens``) unless the prompt is non-empty, in the
-        vocabulary, shorter than the context and leaves room for ``max_tokens`` more."""
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param=param, code="invalid_prompt")
-        bad = next((t for t in ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, "
-                           f"{self.vocab_size})", param=param, code="invalid_prompt")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens, but this model's context is "
-                           f"{limit} tokens and at least one must be left to generate",
-                           param=param, code="context_length_exceeded")
-        if max_tokens is not None and len(ids) + max_tokens > limit:
-            raise ApiError(400, f"this model's context is {limit} tokens, but the prompt has "
-                           f"{len(ids)} and max_tokens asks for {max_tokens} more; lower "
-                           f"max_tokens or shorten the prompt", param="max_tokens",
-                           code="context_length_exceeded")
+        vocabulary, shorter than the context and leaves room for ``max_tokens`` more (the
+        engine's ``validate_prompt``)."""
+        try:
+            self.engine.validate_prompt(ids, max_tokens)
+        except RequestError as exc:
+            raise _bad_request(exc, param) from exc
 
     def sampling_params(self, body: GenerationRequest, *, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
@@ -367,7 +362,7 @@ class OpenAIServing:
         try:
             await stream.start()
         except RequestError as exc:
-            raise ApiError(400, str(exc), param=run.param, code="invalid_prompt") from exc
+            raise _bad_request(exc, run.param) from exc
         except QueueFullError as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry later",
                            code="queue_full",

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from prefixserve.engine.async_llm import EngineDeadError
-from prefixserve.engine.outputs import RequestOutput
+from prefixserve.engine.errors import EngineDeadError
+from prefixserve.outputs import RequestOutput
 from prefixserve.server.errors import error_body
 
 logger = logging.getLogger("prefixserve.server")

@@ -41,7 +41,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from prefixserve.engine.async_llm import EngineDeadError
+from prefixserve.engine.errors import EngineDeadError
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, error_response
 

@@ -37,7 +37,7 @@ def run_demo(model: str | None = None, max_tokens: int = 48) -> None:
     console.print("Loading the model...")
     llm = LLM(model)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    table = Table(title=f"Prefix cache at work (block size {llm.engine.config.block_size})")
+    table = Table(title=f"Prefix cache at work (block size {llm.engine.block_size})")
     for column in ("question", "prompt tokens", "from cache", "TTFT s", "answer"):
         table.add_column(column, overflow="fold")
     total = cached = 0

@@ -1,10 +1,20 @@
-"""What the engine hands back for a request."""
+"""What the engine hands back for a request: plain values, importable without torch.
+
+Every layer may import this module (docs/DESIGN.md section 9); it imports nothing else of
+prefixserve.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixserve.model.sampler import Logprob
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token and its 1-based rank (1 = most likely; ties share a rank)."""
+
+    logprob: float
+    rank: int
 
 
 @dataclass
