@@ -22,6 +22,7 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
 
 # The edit loop: the core, scheduler, layering and unit tests, in seconds (no model, no server).
@@ -33,6 +34,7 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench-core: install
 	$(PY) benchmarks/bench_core.py

@@ -7,6 +7,10 @@ prefixserve.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a sequence stopped: a stop token or string, its length limit, or an abort."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
 

@@ -16,15 +16,21 @@ Invariants (checked by the stateful tests):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import final
 
 from prefixserve.core.hashing import hash_value_of
 
 
+@final
 class KVCacheBlock:
     """One physical KV block: its id, reference count, cached block hash (or None) with its
     hash value (the pool's map key, kept so that eviction need not derive it again; stale while
-    ``block_hash`` is None) and the two links of the intrusive free list."""
+    ``block_hash`` is None) and the two links of the intrusive free list (a block never linked,
+    such as a sentinel's outer side or the null block, points at itself).
+
+    Final: the pool's map tells a single block from a dict of blocks by ``type(entry) is
+    KVCacheBlock``."""
 
     __slots__ = ("block_hash", "block_id", "hash_value", "is_null", "next_free", "prev_free",
                  "ref_cnt")
@@ -34,8 +40,8 @@ class KVCacheBlock:
         self.ref_cnt = 0
         self.block_hash: Hashable | None = None
         self.hash_value: Hashable | None = None
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
+        self.prev_free: KVCacheBlock = self
+        self.next_free: KVCacheBlock = self
         self.is_null = False
 
     def __repr__(self) -> str:
@@ -71,7 +77,7 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self.head.next_free
-        if block is self.tail or block is None:
+        if block is self.tail:
             raise ValueError("no free block to pop")
         self.remove(block)
         return block
@@ -91,7 +97,7 @@ class FreeBlockQueue:
         self.tail.prev_free = block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self.head.next_free
         while block is not self.tail:
             yield block
@@ -171,6 +177,8 @@ class BlockPool:
                 key = block.hash_value
                 entry = cache.pop(key)
                 if entry is not block:
+                    # a single block under this key would be this one: a dict, holding it too
+                    assert type(entry) is dict
                     del entry[block.block_id]
                     if entry:
                         cache[key] = entry

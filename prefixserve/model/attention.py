@@ -221,6 +221,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode is not None:
         rows = meta.decode.rows
+        assert rows is not None  # a decode group without rows returned above
         decoded = _decode_attention(q.index_select(0, rows), layer_cache, meta.decode, block_size)
         out.index_copy_(0, rows, decoded)
     for seq in meta.prefills:
@@ -264,6 +265,7 @@ def _prefill_attention(
         keys = k[seq.start : seq.end]
         values = v[seq.start : seq.end]
     else:
+        assert seq.block_table is not None  # a cached sequence's K/V are read from its blocks
         keys, values = _gather(layer_cache, seq.block_table, block_size, seq.num_keys)
     out = F.scaled_dot_product_attention(
         query,

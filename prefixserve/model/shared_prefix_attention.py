@@ -111,7 +111,7 @@ def shared_prefix_groups(
     shared = 0
     for i in [*order[1:], None]:
         common = 0 if i is None else _common_blocks(tables, lens, members[-1], i, block_size)
-        if common >= MIN_GROUP_BLOCKS:
+        if i is not None and common >= MIN_GROUP_BLOCKS:
             shared = common if len(members) == 1 else min(shared, common)
             members.append(i)
             continue
@@ -120,6 +120,8 @@ def shared_prefix_groups(
             saved += (len(members) - 1) * shared * block_size
         else:
             alone.append(members[0])
+        if i is None:  # the end, its last run flushed
+            break
         members = [i]
     if saved < MIN_SAVED_KEYS:
         return []

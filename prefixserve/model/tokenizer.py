@@ -224,7 +224,7 @@ def _tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     # does for GGUF files, defaulting to False for byte-level BPE. SmolLM2's file says False,
     # which matches SmolLM2's own HF tokenizer (it adds no BOS).
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    if add_bos:
+    if add_bos and bos is not None:
         bos_token = tokens[bos]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos_token} $A", pair=f"{bos_token} $A $B", special_tokens=[(bos_token, bos)]

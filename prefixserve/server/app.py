@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.responses import Response
@@ -169,7 +169,10 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfi
                        keys: KeyParameters, docs: ErrorDocs) -> None:
     """Declares ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models``
     (in that order), each behind an API key."""
-    ApiKey = keys.api
+    if TYPE_CHECKING:  # a route gets the caller's key; FastAPI reads the dependency below
+        ApiKey = str | None
+    else:
+        ApiKey = keys.api
     started = int(time.time())
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["OpenAI"],
@@ -200,7 +203,11 @@ def _add_operation_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics
                           keys: KeyParameters, docs: ErrorDocs) -> None:
     """Declares ``POST /reset_prefix_cache`` (an admin action), ``GET /health``,
     ``GET /version`` (open) and ``GET /metrics`` (behind a metrics key), in that order."""
-    AdminKey, MetricsKey = keys.admin, keys.metrics
+    if TYPE_CHECKING:  # a route gets the caller's key; FastAPI reads the dependencies below
+        AdminKey = str | None
+        MetricsKey = str | None
+    else:
+        AdminKey, MetricsKey = keys.admin, keys.metrics
 
     @app.post("/reset_prefix_cache", response_model=StatusResponse, tags=["Operations"],
               responses=docs.admin)

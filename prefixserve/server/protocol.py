@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from prefixserve.outputs import FinishReason
 from prefixserve.sampling_params import MAX_LOGPROBS
 from prefixserve.server.config import MAX_N
 
@@ -278,9 +279,6 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 # ---------------------------------------------------------------------- responses
-FinishReason = Literal["stop", "length", "abort"]
-
-
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
 

@@ -37,7 +37,7 @@ from starlette.responses import Response
 
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
-from prefixserve.outputs import CompletionOutput, RequestOutput
+from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError
@@ -103,7 +103,7 @@ class _Sequence:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     def add(self, output: CompletionOutput) -> None:
@@ -198,7 +198,7 @@ class _CompletionChoices:
                            output.finish_reason, output.stop_reason)
 
     def choice(self, index: int, prompt: int, text: str, token_ids: Sequence[int],
-               entries: Sequence[LogprobEntry], finish_reason: str | None,
+               entries: Sequence[LogprobEntry], finish_reason: FinishReason | None,
                stop_reason: int | str | None) -> CompletionChoice:
         """Choice ``index`` (or its next part) from output of prompt ``prompt``."""
         token_ids, entries = list(token_ids), list(entries)
@@ -342,8 +342,10 @@ class OpenAIServing:
         request."""
         tracker = self.metrics.track(params.n)
         try:
-            async with aclosing(self.engine.generate(ids, params, request_id,
-                                                     cache_salt=salt)) as outputs:
+            generated = self.engine.generate(ids, params, request_id, cache_salt=salt)
+            # An async generator, though engine/async_llm.py annotates it AsyncIterator (no
+            # aclose): this ignore goes when that says AsyncGenerator (warn_unused_ignores).
+            async with aclosing(generated) as outputs:  # type: ignore[type-var]
                 async for output in outputs:
                     tracker.observe(output)
                     yield output

@@ -269,6 +269,11 @@ def replay_all(workload: Workload, capacities: Sequence[int | None], settings: R
                      _peak_rss_mib(resource.RUSAGE_CHILDREN), jobs)
 
 
+def _size_key(capacity_blocks: int | None) -> float:
+    """Sort key of a pool size: ascending, the infinite cache (None) last."""
+    return math.inf if capacity_blocks is None else capacity_blocks
+
+
 def _replay_forked(workload: Workload, capacities: Sequence[int | None],
                    settings: ReplaySettings, jobs: int,
                    progress: Callable[[int], None] | None) -> list[CacheResult]:
@@ -277,8 +282,7 @@ def _replay_forked(workload: Workload, capacities: Sequence[int | None],
     counter = context.Value("q", 0)
     _FORKED = (workload, settings, counter)
     # Smallest pools first: they evict the most and take the longest.
-    order = sorted(range(len(capacities)),
-                   key=lambda i: math.inf if capacities[i] is None else capacities[i])
+    order = sorted(range(len(capacities)), key=lambda i: _size_key(capacities[i]))
     try:
         with context.Pool(jobs) as pool:
             pending = pool.map_async(_forked_replay, [capacities[i] for i in order], chunksize=1)
@@ -397,6 +401,7 @@ class _Progress:
                                console=Console(stderr=True), transient=True)
                 bar.start()
                 task = bar.add_task(description, total=total)
+            assert task is not None  # added with the bar
             bar.update(task, completed=completed)
 
         try:
@@ -472,8 +477,7 @@ def estimate(args: argparse.Namespace) -> Estimate:
         tasks = [*default_capacities(first[0].distinct_blocks or 1)]
     with progress.phase(f"replaying {len(tasks)} caches", num_requests * len(tasks)) as update:
         run = replay_all(workload, tasks, settings, jobs, update)
-    results = sorted(run.results + first,
-                     key=lambda r: math.inf if r.infinite else r.capacity_blocks)
+    results = sorted(run.results + first, key=lambda r: _size_key(r.capacity_blocks))
     return Estimate(workload, settings, args.warmup_fraction, results, read_seconds,
                     first_seconds + run.seconds, run.jobs, run.peak_rss_mib,
                     run.worker_peak_rss_mib, kv_bytes)

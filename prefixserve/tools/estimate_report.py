@@ -82,7 +82,7 @@ def build_table(estimate: Estimate) -> Table:
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
     for result in estimate.results:
-        if result.infinite:
+        if result.capacity_blocks is None:  # the infinite cache
             cells = ["infinite", "-"] + (["-"] if kv_bytes else [])
         else:
             tokens = result.capacity_blocks * bs
@@ -146,7 +146,7 @@ def print_report(estimate: Estimate, console: Console | None = None) -> None:
 def _result_json(result: CacheResult, estimate: Estimate) -> dict[str, Any]:
     bs = estimate.workload.block_size
     kv_bytes = estimate.kv_bytes_per_token
-    tokens = None if result.infinite else result.capacity_blocks * bs
+    tokens = None if result.capacity_blocks is None else result.capacity_blocks * bs
     bound = result.speedup_bound
     return {
         "infinite": result.infinite,
@@ -234,7 +234,7 @@ def write_plot(estimate: Estimate, path: str) -> None:
     colors = plt.get_cmap("viridis")([i / max(1, len(finite)) for i in range(len(finite))])
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
 
-    sizes = [r.capacity_blocks for r in finite]
+    sizes = [r.capacity_blocks for r in finite if r.capacity_blocks is not None]  # all of them
     token_rates = [r.token_hit_rate for r in finite]
     left.axhline(infinite.token_hit_rate, color="black", linestyle=":", linewidth=1.5,
                  label=f"infinite cache (upper bound): {infinite.token_hit_rate:.1%}")

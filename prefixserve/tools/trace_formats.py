@@ -31,7 +31,7 @@ import sys
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 
@@ -96,7 +96,7 @@ class Workload:
             return list(request.ids)
         keys: list[Hashable] = []
         extend = keys.extend
-        for i in request.ids:
+        for i in cast("Sequence[int]", request.ids):  # ints, as said above
             start = i * k
             extend(range(start, start + k))
         del keys[request.num_blocks:]
@@ -146,7 +146,8 @@ def open_binary(path: str) -> tuple[IO[bytes], IO[bytes] | None, int]:
     if magic.startswith(b"\xfd7zXZ\x00"):
         return lzma.open(raw), raw, size
     if magic.startswith(b"\x1f\x8b"):
-        return gzip.open(raw), raw, size
+        # a binary file object, though typeshed's GzipFile does not derive from IO[bytes]
+        return cast(IO[bytes], gzip.open(raw)), raw, size
     return raw, raw, size
 
 
@@ -269,6 +270,7 @@ class _TokenHasher:
                 lora: int | str | None) -> TraceRequest:
         """The request for ``prompt`` followed by the decoded part of ``output``."""
         from prefixserve.core import CacheRequest
+        from prefixserve.core.hashing import hash_value_of
 
         decoded = list(output[:-1])
         self._count += 1
@@ -276,7 +278,7 @@ class _TokenHasher:
                                      lora_id=lora)
         chain = self._manager.block_hashes(cache_request)
         self._manager.free_block_hashes(cache_request)
-        ids = [block_hash[0] for block_hash in chain]
+        ids = [hash_value_of(block_hash) for block_hash in chain]
         return TraceRequest(ids, len(ids), len(prompt), len(decoded))
 
 

@@ -101,6 +101,12 @@ def _latency(metric: str, stat: str) -> Callable[[dict[str, Any]], float | None]
     return lambda d: d["summary"][metric].get(stat)
 
 
+def _number_cell(value: Callable[[dict[str, Any]], float | None]
+                 ) -> Callable[[dict[str, Any]], str]:
+    """The cell of a row showing ``value`` as a number."""
+    return lambda d: _number(value(d))
+
+
 def _rows() -> list[Row]:
     rows: list[Row] = [
         ("server", lambda d: d["base_url"], None),
@@ -127,8 +133,7 @@ def _rows() -> list[Row]:
                          ("e2e_ms", "E2E")):
         for stat in ("mean", "p50", "p90", "p99"):
             value = _latency(metric, stat)
-            rows.append((f"{name} {stat} (ms)",
-                         lambda d, value=value: _number(value(d)),
+            rows.append((f"{name} {stat} (ms)", _number_cell(value),
                          value if stat == "mean" else None))
     return rows
 

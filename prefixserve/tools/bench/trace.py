@@ -24,7 +24,8 @@ history.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
+from typing import cast
 
 import numpy as np
 
@@ -88,6 +89,11 @@ def _arrivals_and_outputs(path: str) -> list[tuple[float, int]]:
     return out
 
 
+def _int_ids(ids: Iterable[Hashable]) -> list[int]:
+    """Block ids of a replayable trace as ints: mooncake and bailian ``hash_ids`` are ints."""
+    return [int(i) for i in cast("Iterable[int]", ids)]
+
+
 def _conversations(keys: list[tuple[int, ...]], limit: int, seed: int) -> list[int]:
     """Indices of whole groups of equal ``keys``, drawn at random while they fit in ``limit``
     requests, in ascending order."""
@@ -130,7 +136,7 @@ def trace_dataset(vocabulary: WordVocabulary, *, path: str, num_prompts: int | N
     if sample == "first":
         chosen = list(range(min(limit, len(extras))))
     else:
-        keys = [tuple(int(i) for i in r.ids[:2]) for r in workload.requests]
+        keys = [tuple(_int_ids(r.ids[:2])) for r in workload.requests]
         chosen = _conversations(keys, limit, seed)
     if not chosen:
         raise TraceError(f"{path}: no conversation fits in {limit} requests")
@@ -140,7 +146,7 @@ def trace_dataset(vocabulary: WordVocabulary, *, path: str, num_prompts: int | N
     for index in chosen:
         request = workload.requests[index]
         timestamp, output_length = extras[index]
-        ids = [int(i) for i in workload.block_keys(request)]
+        ids = _int_ids(workload.block_keys(request))
         tokens = [t for block_id in ids for t in blocks.block(block_id)]
         length = max(1, round(request.num_prompt_tokens / scale))
         tokens += blocks.tail(ids[-1] if ids else None, length - len(tokens))
