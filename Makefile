@@ -30,6 +30,7 @@ test-fast: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests/test_core_rules.py tests/test_core_stateful.py \
 		tests/test_scheduler_liveness.py tests/test_layering.py tests/test_sampler.py \
+		tests/test_output_processor.py \
 		tests/test_server_cli.py
 
 lint: install

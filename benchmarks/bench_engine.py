@@ -31,7 +31,7 @@ from rich.table import Table
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.model import attention
+from prefixserve.model import shared_prefix_attention
 
 console = Console()
 
@@ -51,7 +51,7 @@ def ttft(engine: LLMEngine, prompt: list[int]) -> float:
     request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     while engine.has_unfinished_requests():
         engine.step()
-    assert request_id not in engine.groups
+    assert request_id not in engine.output_processor.requests
     return time.perf_counter() - start
 
 
@@ -213,7 +213,7 @@ def part4(llm: LLM, repeat: int) -> None:
     cases = [("16 on one 1,024-token prefix, 64 own tokens each", 1, 16),
              ("16 on 8 prefixes of 1,024 tokens (2 each)", 8, 2),
              ("16 on one 256-token prefix", 1, 16)]
-    saved_keys = attention.MIN_SAVED_KEYS
+    saved_keys = shared_prefix_attention.MIN_SAVED_KEYS
     for label, groups, members in cases:
         prefix_len = 256 if "256" in label else 1024
         on, off, ratios = [], [], []
@@ -222,12 +222,12 @@ def part4(llm: LLM, repeat: int) -> None:
             prompts = [p + random_tokens(rng, 64) for p in prefixes for _ in range(members)]
             result = {}
             for two_pass in ((True, False) if i % 2 == 0 else (False, True)):
-                attention.MIN_SAVED_KEYS = saved_keys if two_pass else 1 << 62
+                shared_prefix_attention.MIN_SAVED_KEYS = saved_keys if two_pass else 1 << 62
                 llm.reset_prefix_cache()
                 for prefix in prefixes:  # cache the prefixes, as a server would have them
                     llm.generate([prefix], SamplingParams(max_tokens=1))
                 result[two_pass] = decode_rate(llm, prompts)
-            attention.MIN_SAVED_KEYS = saved_keys
+            shared_prefix_attention.MIN_SAVED_KEYS = saved_keys
             on.append(result[True])
             off.append(result[False])
             ratios.append(result[True] / result[False])

@@ -231,7 +231,7 @@ def test_reset_under_traffic_then_an_identical_request_hits_nothing(cached: LLM)
     again = cached.generate([prompt], params)[0]  # also runs ``first`` to its end
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == reference
-    assert first not in engine.groups
+    assert first not in engine.output_processor.requests
     assert_idle(cached)
 
 

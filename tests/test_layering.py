@@ -255,8 +255,8 @@ ENGINE_USERS = ("server", "tools")
 
 def engine_surface() -> frozenset[str]:
     """The public methods and properties the bodies of the ``ENGINE_CLASSES`` define. Attributes
-    set in ``__init__`` (``AsyncLLM.engine``, ``LLMEngine.groups``, ``.config``, the KV cache
-    manager, the scheduler...) are internals, not part of it."""
+    set in ``__init__`` (``AsyncLLM.engine``, ``LLMEngine.output_processor``, ``.config``, the
+    KV cache manager, the scheduler...) are internals, not part of it."""
     names = set()
     for path, class_name in ENGINE_CLASSES.items():
         tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -96,7 +96,7 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (deltas) until it finishes. Raises the engine's
         ``RequestError``/``QueueFullError`` before the first output if it cannot be queued.
         Leaving the iteration early aborts the request."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.engine.request import Request, make_request_output
+from prefixserve.engine.output_processor import RequestState
 from prefixserve.model.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
@@ -38,9 +38,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion, batched, and returns
         one output per prompt in input order."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self._run(list(prompts), sampling_params, cache_salt)  # type: ignore[arg-type]
+            batch = [cast(Prompt, prompts)]  # one prompt: text, or token ids
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
+        return self._run(batch, sampling_params, cache_salt)
 
     def chat(
         self,
@@ -51,12 +54,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them and
         generates the assistant's replies."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations: list[Messages]
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(Messages, messages)]  # one conversation
+        else:
+            conversations = list(cast(Sequence[Messages], messages))
         tokenizer = self.engine.tokenizer
         prompts: list[Prompt] = [
-            tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt,
-                                          tokenize=True)
-            for c in conversations  # type: ignore[union-attr]
+            cast(list[int], tokenizer.apply_chat_template(
+                list(c), add_generation_prompt=add_generation_prompt, tokenize=True))
+            for c in conversations
         ]
         return self._run(prompts, sampling_params, cache_salt)
 
@@ -74,17 +81,15 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         engine = self.engine
-        groups: list[tuple[str, list[Request]]] = []
+        states: list[RequestState] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = engine.add_request(prompt, params, cache_salt=cache_salt)
-                groups.append((request_id, engine.sequences(request_id)))
+                states.append(engine.request_state(request_id))
             while engine.has_unfinished_requests():
                 engine.step()
         except BaseException:
-            for request_id, _ in groups:
-                engine.abort_request(request_id)
+            for state in states:
+                engine.abort_request(state.request_id)
             raise
-        return [make_request_output(request_id, children,
-                                    [c.completion(delta=False) for c in children])
-                for request_id, children in groups]
+        return [state.output(delta=False) for state in states]

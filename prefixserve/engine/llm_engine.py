@@ -1,4 +1,9 @@
-"""The engine loop: schedule, run the model, sample, detokenise, stop, free.
+"""The engine loop: schedule, run the model and sample, process the outputs.
+
+``step`` is those three parts: ``Scheduler.schedule`` picks the tokens to compute, ``_execute``
+runs the model over them and samples, and ``OutputProcessor.process``
+(``engine/output_processor.py``) appends the tokens, detokenises, finishes sequences through
+the scheduler and builds the delta outputs.
 
 ``LLMEngine`` is single-threaded: every call must come from one thread (``AsyncLLM`` runs it in
 a background thread of its own).
@@ -17,13 +22,21 @@ import torch
 from prefixserve.core import KVCacheManager, MultiModalInput, PrefixCachingMetrics
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
-from prefixserve.engine.request import Request, make_request_output
-from prefixserve.engine.scheduler import Scheduler, SchedulerOutput
+from prefixserve.engine.output_processor import (
+    ExecutedStep,
+    OutputProcessor,
+    PromptLogprobsChunk,
+    RequestState,
+    SampledToken,
+    SequenceState,
+)
+from prefixserve.engine.request import Request
+from prefixserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from prefixserve.model.dtypes import resolve_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.sampler import Sampler, compute_prompt_logprobs, make_generator
-from prefixserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from prefixserve.model.tokenizer import Tokenizer, load_tokenizer
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 
@@ -50,7 +63,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Owns the tokenizer, the model runner, the KV cache manager and the scheduler."""
+    """Owns the tokenizer, the model runner, the KV cache manager, the scheduler and the output
+    processor. From ``add_request`` on, a request's ``n`` ``Request``s are in the scheduler until
+    each finishes (or is aborted), and its ``RequestState`` is in the output processor until its
+    finished output is handed out (or it is aborted)."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -78,13 +94,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.sampler = Sampler(self.model_config.eos_token_ids)
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids,
+                                                self.max_model_len)
         self.metrics = PrefixCachingMetrics()
-        # The request id a caller sees -> its ``n`` sibling sequences (``Request.group_id`` is
-        # that parent id). Not the attention groups of ``prefixserve.model``.
-        self.groups: dict[str, list[Request]] = {}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.last_step_scheduled = False
 
     # ------------------------------------------------------------------ what the engine is
@@ -108,6 +120,16 @@ class LLMEngine:
         """The most sequences the waiting queue holds (None: unbounded)."""
         return self.config.max_waiting_requests
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the sequences that produced a token, since the engine started."""
+        return self.output_processor.prompt_tokens
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens generated since the engine started."""
+        return self.output_processor.generation_tokens
+
     # ------------------------------------------------------------------ requests
     def add_request(
         self,
@@ -128,7 +150,7 @@ class LLMEngine:
         for its ``n`` sequences now. Nothing is queued unless it can be scheduled."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.groups:
+        if request_id in self.output_processor.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._check_queue_room(params.n)
         if isinstance(prompt, str):
@@ -150,18 +172,14 @@ class LLMEngine:
                 lora_id=lora_id,
                 mm_inputs=tuple(mm_inputs),
                 wants_prompt_logprobs=params.prompt_logprobs is not None,
-                prompt=text,
                 prompt_token_ids=token_ids,
                 params=params,
                 index=index,
                 generator=make_generator(seed, self.config.device),
-                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids,
-                                                   params.skip_special_tokens),
-                logprobs=[] if params.logprobs is not None else None,
             )
             request.metrics.arrival_time = arrival
             children.append(request)
-        self.groups[request_id] = children
+        self.output_processor.add_request(request_id, text, children)
         for request in children:
             self.scheduler.add_request(request)
         return request_id
@@ -210,22 +228,21 @@ class LLMEngine:
         if reason is not None:
             raise RequestError(reason)
 
-    def sequences(self, request_id: str) -> list[Request]:
-        """The ``n`` sequences of a request, from ``add_request`` until the output that finishes
-        it is handed out (a ``KeyError`` after that, or for an unknown id). The list is the
-        engine's own: read it, do not modify it."""
-        return self.groups[request_id]
+    def request_state(self, request_id: str) -> RequestState:
+        """The output state of a request (its ``n`` sequences, ``output(delta=False)`` for
+        everything so far), from ``add_request`` until the output that finishes it is handed
+        out (a ``KeyError`` after that, or for an unknown id). It is the engine's own: read it,
+        do not modify it; it stays readable after the engine forgets it."""
+        return self.output_processor.requests[request_id]
+
+    def sequences(self, request_id: str) -> list[SequenceState]:
+        """The ``n`` sequences of a request (each one's output so far, and its scheduler
+        ``request``), while ``request_state`` knows it."""
+        return self.request_state(request_id).sequences
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks; returns whether it existed."""
-        children = self.groups.pop(request_id, None)
-        if children is None:
-            return False
-        for request in children:
-            if not request.is_finished:
-                request.finish_reason = "abort"
-                self._finish(request)
-        return True
+        return self.output_processor.abort_request(request_id, self.scheduler.finish_request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -241,151 +258,82 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step and returns an output (new tokens and text since the last
-        one) for each request that produced something or finished.
+        one) for each request that ran in it.
 
         ``last_step_scheduled`` says whether the step ran anything: False means no work can
         run until something changes (a request arrives or is aborted), so a loop driving the
         engine should wait for new work rather than step again at once."""
-        sched = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
         self.metrics.observe(self.kv_cache_manager.make_prefix_cache_stats())
-        self.last_step_scheduled = bool(sched.scheduled)
-        if not sched.scheduled:
+        self.last_step_scheduled = bool(scheduled.scheduled)
+        if not scheduled.scheduled:
             return []
-        self._run(sched)
-        return self._collect(sched)
+        executed = self._execute(scheduled)
+        return self.output_processor.process(executed, finish=self.scheduler.finish_request)
 
-    def _run(self, sched: SchedulerOutput) -> None:
-        seqs = []
-        for item in sched.scheduled:
-            request = item.request
-            start = request.num_computed_tokens
-            seqs.append(SeqBatchInput(
-                token_ids=list(request.token_ids[start:start + item.num_new_tokens]),
-                start_pos=start,
-                block_table=self.kv_cache_manager.get_block_ids(request),
-                need_prompt_logits=(request.wants_prompt_logprobs
-                                    and start < request.num_prompt_tokens),
-            ))
-        result = self.runner.execute(seqs)
-        sampling_rows = []
-        for row, item in enumerate(sched.scheduled):
-            request = item.request
-            if request.wants_prompt_logprobs and result.prompt_logits[row] is not None:
-                self._add_prompt_logprobs(request, seqs[row], result.prompt_logits[row])
+    def _execute(self, scheduled: SchedulerOutput) -> ExecutedStep:
+        """Runs the model over the scheduled tokens, moves each request's
+        ``num_computed_tokens`` past them, and samples the next token of every request whose
+        tokens are all computed now; prompt logprobs come from the chunk's logits when asked."""
+        batch = [self._batch_input(item) for item in scheduled.scheduled]
+        result = self.runner.execute(batch)
+        step = ExecutedStep([item.request for item in scheduled.scheduled])
+        ready = []
+        for row, item in enumerate(scheduled.scheduled):
+            request, prompt_logits = item.request, result.prompt_logits[row]
+            if request.wants_prompt_logprobs and prompt_logits is not None:
+                step.prompt_logprobs.append(
+                    self._prompt_logprobs(request, batch[row], prompt_logits))
             request.num_computed_tokens += item.num_new_tokens
             if request.is_prefill_done:
-                sampling_rows.append(row)
-        if not sampling_rows:
-            return
-        requests = [sched.scheduled[r].request for r in sampling_rows]
-        logits = result.logits if len(sampling_rows) == len(seqs) else \
-            result.logits[torch.tensor(sampling_rows)]
+                ready.append(row)
+        if ready:
+            step.sampled = self._sample(result.logits, ready, step.requests)
+            step.time = time.time()
+        return step
+
+    def _batch_input(self, item: ScheduledRequest) -> SeqBatchInput:
+        """The model runner's input for one scheduled request: its next ``num_new_tokens``."""
+        request = item.request
+        start = request.num_computed_tokens
+        return SeqBatchInput(
+            token_ids=list(request.token_ids[start:start + item.num_new_tokens]),
+            start_pos=start,
+            block_table=self.kv_cache_manager.get_block_ids(request),
+            need_prompt_logits=(request.wants_prompt_logprobs
+                                and start < request.num_prompt_tokens),
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: list[int],
+                requests: list[Request]) -> list[SampledToken]:
+        """One token for each of ``rows``; row i of ``logits`` belongs to ``requests[i]``."""
+        chosen = [requests[row] for row in rows]
+        if len(rows) != len(requests):
+            logits = logits[torch.tensor(rows)]
         sampled = self.sampler.sample(
             logits,
-            [r.params for r in requests],
-            [r.generator for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
+            [r.params for r in chosen],
+            [r.generator for r in chosen],
+            [r.prompt_token_ids for r in chosen],
+            [r.output_token_ids for r in chosen],
         )
-        now = time.time()
-        for request, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs,
-                                             strict=True):
-            self._append_token(request, token, now)
-            if request.logprobs is not None and logprobs is not None:
-                request.logprobs.append(logprobs.as_dict())
+        return [SampledToken(request, token, None if logprobs is None else logprobs.as_dict())
+                for request, token, logprobs in zip(chosen, sampled.token_ids, sampled.logprobs,
+                                                    strict=True)]
 
     @staticmethod
-    def _add_prompt_logprobs(request: Request, seq: SeqBatchInput,
-                             logits: torch.Tensor) -> None:
-        """Adds the logprobs of the prompt tokens this chunk predicts that are not known yet
-        (a chunk recomputed after preemption adds nothing twice). Row j of ``logits`` predicts
-        the token at position ``seq.start_pos + j + 1``."""
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None]
+    def _prompt_logprobs(request: Request, seq: SeqBatchInput,
+                         logits: torch.Tensor) -> PromptLogprobsChunk:
+        """The logprobs of the prompt tokens this chunk predicts. Row j of ``logits`` predicts
+        the token at position ``seq.start_pos + j + 1``; a row past the prompt (the chunk's
+        last, when it ends the prompt) predicts an output token and is left out. A chunk
+        recomputed after preemption gives its positions again; the output processor keeps the
+        first."""
         start = seq.start_pos
-        first = max(len(request.prompt_logprobs), start + 1)
         last = min(start + len(seq.token_ids), request.num_prompt_tokens - 1)
-        if first > last:
-            return
-        rows = logits[first - start - 1 : last - start]
-        tokens = list(request.token_ids[first - 1 : last + 1])
-        entries = compute_prompt_logprobs(rows, tokens, request.params.prompt_logprobs or 0)
-        request.prompt_logprobs.extend(entries[1:])
-
-    def _append_token(self, request: Request, token: int, now: float) -> None:
-        if request.is_finished:
-            return
-        request.token_ids.append(token)
-        request.output_token_ids.append(token)
-        self.generation_tokens += 1
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-            self.prompt_tokens += request.num_prompt_tokens
-        metrics.last_token_time = now
-        params = request.params
-        num_out = len(request.output_token_ids)
-        if params.stop_token_ids and token in params.stop_token_ids and num_out > params.min_tokens:
-            request.finish_reason, request.stop_reason = "stop", token
-        elif token in self.eos_token_ids and not params.ignore_eos \
-                and num_out > params.min_tokens:
-            request.finish_reason = "stop"
-        else:
-            assert request.detokenizer is not None
-            searched = len(request.text)
-            request.text += request.detokenizer.add([token])
-            if params.stop and num_out >= params.min_tokens:
-                self._check_stop_strings(request, searched)
-        if request.finish_reason is None:
-            out_of_budget = params.max_tokens is not None and num_out >= params.max_tokens
-            if out_of_budget or request.num_tokens >= self.max_model_len:
-                request.finish_reason = "length"
-        if request.finish_reason is not None:
-            if request.finish_reason == "length":
-                assert request.detokenizer is not None
-                request.text += request.detokenizer.flush()
-            self._finish(request)
-
-    @staticmethod
-    def _check_stop_strings(request: Request, searched: int) -> None:
-        """Finishes the request at the first stop string that ends in the text added after
-        ``searched`` characters, truncating the text there (or after it, when asked)."""
-        text = request.text
-        for stop in request.params.stop:
-            position = text.find(stop, max(0, searched - len(stop) + 1))
-            if position < 0:
-                continue
-            keep = position + len(stop) if request.params.include_stop_str_in_output \
-                else position
-            request.text = text[:keep]
-            request.finish_reason, request.stop_reason = "stop", stop
-            return
-
-    def _finish(self, request: Request) -> None:
-        request.metrics.finished_time = time.time()
-        self.scheduler.finish_request(request)
-
-    def _collect(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        outputs = []
-        seen = set()
-        for item in sched.scheduled:
-            request = item.request
-            parent_id = request.group_id
-            if parent_id in seen or parent_id not in self.groups:
-                continue
-            seen.add(parent_id)
-            outputs.append(self._parent_output(parent_id))
-        return outputs
-
-    def _parent_output(self, parent_id: str) -> RequestOutput:
-        """The delta output of a request: what each of its sequences added since the last
-        output; a sequence whose finish was already handed out is left out."""
-        children = self.groups[parent_id]
-        output = make_request_output(
-            parent_id, children, [c.completion(True) for c in children if not c.finish_sent])
-        if output.finished:
-            del self.groups[parent_id]
-        return output
+        entries = compute_prompt_logprobs(logits[: last - start], request.token_ids[start:last + 1],
+                                          request.params.prompt_logprobs or 0)
+        return PromptLogprobsChunk(request, start + 1, entries[1:])
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:

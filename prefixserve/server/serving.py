@@ -343,9 +343,7 @@ class OpenAIServing:
         tracker = self.metrics.track(params.n)
         try:
             generated = self.engine.generate(ids, params, request_id, cache_salt=salt)
-            # An async generator, though engine/async_llm.py annotates it AsyncIterator (no
-            # aclose): this ignore goes when that says AsyncGenerator (warn_unused_ignores).
-            async with aclosing(generated) as outputs:  # type: ignore[type-var]
+            async with aclosing(generated) as outputs:
                 async for output in outputs:
                     tracker.observe(output)
                     yield output
