@@ -152,14 +152,14 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self._check_queue_room(params.n)
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             text = None
             token_ids = list(prompt)
-        self._check_prompt(token_ids)
+        self._check_prompt(token_ids)  # before the queue: a request that can never run is
+        self._check_queue_room(params.n)  # a RequestError, never a retryable QueueFullError
         arrival = arrival_time or time.time()
         children = []
         for index in range(params.n):
@@ -282,8 +282,9 @@ class LLMEngine:
         for row, item in enumerate(scheduled.scheduled):
             request, prompt_logits = item.request, result.prompt_logits[row]
             if request.wants_prompt_logprobs and prompt_logits is not None:
+                known = self.output_processor.known_prompt_positions(request)
                 step.prompt_logprobs.append(
-                    self._prompt_logprobs(request, batch[row], prompt_logits))
+                    self._prompt_logprobs(request, batch[row], prompt_logits, known))
             request.num_computed_tokens += item.num_new_tokens
             if request.is_prefill_done:
                 ready.append(row)
@@ -322,18 +323,22 @@ class LLMEngine:
                                                     strict=True)]
 
     @staticmethod
-    def _prompt_logprobs(request: Request, seq: SeqBatchInput,
-                         logits: torch.Tensor) -> PromptLogprobsChunk:
-        """The logprobs of the prompt tokens this chunk predicts. Row j of ``logits`` predicts
-        the token at position ``seq.start_pos + j + 1``; a row past the prompt (the chunk's
-        last, when it ends the prompt) predicts an output token and is left out. A chunk
-        recomputed after preemption gives its positions again; the output processor keeps the
-        first."""
+    def _prompt_logprobs(request: Request, seq: SeqBatchInput, logits: torch.Tensor,
+                         known: int) -> PromptLogprobsChunk:
+        """The logprobs of the prompt tokens this chunk predicts that are not ``known`` yet
+        (positions below ``known`` were given by an earlier chunk: a chunk recomputed after
+        preemption adds nothing twice, and computes nothing twice). Row j of ``logits``
+        predicts the token at position ``seq.start_pos + j + 1``; a row past the prompt (the
+        chunk's last, when it ends the prompt) predicts an output token and is left out."""
         start = seq.start_pos
+        first = max(known, start + 1)
         last = min(start + len(seq.token_ids), request.num_prompt_tokens - 1)
-        entries = compute_prompt_logprobs(logits[: last - start], request.token_ids[start:last + 1],
+        if first > last:
+            return PromptLogprobsChunk(request, first, [])
+        entries = compute_prompt_logprobs(logits[first - start - 1 : last - start],
+                                          request.token_ids[first - 1 : last + 1],
                                           request.params.prompt_logprobs or 0)
-        return PromptLogprobsChunk(request, start + 1, entries[1:])
+        return PromptLogprobsChunk(request, first, entries[1:])
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:

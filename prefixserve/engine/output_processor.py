@@ -207,6 +207,15 @@ class OutputProcessor:
         self.requests[request_id] = state
         return state
 
+    def known_prompt_positions(self, request: Request) -> int:
+        """How many prompt positions of ``request``'s sequence already have logprobs (position
+        0, which nothing predicts, counts once any chunk arrived)."""
+        state = self.requests.get(request.group_id)
+        if state is None:
+            return 0
+        known = state.sequences[request.index].prompt_logprobs
+        return 0 if known is None else len(known)
+
     def _new_sequence(self, request: Request) -> SequenceState:
         params = request.params
         return SequenceState(
