@@ -73,6 +73,14 @@ def test_with_api_keys_each_key_has_its_own_cache_and_admin_needs_its_own_key() 
     assert not shared.salt_by_api_key
     assert (shared.admin_keys, shared.metrics_keys) == (("root",), ("scraper",))
     assert server_config(parse("--admin-key", "root")).admin_protected
+    assert server_config(parse("--metrics-key", "scraper")).admin_protected  # any key at all
+
+
+def test_the_default_served_name_reveals_no_server_path() -> None:
+    assert server_config(parse("/srv/models/smol-q4.gguf")).served_model_names == (
+        "smol-q4.gguf",)
+    assert server_config(parse("/srv/models/qwen3-hf/")).served_model_names == ("qwen3-hf",)
+    assert server_config(parse()).served_model_names == ("SmolLM2-135M-Instruct",)
 
 
 def test_limit_flags_reach_the_server_config() -> None:

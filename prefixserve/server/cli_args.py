@@ -66,7 +66,7 @@ def _add_security(keys: argparse._ArgumentGroup) -> None:
                       "(default: each key has its own cache namespace, so one tenant cannot "
                       "time another's prompts)")
     keys.add_argument("--salt-by-api-key", action="store_true",
-                      help=argparse.SUPPRESS)  # the default since 0.2; accepted, no effect
+                      help=argparse.SUPPRESS)  # the default now; accepted (still needs --api-key)
     keys.add_argument("--admin-key", action="append", metavar="KEY",
                       help="key (repeatable, or @FILE) for admin actions such as "
                       "POST /reset_prefix_cache; with --api-key and no admin key, nobody may "
@@ -92,7 +92,7 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
     limits.add_argument("--max-waiting-requests", type=int, metavar="N",
                         default=config.DEFAULT_MAX_WAITING_REQUESTS,
                         help="sequences that may wait to be scheduled; beyond, requests get 503 "
-                        "with Retry-After (default "
+                        "with Retry-After, and one larger than this alone gets 400 (default "
                         f"{config.DEFAULT_MAX_WAITING_REQUESTS})")
     limits.add_argument("--max-request-body-size", metavar="SIZE", default="32MiB",
                         help="largest request body, e.g. 1MiB (default 32MiB); larger bodies "

@@ -71,4 +71,4 @@ class ServerConfig:
     @property
     def admin_protected(self) -> bool:
         """Whether admin routes need an admin key (they do once any key is configured)."""
-        return bool(self.api_keys or self.admin_keys)
+        return bool(self.api_keys or self.admin_keys or self.metrics_keys)

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 logger = logging.getLogger("prefixserve.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+          404: "not_found_error", 413: "invalid_request_error",
           503: "service_unavailable_error"}
 
 

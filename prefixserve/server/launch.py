@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from prefixserve.engine.config import EngineConfig, parse_memory
 from prefixserve.server.config import ServerConfig
@@ -58,8 +59,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def default_served_name(model: str | None) -> str:
-    """The model argument as given (as vLLM does), or the default model's name."""
-    return DEFAULT_MODEL_NAME if model is None else model
+    """The default model's name, or the model argument's last path component (a file or a
+    directory name: the name never reveals where the model lies on the server)."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model.rstrip("/\\")).name or model
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -142,7 +142,7 @@ class GenerationRequest(_Strict):
     cache_salt: NonEmptyText | None = Field(
         None, description="Requests share prefix-cache blocks only when their salts are equal "
         "(so a tenant cannot probe another's prompts by timing). With the server's "
-        "`--salt-by-api-key` the caller's API key is mixed in as well.")
+        "API keys each key gets its own salt too, unless `--share-cache-across-keys`.")
     skip_special_tokens: bool | None = Field(None, description="Leave special tokens out of "
                                              "the text (default true).")
     include_stop_str_in_output: bool | None = Field(None, description="Keep the stop string "
@@ -405,7 +405,7 @@ class VersionResponse(BaseModel):
 class ErrorDetail(BaseModel):
     message: str = Field(description="What is wrong, in words.")
     type: str = Field(description="invalid_request_error, authentication_error, "
-                      "not_found_error, conflict_error, service_unavailable_error or "
+                      "permission_error, not_found_error, service_unavailable_error or "
                       "server_error.")
     param: str | None = Field(None, description="The request field at fault, if one is.")
     code: str | None = Field(None, description="A stable name of the error.")

@@ -286,7 +286,7 @@ class OpenAIServing:
             raise ApiError(400, f"the request asks for {total} sequences ({num_prompts} "
                            f"prompt(s) x n={n}); at most {limit} are allowed per request "
                            "(--max-sequences-per-request, --max-waiting-requests)",
-                           param="n", code="too_many_sequences")
+                           param="n" if n > 1 else "prompt", code="too_many_sequences")
 
     def cache_salt(self, salt: str | None, api_key: str | None) -> str | None:
         """The request's salt, prefixed with the SHA-256 of the caller's key under
