@@ -49,9 +49,9 @@ def _add_http(http: argparse._ArgumentGroup) -> None:
                       "127.0.0.1; 0.0.0.0 for every interface)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     http.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                      help="names requests may give as 'model' (default: MODEL as given, or "
-                      "SmolLM2-135M-Instruct for the default model); the first is the "
-                      "reported one")
+                      help="names requests may give as 'model' (default: MODEL's file or "
+                      "folder name, or SmolLM2-135M-Instruct for the default model); the first "
+                      "is the reported one")
     http.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="on SIGTERM, how long running requests may take to finish before "
                       "they are ended with an error (default 30)")
