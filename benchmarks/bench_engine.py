@@ -4,8 +4,9 @@ Reproduce with::
 
     .venv/bin/python benchmarks/bench_engine.py                 # all four parts, float32
     .venv/bin/python benchmarks/bench_engine.py --dtype bfloat16 --parts 3
+    .venv/bin/python benchmarks/bench_engine.py --parts 5 --repeat 5    # per-step breakdown
 
-Parts (each compared within one run, as ratios):
+Parts 1-4 compare within one run, as ratios:
 
 1. TTFT of a 64-token question on a cached 1,024-token prefix vs the same request cold, next to
    the 1/(1-h) bound on the prefill speed-up (h = cached share of the prompt).
@@ -15,6 +16,11 @@ Parts (each compared within one run, as ratios):
    for prefixserve and Hugging Face transformers on the same weights and dtype.
 4. Decode tokens/s of 16 sequences on shared cached prefixes, with the two-pass attention for
    shared prefixes and without it (plain: every sequence copies its whole context).
+
+Part 5 splits one greedy decode step of 1 and of 8 sequences (after a 32-token prompt) into
+the model (forward pass and logits, ``ModelRunner.model_seconds``) and everything else the
+engine does in ``LLMEngine.step``: scheduling and block bookkeeping, the runner's inputs and
+attention metadata, sampling, output processing (detokenisation included) and the rest.
 """
 
 from __future__ import annotations
@@ -236,21 +242,111 @@ def part4(llm: LLM, repeat: int) -> None:
     console.print(table)
 
 
+class StepTimer:
+    """Times the parts of ``LLMEngine.step`` on a real engine: the model through the runner's
+    ``model_seconds``, the other parts by wrapping the engine's own methods (instance
+    attributes, removed by ``close``; the wrappers cost about a microsecond a step)."""
+
+    PARTS = (("schedule", "scheduler", "schedule"), ("inputs", "runner", "execute"),
+             ("sample", None, "_sample"), ("outputs", "output_processor", "process"))
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.seconds = dict.fromkeys([name for name, _, _ in self.PARTS], 0.0)
+        self.wrapped: list[tuple[object, str]] = []
+        for name, owner_name, method in self.PARTS:
+            owner = engine if owner_name is None else getattr(engine, owner_name)
+            setattr(owner, method, self._wrap(name, getattr(owner, method)))
+            self.wrapped.append((owner, method))
+
+    def _wrap(self, name: str, function):
+        seconds = self.seconds
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+        return timed
+
+    def step(self) -> dict[str, float]:
+        """One engine step; milliseconds of each part."""
+        runner = self.engine.runner
+        for name in self.seconds:
+            self.seconds[name] = 0.0
+        model = runner.model_seconds
+        start = time.perf_counter()
+        self.engine.step()
+        total = time.perf_counter() - start
+        model = runner.model_seconds - model
+        parts = dict(self.seconds, total=total, model=model, nonmodel=total - model,
+                     other=total - sum(self.seconds.values()))
+        parts["inputs"] -= model  # the runner's own work: inputs, block tables, metadata
+        return {name: value * 1e3 for name, value in parts.items()}
+
+    def close(self) -> None:
+        for owner, method in self.wrapped:
+            delattr(owner, method)
+
+
+def decode_steps(engine: LLMEngine, batch: int, rng: random.Random, steps: int,
+                 prompt_len: int = 32) -> dict[str, float]:
+    """Median milliseconds per part over ``steps`` greedy decode steps of ``batch`` sequences
+    after a prompt of ``prompt_len`` tokens each (prefill and the first token excluded)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(random_tokens(rng, prompt_len), params)
+    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    timer = StepTimer(engine)
+    try:
+        rows = [timer.step() for _ in range(steps)]
+    finally:
+        timer.close()
+    assert not engine.has_unfinished_requests()
+    return {name: statistics.median(row[name] for row in rows) for name in rows[0]}
+
+
+def part5(llm: LLM, repeat: int, steps: int = 32) -> None:
+    """Where one greedy decode step goes: the model vs the rest of ``LLMEngine.step``."""
+    rng = random.Random(5)
+    rows = (("total", "step"), ("model", "model"), ("nonmodel", "non-model"),
+            ("schedule", "- schedule"), ("inputs", "- inputs"), ("sample", "- sample"),
+            ("outputs", "- outputs"), ("other", "- other"))
+    decode_steps(llm.engine, 1, rng, 4)  # warm the code paths
+    runs = {batch: [decode_steps(llm.engine, batch, rng, steps) for _ in range(repeat)]
+            for batch in (1, 8)}
+    table = Table(title=f"5. Greedy decode step, ms (median of {steps} steps, then median and "
+                        "range over repeats); non-model target <= 1 at batch 1")
+    table.add_column("part")
+    for batch in (1, 8):
+        table.add_column(f"batch {batch}", justify="right")
+    for key, label in rows:
+        table.add_row(label, *(median_range([r[key] for r in runs[b]]) for b in (1, 8)))
+    console.print(table)
+    console.print("model: forward pass and logits; schedule: scheduling and KV block bookkeeping; "
+                  "inputs: the runner's input tensors, block tables and attention metadata; "
+                  "outputs: appending tokens, detokenising, stop checks and outputs.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--parts", default="1,2,3,4")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads (default: one per core)")
     args = parser.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     kwargs = {"dtype": args.dtype, "kv_cache_memory": "1GiB", "max_num_batched_tokens": 2048,
               "max_num_seqs": 32}
     console.print(f"command: python benchmarks/bench_engine.py --dtype {args.dtype} "
-                  f"--parts {args.parts} --repeat {args.repeat}"
+                  f"--parts {args.parts} --repeat {args.repeat} --threads {args.threads}"
                   + (" --no-hf" if args.no_hf else ""))
-    if parts & {1, 3, 4}:
+    if parts & {1, 3, 4, 5}:
         llm = LLM(**kwargs)
         if 1 in parts:
             part1(llm, args.repeat)
@@ -258,6 +354,8 @@ def main() -> None:
             part3(llm, getattr(torch, args.dtype), args.repeat, not args.no_hf)
         if 4 in parts:
             part4(llm, args.repeat)
+        if 5 in parts:
+            part5(llm, args.repeat)
         del llm
     if 2 in parts:
         part2(kwargs, args.repeat)

@@ -5,13 +5,25 @@ at once, 16 by default):
 
 1. ``prefixserve`` — ``prefixserve serve`` with prefix caching on (the default);
 2. ``prefixserve-nocache`` — the same with ``--no-enable-prefix-caching``;
-3. ``llamacpp`` — llama-cpp-python's OpenAI-compatible server (``python -m llama_cpp.server``,
+3. ``llama-server`` — llama.cpp's own C++ server (``--llama-server``, built by
+   ``benchmarks/build_llamacpp.sh`` from the llama.cpp that llama-cpp-python 0.3.36 vendors),
+   the main llama.cpp row: one slot per client (``-np`` = the run's concurrency,
+   ``--parallel`` for the trace) with continuous batching, ``-c`` = ``--n-ctx`` x slots
+   (llama-server divides it among the slots), prompt caching in each slot plus
+   ``--cache-reuse 256`` and a RAM prompt cache of ``--llamacpp-cache-bytes``
+   (``--cache-ram``). It takes the prompts as token ids, honours the bench's ``ignore_eos``
+   (so every request generates its full output length, as on prefixserve) and reports cached
+   prompt tokens in its usage;
+4. ``llamacpp`` — llama-cpp-python's OpenAI-compatible server (``python -m llama_cpp.server``,
    built from source) with its prompt cache on (``--cache true``, in RAM), from its own virtual
-   environment (``--llamacpp-python``). It runs one request at a time (it has no parallel
-   slots), takes prompts as text only (the bench sends the same tokens as text), has no
-   ``ignore_eos`` (a -100 logit bias on the end-of-text tokens stands in for it), reports no
-   usage (so no cached-token share), and by default ends a stream as soon as another request
-   arrives, which ``--interrupt_requests false`` turns off.
+   environment (``--llamacpp-python``; skipped with a note when that does not exist). It runs
+   one request at a time (it has no parallel slots), takes prompts as text only (the bench
+   sends the same tokens as text), has no ``ignore_eos`` (a -100 logit bias on the end-of-text
+   tokens stands in for it), reports no usage (so no cached-token share), and by default ends
+   a stream as soon as another request arrives, which ``--interrupt_requests false`` turns off.
+
+The llama.cpp builds are benchmark-only, outside the repository and outside ``make run`` /
+``make test``.
 
 Scenarios (issue 6): ``shared-prefix`` (8 groups x 16 prompts, 1,024-token system prompts,
 64-token questions and answers) and ``multi-turn`` (16 conversations x 6 turns, 64-token
@@ -29,8 +41,11 @@ commands, ready for ``benchmarks/RESULTS.md``.
 
 Usage::
 
+    benchmarks/build_llamacpp.sh            # once: /work/llamacpp-build/bin/llama-server
     .venv/bin/python benchmarks/side_by_side.py --quick
-    .venv/bin/python benchmarks/side_by_side.py   # the full run: hours on 2 cores (21 runs)
+    .venv/bin/python benchmarks/side_by_side.py   # the full run: hours on 2 cores (7 x 4 runs)
+    .venv/bin/python benchmarks/side_by_side.py --servers prefixserve,llama-server \\
+        --datasets shared-prefix --concurrency 4 --llama-server PATH/TO/llama-server
 """
 
 from __future__ import annotations
@@ -54,6 +69,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 DEFAULT_LLAMACPP_PYTHON = "/work/llamacpp-venv/bin/python"
+DEFAULT_LLAMA_SERVER = "/work/llamacpp-build/bin/llama-server"
+SERVER_NAMES = ("prefixserve", "prefixserve-nocache", "llama-server", "llamacpp")
+PEERS = (("llama-server", "llama-server's"), ("llamacpp", "llama-cpp-python's"))
+"""The llama.cpp rows prefixserve is measured against, the main one first."""
 STARTUP_TIMEOUT_S = 300.0
 PREFIXSERVE = [sys.executable, "-m", "prefixserve"]
 
@@ -82,7 +101,21 @@ def default_model() -> str:
     return default_model_path()
 
 
-def servers(args: argparse.Namespace, port: int) -> list[Server]:
+def llama_server(args: argparse.Namespace, port: int, slots: int) -> Server:
+    """llama.cpp's C++ server with one slot per client: ``-c`` is shared among the slots, so
+    each gets ``--n-ctx``. The bench's ``ignore_eos`` (its default) is honoured as is."""
+    return Server("llama-server",
+                  [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port",
+                   str(port), "-t", str(args.threads), "-tb", str(args.threads),
+                   "-np", str(slots), "-c", str(args.n_ctx * slots), "--cont-batching",
+                   "--cache-reuse", "256", "--cache-ram", str(args.llamacpp_cache_bytes >> 20),
+                   "--metrics"],
+                  [])
+
+
+def servers(args: argparse.Namespace, port: int, slots: int) -> list[Server]:
+    """The servers of ``--servers``; ``slots`` is the run's concurrency (llama-server's
+    ``-np``)."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads),
               "--max-num-seqs", str(args.parallel), "--disable-access-log",
               "--log-stats-interval", "0"]
@@ -101,6 +134,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                # tokens makes it generate the full output length, as prefixserve does.
                ["--no-ignore-eos", "--extra-body",
                 json.dumps({"logit_bias": {str(t): -100.0 for t in args.eos_ids}})]),
+        llama_server(args, port, slots),
     ]
     return [s for s in all_servers if s.name in args.servers]
 
@@ -263,15 +297,20 @@ def caching_row(name: str, runs: dict[str, dict], predicted: dict | None) -> str
             f"{_num(bound, 2)}x |")
 
 
-def targets(runs: dict[str, dict]) -> str | None:
-    ours, peer = runs.get("prefixserve"), runs.get("llamacpp")
-    if ours is None or peer is None:
-        return None
+def verdict(ours: dict, peer: dict, whose: str) -> str:
     ratio = ours["summary"]["request_throughput"] / peer["summary"]["request_throughput"]
     ttft = ours["summary"]["ttft_ms"]["mean"] / peer["summary"]["ttft_ms"]["mean"]
-    return (f"request throughput {ratio:.2f}x llama.cpp's (target >= 2: "
+    return (f"request throughput {ratio:.2f}x {whose} (target >= 2: "
             f"{'met' if ratio >= 2 else 'not met'}); mean TTFT {ttft:.2f}x (target <= 0.5: "
             f"{'met' if ttft <= 0.5 else 'not met'})")
+
+
+def targets(runs: dict[str, dict]) -> list[str]:
+    """prefixserve against each llama.cpp row that ran, llama-server first."""
+    ours = runs.get("prefixserve")
+    if ours is None:
+        return []
+    return [verdict(ours, runs[name], whose) for name, whose in PEERS if name in runs]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -281,20 +320,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="tiny sizes (overriding the size options) to check the script")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--port", type=int, default=8123)
-    parser.add_argument("--servers", default="prefixserve,prefixserve-nocache,llamacpp",
-                        help="comma-separated subset of the three servers")
+    parser.add_argument("--servers", default=",".join(SERVER_NAMES),
+                        help=f"comma-separated subset of {', '.join(SERVER_NAMES)} (llamacpp "
+                        "is skipped with a note when --llamacpp-python does not exist)")
     parser.add_argument("--datasets", default="shared-prefix,multi-turn,trace",
                         help="comma-separated subset of the datasets")
     parser.add_argument("--model", default=None, help="the GGUF file (default: the default "
                         "model's)")
+    parser.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER,
+                        help="llama.cpp's llama-server binary (benchmarks/build_llamacpp.sh)")
     parser.add_argument("--llamacpp-python", default=DEFAULT_LLAMACPP_PYTHON,
                         help="python of the venv with llama-cpp-python[server]")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=16,
                         help="sequences a server runs at once (prefixserve --max-num-seqs)")
-    parser.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp context")
+    parser.add_argument("--n-ctx", type=int, default=8192,
+                        help="llama.cpp context (per slot for llama-server)")
     parser.add_argument("--llamacpp-cache-bytes", type=int, default=2 << 30,
-                        help="llama.cpp prompt cache size (default 2 GiB)")
+                        help="llama.cpp prompt cache size in RAM (default 2 GiB; "
+                        "llama-server's --cache-ram)")
     parser.add_argument("--eos-ids", default="0,2",
                         help="end-of-text token ids llama.cpp is kept from sampling")
     parser.add_argument("--concurrency", default="1,4,16")
@@ -323,10 +367,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.datasets = args.datasets.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.eos_ids = [int(t) for t in args.eos_ids.split(",")]
-    if "llamacpp" in args.servers and not os.path.exists(args.llamacpp_python):
-        parser.error(f"{args.llamacpp_python} not found: build llama-cpp-python[server] there "
-                     "(see benchmarks/RESULTS.md) or leave llamacpp out of --servers")
+    check_servers(parser, args)
     return args
+
+
+def check_servers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Rejects unknown names and a missing llama-server; drops llamacpp, with a note, when
+    its virtual environment does not exist."""
+    unknown = sorted(set(args.servers) - set(SERVER_NAMES))
+    if unknown:
+        parser.error(f"unknown server(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(SERVER_NAMES)}")
+    if "llama-server" in args.servers and not os.access(args.llama_server, os.X_OK):
+        parser.error(f"{args.llama_server} not found: build it with "
+                     "benchmarks/build_llamacpp.sh or leave llama-server out of --servers")
+    if "llamacpp" in args.servers and not os.path.exists(args.llamacpp_python):
+        print(f"note: skipping llamacpp (llama-cpp-python's server): {args.llamacpp_python} "
+              "not found (see benchmarks/RESULTS.md to build it there)", flush=True)
+        args.servers.remove("llamacpp")
+    if not args.servers:
+        parser.error("no server left to run")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n=== {scenario.name} ===", flush=True)
         paths: dict[str, Path] = {}
         predicted = None
-        for server in servers(args, args.port):
+        for server in servers(args, args.port, scenario.concurrency or args.parallel):
             path, blocks = run_bench(args, scenario, server, args.port, args.out, commands)
             paths[server.name] = path
             if server.name == "prefixserve":
@@ -359,10 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = caching_row(scenario.name, runs, predicted)
         if row:
             caching.append(row)
-        verdict = targets(runs)
-        if verdict and scenario.name.startswith("shared-prefix"):
-            notes.append(f"- {scenario.name}: {verdict}")
-            print(verdict)
+        if scenario.name.startswith("shared-prefix"):
+            for line in targets(runs):
+                notes.append(f"- {scenario.name}: {line}")
+                print(line)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     summary = "\n".join([
         f"Side by side, {when}, {platform.machine()} with {os.cpu_count()} CPUs, "

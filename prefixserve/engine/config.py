@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
+from prefixserve.model.config import WEIGHT_MODES
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -43,10 +44,14 @@ class EngineConfig:
     None: unbounded); a request that does not fit the room left is refused.
     ``dtype`` defaults to ``"auto"``: bfloat16 where the CPU computes it natively (AVX512-BF16 or
     AMX), float32 elsewhere; float32 gives bit-stable results across batch shapes.
+    ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
+    tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
+    dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
     """
 
     model: str | None = None
     dtype: str = "auto"
+    weights: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool | None = None
     prefix_caching_hash_algo: str = "builtin"
@@ -70,6 +75,9 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16, got "
                              f"{self.dtype!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, "
+                             f"got {self.weights!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

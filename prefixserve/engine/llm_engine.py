@@ -74,7 +74,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
-        self.model_config, model = load_model(config.model, self.dtype, config.device)
+        self.model_config, model = load_model(config.model, self.dtype, config.device,
+                                                config.weights)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
@@ -298,11 +299,12 @@ class LLMEngine:
         request = item.request
         start = request.num_computed_tokens
         return SeqBatchInput(
-            token_ids=list(request.token_ids[start:start + item.num_new_tokens]),
+            token_ids=request.token_ids[start:start + item.num_new_tokens],
             start_pos=start,
-            block_table=self.kv_cache_manager.get_block_ids(request),
+            block_table=request.block_ids,  # kept by the scheduler, not rebuilt per step
             need_prompt_logits=(request.wants_prompt_logprobs
                                 and start < request.num_prompt_tokens),
+            seq_id=request.request_id,
         )
 
     def _sample(self, logits: torch.Tensor, rows: list[int],

@@ -33,7 +33,11 @@ class Request(CacheRequest):
     both), and ``prompt_token_ids`` keeps the
     prompt (shared by the ``n`` sequences of a request, never modified), so no step has to slice
     it out of ``token_ids`` again. ``num_cached_tokens`` is the number of prompt tokens served
-    from the prefix cache when the request was first scheduled (-1 before). ``status`` is
+    from the prefix cache when the request was first scheduled (-1 before). ``block_ids`` are the
+    ids of the blocks it holds, in position order (``KVCacheManager.get_block_ids``), kept by the
+    scheduler as the blocks are allocated: while the request runs it is one list that only
+    grows at its end, and it is a new list each time the request is admitted or resumed, so a
+    step reads it without rebuilding it. ``status`` is
     ``FINISHED`` once ``Scheduler.finish_request`` has released the request, which the output
     processor asks for as soon as the sequence has a finish reason.
     """
@@ -49,6 +53,7 @@ class Request(CacheRequest):
     generator: torch.Generator | None = None
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:

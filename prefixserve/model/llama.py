@@ -22,6 +22,7 @@ from torch import nn
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from prefixserve.model.quant import QuantEmbedding
 
 
 class Attention(nn.Module):
@@ -138,5 +139,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` of pre-norm hidden states ``[rows, hidden]``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        normed = self.norm(hidden)
+        if self.lm_head is not None:
+            return self.lm_head(normed).float()
+        if isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens.logits(normed).float()
+        return F.linear(normed, self.embed_tokens.weight).float()

@@ -1,5 +1,12 @@
 """Load a model (config + weights) from a GGUF file or an HF safetensors directory.
 
+``weights`` chooses how matmul weights are held (:data:`WEIGHT_MODES`): ``auto`` keeps a GGUF
+file's quantized tensors packed in memory (see :mod:`prefixserve.model.quant`) and everything
+else dense; ``int8`` / ``int4`` pack every matmul weight as Q8_0 / Q4_1 (safetensors weights are
+quantized at load); ``bf16`` dequantizes everything to dense tensors of the model's ``dtype``
+(the pre-quantization path; on a CPU without native bfloat16 that dtype is float32). Off the CPU
+(CUDA) every mode loads dense weights, the kernels being CPU code; on a CPU where the kernels
+cannot be built, ``auto`` falls back to dense weights and ``int8`` / ``int4`` fail. Dense
 GGUF tensors are dequantised to float32 with ``gguf.quants.dequantize`` and then cast to the
 requested dtype. llama.cpp's converter reorders the rows of the Q and K projections of
 ``llama``-architecture models (it interleaves the two rotary halves of each head for its rope
@@ -17,34 +24,63 @@ from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
+from torch import nn
 
-from prefixserve.model.config import ModelConfig, default_model_path, resolve_model_path
+from prefixserve.model import quant_kernels
+from prefixserve.model.config import (
+    WEIGHT_MODES,
+    ModelConfig,
+    default_model_path,
+    resolve_model_path,
+)
 from prefixserve.model.gguf_file import GGUFFile
 from prefixserve.model.llama import CausalLM
+from prefixserve.model.quant import (
+    FMT_Q4_1,
+    FMT_Q8_0,
+    PackedWeight,
+    QuantEmbedding,
+    QuantLinear,
+    cat_rows,
+    dequantize_packed,
+    pack_float,
+    pack_gguf,
+)
 
-__all__ = ["default_model_path", "load_model"]
+__all__ = ["WEIGHT_MODES", "default_model_path", "load_model"]
 
+_TARGETS = {"auto": None, "int8": FMT_Q8_0, "int4": FMT_Q4_1}
+
+Weight = torch.Tensor | PackedWeight
 TensorSource = Callable[[str], torch.Tensor]
+WeightSource = Callable[[str], Weight]
 
 
 def load_model(
-    model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu"
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    weights: str = "auto",
 ) -> tuple[ModelConfig, CausalLM]:
     """Load ``model`` (a ``.gguf`` path, an HF directory, or None for the default model).
 
-    Returns the config and a :class:`CausalLM` in eval mode with weights in ``dtype`` on
-    ``device``. Raises ValueError for an unsupported architecture or a weight set that does not
-    match the config (missing or unexpected tensors).
+    Returns the config and a :class:`CausalLM` in eval mode with activations in ``dtype`` on
+    ``device`` and matmul weights held as ``weights`` says (see the module docstring). Raises
+    ValueError for an unsupported architecture, an unknown ``weights`` mode or a weight set
+    that does not match the config (missing or unexpected tensors), RuntimeError when
+    ``int8``/``int4`` is asked for and the kernels cannot be built.
     """
     path = resolve_model_path(model)
     device = torch.device(device)
+    packing = _packing_mode(weights, device)
     if path.endswith(".gguf"):
-        config, state, freq_factors = _gguf_state(path, dtype, device)
+        config, state, freq_factors = _gguf_state(path, dtype, device, packing)
     else:
-        config, state = _hf_state(path, dtype, device)
+        config, state = _hf_state(path, dtype, device, packing)
         freq_factors = None
     with torch.device("meta"):
         net = CausalLM(config)
+    _install_packed(net, state, dtype)
     net.load_state_dict(state, strict=True, assign=True)
     net.to(device)
     if freq_factors is not None:
@@ -54,50 +90,120 @@ def load_model(
     return config, net
 
 
-def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _packing_mode(weights: str, device: torch.device) -> str | None:
+    """``weights`` resolved for this device: None (dense), ``auto``, ``int8`` or ``int4``."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+    if weights == "bf16" or device.type != "cpu":
+        return None
+    if quant_kernels.kernels() is None:
+        if weights == "auto":
+            return None
+        raise RuntimeError(f"--weights {weights} needs the quantized kernels, which could not "
+                           f"be built: {quant_kernels.build_error()}")
+    return weights
+
+
+def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype) -> None:
+    """Swap the modules whose weight in ``state`` is packed for quantized ones (in place).
+
+    The packed entries leave ``state``; a bias stays there for ``load_state_dict``.
+    """
+    for key in [k for k, v in state.items() if isinstance(v, PackedWeight)]:
+        packed = state.pop(key)
+        assert isinstance(packed, PackedWeight)
+        parent_name, _, attr = key.removesuffix(".weight").rpartition(".")
+        parent = net.get_submodule(parent_name) if parent_name else net
+        old = getattr(parent, attr)
+        new: nn.Module
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(packed, dtype)
+        else:
+            new = QuantLinear(packed, bias=old.bias is not None)
+        setattr(parent, attr, new)
+
+
+def _cat(parts: list[Weight]) -> Weight:
+    """Fuse projections: dense parts with ``torch.cat``, packed ones row-wise.
+
+    Packed parts of different formats are all requantized to Q8_0 (the finer one); a mix of
+    packed and dense parts becomes dense.
+    """
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
+    if any(isinstance(p, torch.Tensor) for p in parts):
+        dense = [p if isinstance(p, torch.Tensor) else dequantize_packed(p) for p in parts]
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        return torch.cat([d.to(dtype) for d in dense])
+    packed = [p for p in parts if isinstance(p, PackedWeight)]
+    if len({p.fmt for p in packed}) > 1:
+        packed = [p if p.fmt == FMT_Q8_0 else pack_float(dequantize_packed(p).numpy(), FMT_Q8_0)
+                  for p in packed]
+    return cat_rows(packed)
+
+
+def _unpermute_rows(weight: Weight, num_heads: int) -> Weight:
     """Undo llama.cpp's Q/K row permutation.
 
     Within each head, HF row ``half * head_dim / 2 + j`` was stored at row ``2 * j + half``.
+    Packed weights move whole packed rows.
     """
+    if isinstance(weight, PackedWeight):
+        order = _unpermute_rows(torch.arange(weight.rows), num_heads)
+        assert isinstance(order, torch.Tensor)
+        return PackedWeight(weight.fmt, weight.data.index_select(0, order), weight.cols)
     head_dim = weight.shape[0] // num_heads
     split = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
     return split.transpose(1, 2).reshape(weight.shape)
 
 
 def _assemble(
-    config: ModelConfig, get: TensorSource, names: dict[str, str], unpermute: bool
-) -> dict[str, torch.Tensor]:
+    config: ModelConfig,
+    get: TensorSource,
+    names: dict[str, str],
+    unpermute: bool,
+    get_weight: WeightSource | None = None,
+) -> dict[str, Weight]:
     """Our state dict from a source of tensors, given the source's naming of each part.
 
     ``names`` maps part keys (``embed``, ``norm``, ``lm_head``, and per-layer ``q``, ``k``,
     ``v``, ``o``, ``q_bias``, ``k_bias``, ``v_bias``, ``o_bias``, ``q_norm``, ``k_norm``,
     ``input_norm``, ``post_norm``, ``gate``, ``up``, ``down`` with ``{i}`` for the layer, plus
-    ``gate_bias``, ``up_bias``, ``down_bias``) to source tensor names.
+    ``gate_bias``, ``up_bias``, ``down_bias``) to source tensor names. ``get_weight`` (default
+    ``get``) reads the matmul weights, which may come back packed.
     """
+    weight = get_weight or get
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    state = {"embed_tokens.weight": get(names["embed"]), "norm.weight": get(names["norm"])}
+    state: dict[str, Weight] = {
+        "embed_tokens.weight": weight(names["embed"]),
+        "norm.weight": get(names["norm"]),
+    }
     if not config.tie_word_embeddings:
-        state["lm_head.weight"] = get(names["lm_head"])
+        state["lm_head.weight"] = weight(names["lm_head"])
     for i in range(config.num_hidden_layers):
 
         def part(key: str, layer: int = i) -> torch.Tensor:
             return get(names[key].format(i=layer))
 
-        def qkv(suffix: str) -> torch.Tensor:
-            q, k, v = part("q" + suffix), part("k" + suffix), part("v" + suffix)
+        def matrix(key: str, layer: int = i) -> Weight:
+            return weight(names[key].format(i=layer))
+
+        def qkv(suffix: str) -> Weight:
+            read = matrix if suffix == "" else part
+            q, k, v = read("q" + suffix), read("k" + suffix), read("v" + suffix)
             if unpermute:
                 q, k = _unpermute_rows(q, heads), _unpermute_rows(k, kv_heads)
-            return torch.cat((q, k, v))
+            return _cat([q, k, v])
 
         prefix = f"layers.{i}."
         state[prefix + "input_norm.weight"] = part("input_norm")
         state[prefix + "post_attn_norm.weight"] = part("post_norm")
         state[prefix + "attn.qkv_proj.weight"] = qkv("")
-        state[prefix + "attn.o_proj.weight"] = part("o")
-        state[prefix + "mlp.gate_up_proj.weight"] = torch.cat((part("gate"), part("up")))
-        state[prefix + "mlp.down_proj.weight"] = part("down")
+        state[prefix + "attn.o_proj.weight"] = matrix("o")
+        state[prefix + "mlp.gate_up_proj.weight"] = _cat([matrix("gate"), matrix("up")])
+        state[prefix + "mlp.down_proj.weight"] = matrix("down")
         if config.attention_bias:
-            state[prefix + "attn.qkv_proj.bias"] = qkv("_bias")
+            state[prefix + "attn.qkv_proj.bias"] = qkv("_bias")  # biases are never packed
         if config.attention_out_bias:
             state[prefix + "attn.o_proj.bias"] = part("o_bias")
         if config.mlp_bias:
@@ -186,8 +292,8 @@ def _check_all_used(available: set[str], used: set[str], ignorable: set[str], pa
 
 
 def _gguf_state(
-    path: str, dtype: torch.dtype, device: torch.device
-) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+    path: str, dtype: torch.dtype, device: torch.device, packing: str | None
+) -> tuple[ModelConfig, dict[str, Weight], torch.Tensor | None]:
     gguf = GGUFFile(path)
     available = set(gguf.tensors)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, available)
@@ -196,15 +302,27 @@ def _gguf_state(
         return torch.from_numpy(gguf.read_tensor(name))
 
     get, used = _tracking_source(available, read, dtype, device)
-    state = _assemble(config, get, _GGUF_NAMES, unpermute=config.architecture == "llama")
+
+    def get_weight(name: str) -> Weight:
+        info = gguf.tensors.get(name)
+        if packing is None or info is None or len(info.shape) != 2:
+            return get(name)
+        packed = pack_gguf(gguf.read_raw(name), info.ggml_type, info.shape[1],
+                           lambda: gguf.read_tensor(name), _TARGETS[packing])
+        if packed is None:
+            return get(name)
+        used.add(name)
+        return packed
+
+    state = _assemble(config, get, _GGUF_NAMES, config.architecture == "llama", get_weight)
     freq_factors = read("rope_freqs.weight") if "rope_freqs.weight" in available else None
     _check_all_used(available, used, {"rope_freqs.weight"}, path)
     return config, state, freq_factors
 
 
 def _hf_state(
-    path: str, dtype: torch.dtype, device: torch.device
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    path: str, dtype: torch.dtype, device: torch.device, packing: str | None
+) -> tuple[ModelConfig, dict[str, Weight]]:
     from safetensors import safe_open
 
     config = ModelConfig.from_hf_dir(path)
@@ -222,7 +340,18 @@ def _hf_state(
 
         available = set(owner)
         get, used = _tracking_source(available, read, dtype, device)
-        state = _assemble(config, get, _HF_NAMES, unpermute=False)
+        target = _TARGETS.get(packing or "auto")
+
+        def get_weight(name: str) -> Weight:
+            if target is None or name not in available:
+                return get(name)
+            tensor = read(name)
+            if tensor.dim() != 2 or tensor.shape[1] % 32:
+                return get(name)
+            used.add(name)
+            return pack_float(tensor.float().numpy(), target)
+
+        state = _assemble(config, get, _HF_NAMES, False, get_weight)
     ignorable = {name for name in available if name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")

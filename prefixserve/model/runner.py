@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Hashable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
-from prefixserve.model.attention import build_metadata
+from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token
 from prefixserve.model.llama import CausalLM
 
@@ -20,12 +23,19 @@ class SeqBatchInput:
     ``block_table[i]`` is the block holding positions ``[i * block_size, (i + 1) * block_size)``
     and must cover every position up to ``start_pos + len(token_ids) - 1``.
     ``need_prompt_logits`` asks for the logits of every new token, not only the last.
+
+    ``seq_id`` (optional, unique within a step) names the sequence across steps, so that the
+    runner keeps its block table in a tensor and copies only the blocks appended since its
+    previous step. Its ``block_table`` must then be one list that only grows at its end; a
+    different list (a sequence that was preempted and resumed, say) is copied whole again.
+    Without ``seq_id`` the table is copied whole at every step.
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     need_prompt_logits: bool = False
+    seq_id: Hashable | None = None
 
 
 @dataclass
@@ -62,9 +72,9 @@ class ModelRunner:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
-        if model.embed_tokens.weight.dtype != dtype:
+        if model.norm.weight.dtype != dtype:
             raise ValueError(
-                f"model weights are {model.embed_tokens.weight.dtype}, the cache would be {dtype}"
+                f"model activations are {model.norm.weight.dtype}, the cache would be {dtype}"
             )
         self.config = config
         self.model = model
@@ -83,6 +93,11 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
         )
+        self.block_tables = BlockTables(num_blocks, self.device)
+        self.model_seconds = 0.0
+        """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
+        was made: the rest of a step is the engine's own work. (Host time: on an accelerator,
+        the time to queue the work, not to run it.)"""
 
     @staticmethod
     def num_blocks_for_memory(
@@ -92,7 +107,9 @@ class ModelRunner:
         per_block = kv_cache_bytes_per_token(config, dtype) * block_size
         return kv_cache_memory_bytes // per_block
 
-    def _check(self, seq: SeqBatchInput) -> None:
+    def _check(self, seq: SeqBatchInput) -> int:
+        """Raises ``ValueError`` for a malformed input; returns how many blocks it uses. (Block
+        ids are checked as ``BlockTables`` copies them.)"""
         if not seq.token_ids:
             raise ValueError("a sequence needs at least one new token per step")
         if seq.start_pos < 0:
@@ -103,13 +120,11 @@ class ModelRunner:
             raise ValueError(
                 f"block table of {len(seq.block_table)} blocks does not cover position {last_pos}"
             )
-        used = seq.block_table[:needed]
-        if min(used) < 0 or max(used) >= self.num_blocks:
-            raise ValueError(f"block id out of range [0, {self.num_blocks})")
         if last_pos >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {last_pos} exceeds the model's {self.config.max_position_embeddings}"
             )
+        return needed
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqBatchInput]) -> ExecuteOutput:
@@ -120,38 +135,118 @@ class ModelRunner:
         """
         if not seqs:
             raise ValueError("execute needs at least one sequence")
-        token_ids: list[int] = []
-        positions: list[int] = []
-        for seq in seqs:
-            self._check(seq)
-            token_ids.extend(seq.token_ids)
-            positions.extend(range(seq.start_pos, seq.start_pos + len(seq.token_ids)))
+        needed = [self._check(seq) for seq in seqs]
+        rows = self.block_tables.update(seqs, needed)
         meta = build_metadata(
             [(s.start_pos, len(s.token_ids)) for s in seqs],
             [s.block_table for s in seqs],
             self.block_size,
             self.device,
             self.dtype,
+            TableRows(self.block_tables.buffer, rows),
         )
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for seq in seqs:
+            token_ids += seq.token_ids
+            positions += range(seq.start_pos, seq.start_pos + len(seq.token_ids))
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        start = time.perf_counter()
+        out = self._forward(ids_t, pos_t, meta, seqs)
+        self.model_seconds += time.perf_counter() - start
+        return out
+
+    def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, meta: AttentionMetadata,
+                 seqs: list[SeqBatchInput]) -> ExecuteOutput:
+        """The model over the step's tokens, and the logits asked for."""
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta, self.block_size)
-        ends: list[int] = []
-        row = 0
-        for seq in seqs:
-            row += len(seq.token_ids)
-            ends.append(row)
         if len(seqs) == 1:
             last_hidden = hidden[-1:]
+        elif meta.num_tokens == len(seqs):  # one new token each: every row is a last row
+            last_hidden = hidden
         else:
+            ends = list(accumulate(len(seq.token_ids) for seq in seqs))
             last_rows = torch.tensor([e - 1 for e in ends], dtype=torch.long, device=self.device)
             last_hidden = hidden.index_select(0, last_rows)
         logits = self.model.compute_logits(last_hidden)
-        prompt_logits: list[torch.Tensor | None] = []
-        for seq, end in zip(seqs, ends, strict=True):
+        prompt_logits: list[torch.Tensor | None] = [None] * len(seqs)
+        end = 0
+        for i, seq in enumerate(seqs):
+            end += len(seq.token_ids)
             if seq.need_prompt_logits:
-                start = end - len(seq.token_ids)
-                prompt_logits.append(self.model.compute_logits(hidden[start:end]))
-            else:
-                prompt_logits.append(None)
+                prompt_logits[i] = self.model.compute_logits(hidden[end - len(seq.token_ids):end])
         return ExecuteOutput(logits, prompt_logits)
+
+
+@dataclass(slots=True)
+class _TableRow:
+    """A sequence's row of ``BlockTables.buffer``: its first ``written`` entries are the first
+    blocks of ``source``, the rest zeros."""
+
+    slot: int
+    source: list[int] | None
+    written: int
+
+
+class BlockTables:
+    """The block tables of the sequences of the latest step, kept in one long tensor
+    (``buffer``, one row per sequence, zeros after each table) between steps, so that a step
+    copies only the blocks that sequences appended since their previous step: a decoding
+    sequence copies one block id every ``block_size`` steps, not its whole table at every step.
+    A sequence absent from a step loses its row (it is copied whole if it comes back). The
+    tensor grows (rows, columns) as needed and is never shrunk."""
+
+    def __init__(self, num_blocks: int, device: torch.device, rows: int = 16, width: int = 64
+                 ) -> None:
+        self.num_blocks = num_blocks
+        self.buffer = torch.zeros((rows, width), dtype=torch.long, device=device)
+        self._rows: dict[Hashable, _TableRow] = {}
+        self._free = list(range(rows - 1, -1, -1))
+
+    def update(self, seqs: list[SeqBatchInput], needed: list[int]) -> list[int]:
+        """Copies what is new of each sequence's table, up to its first ``needed[i]`` blocks,
+        and returns each sequence's row. Raises ``ValueError`` for a block id out of range."""
+        keys = [seq.seq_id if seq.seq_id is not None else object() for seq in seqs]
+        live = set(keys)
+        if len(live) != len(keys):
+            raise ValueError("seq_id must be unique within a step")
+        for key in self._rows.keys() - live:
+            self._release(key)
+        return [self._copy(key, seq.block_table, n)
+                for key, seq, n in zip(keys, seqs, needed, strict=True)]
+
+    def _copy(self, key: Hashable, table: list[int], needed: int) -> int:
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = _TableRow(self._take_slot(), None, 0)
+        if row.source is not table or row.written > needed:  # another table: start again
+            if row.written:
+                self.buffer[row.slot, : row.written].zero_()
+            row.source, row.written = table, 0
+        if needed > row.written:
+            new = table[row.written : needed]
+            if min(new) < 0 or max(new) >= self.num_blocks:
+                raise ValueError(f"block id out of range [0, {self.num_blocks})")
+            if needed > self.buffer.shape[1]:
+                self._grow(self.buffer.shape[0], max(needed, 2 * self.buffer.shape[1]))
+            self.buffer[row.slot, row.written : needed] = torch.tensor(new, dtype=torch.long)
+            row.written = needed
+        return row.slot
+
+    def _release(self, key: Hashable) -> None:
+        row = self._rows.pop(key)
+        self.buffer[row.slot, : row.written].zero_()
+        self._free.append(row.slot)
+
+    def _take_slot(self) -> int:
+        if not self._free:
+            rows = self.buffer.shape[0]
+            self._grow(2 * rows, self.buffer.shape[1])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
+
+    def _grow(self, rows: int, width: int) -> None:
+        old = self.buffer
+        self.buffer = old.new_zeros((rows, width))
+        self.buffer[: old.shape[0], : old.shape[1]] = old

