@@ -1,6 +1,6 @@
 """Quantized weights: kernel speed by batch rows, and what quantized activations do to tokens.
 
-    .venv/bin/python benchmarks/bench_quant.py [--parts 1,2] [--threads N] [--repeat 5]
+    .venv/bin/python benchmarks/bench_quant.py [--parts 1,2,3] [--threads N] [--repeat 5]
 
 Part 1 times one product ``x @ W.T`` for each weight shape of the default model (SmolLM2-135M)
 with M input rows: the packed kernel with 16-bit and with 8-bit activations, the expand path
@@ -13,6 +13,12 @@ docs), ``SMALL_M`` positions per forward so every product takes the packed kerne
 the next-token argmax and the perplexity with the dense float32 model of the same GGUF file
 (teacher forcing: every model sees the same tokens). It is the measurement behind
 ``quant.ACTIVATION_BITS``.
+
+Part 3 is the engine on the default model with packed weights (``--weights auto``) and with
+dense ones (``--weights bf16``, float32 on a CPU without native bfloat16: the path before packed
+weights), interleaved run by run: resident weight bytes, prefill tokens/s of a 1,024-token
+prompt, and greedy decode tokens/s of 1 and of 8 sequences (prefill excluded), medians with
+ranges and the packed/dense ratio of each.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ import prefixserve.model.quant as quant
 from prefixserve.model.attention import build_metadata
 from prefixserve.model.loader import load_model
 from prefixserve.model.tokenizer import load_tokenizer
+
+# bench_engine.py lies beside this script (its folder is on sys.path when run as a script).
+from bench_engine import median_range, ours_decode, ours_prefill  # isort: skip
 
 # (name, rows N, cols K) of SmolLM2-135M's products.
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
@@ -132,9 +141,38 @@ def part_accuracy(positions: int) -> None:
     quant.ACTIVATION_BITS = 16
 
 
+def part_engine(repeat: int) -> None:
+    import random
+
+    from prefixserve import LLM
+
+    print("\n## Part 3: the engine, packed (auto) vs dense (bf16) weights")
+    kwargs = {"kv_cache_memory": "1GiB", "max_num_batched_tokens": 2048, "max_num_seqs": 32}
+    llms = {mode: LLM(weights=mode, **kwargs) for mode in ("auto", "bf16")}
+    sizes = {mode: quant.module_bytes(llm.engine.runner.model) / 2**20
+             for mode, llm in llms.items()}
+    cases: list[tuple[str, Callable[[LLM, random.Random], float]]] = [
+        ("prefill 1024 tok/s", lambda llm, rng: ours_prefill(llm, 1024, rng)),
+        ("decode x1 tok/s", lambda llm, rng: ours_decode(llm, 1, rng)),
+        ("decode x8 tok/s", lambda llm, rng: ours_decode(llm, 8, rng)),
+    ]
+    print("| case | packed (auto) | dense (bf16) | packed / dense |")
+    print("|---|---|---|---|")
+    print(f"| resident weights MiB | {sizes['auto']:.1f} | {sizes['bf16']:.1f} | "
+          f"{sizes['auto'] / sizes['bf16']:.2f}x |")
+    for label, run in cases:
+        rates: dict[str, list[float]] = {"auto": [], "bf16": []}
+        for i in range(repeat):
+            for mode in ("auto", "bf16"):
+                rates[mode].append(run(llms[mode], random.Random(i)))
+        ratios = [a / b for a, b in zip(rates["auto"], rates["bf16"], strict=True)]
+        print(f"| {label} | {median_range(rates['auto'], '{:.1f}')} | "
+              f"{median_range(rates['bf16'], '{:.1f}')} | {median_range(ratios, '{:.2f}')}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="1,2", help="comma-separated parts to run")
+    parser.add_argument("--parts", default="1,2,3", help="comma-separated parts to run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--positions", type=int, default=2048)
@@ -148,6 +186,8 @@ def main() -> None:
         part_kernels(args.repeat)
     if 2 in parts:
         part_accuracy(args.positions)
+    if 3 in parts:
+        part_engine(args.repeat)
 
 
 if __name__ == "__main__":

@@ -578,8 +578,11 @@ TRACE_TOL = {"prefill": 1e-5, "decode": 3e-4}
 
 
 def assert_traces_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    """Each entry within the tolerance of its path: a prompt's logits of more than ``SMALL_M``
+    rows take the expand path in the head, fewer rows (and every decode step) the kernel."""
     for i, (got, want) in enumerate(zip(ours, ref, strict=True)):
-        tol = TRACE_TOL["prefill" if i < 2 else "decode"] * float(want.abs().max())
+        expand = i < 2 and want.shape[0] > SMALL_M
+        tol = TRACE_TOL["prefill" if expand else "decode"] * float(want.abs().max())
         torch.testing.assert_close(got, want, atol=tol, rtol=0,
                                    msg=lambda m, i=i: f"trace[{i}]: {m}")
 

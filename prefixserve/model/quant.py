@@ -37,8 +37,10 @@ BLOCK = 32
 BLOCK_BYTES = {FMT_Q4_1: 20, FMT_Q8_0: 34}
 FORMAT_NAMES = {FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0"}
 
-#: Products with at most this many input rows use the integer kernel (measured on AVX2).
-SMALL_M = 8
+#: Products with at most this many input rows use the integer kernel: on AVX2 (Zen 3) it beat
+#: expand-and-GEMM up to 16 rows for every weight shape of the default model, and lost at 64
+#: (``benchmarks/bench_quant.py`` part 1).
+SMALL_M = 16
 #: Bits activations are rounded to (per block of 32) in the integer kernel: 16 keeps greedy
 #: tokens those of the float32 reference (8, llama.cpp's choice on CPUs, is ~1.5x faster but
 #: moved 4% of top-1 tokens on text in ``benchmarks/bench_quant.py``).

@@ -8,10 +8,11 @@
  *   Q8_0 (34 bytes): fp16 scale d, 32 signed bytes q_j; weight j is d * q_j.
  * A weight matrix is N rows of K / 32 blocks each (row-major, rows contiguous).
  *
- * Products: the activations are first quantized to 8 bits per block of 32 (quantize_q8: scale
- * ax / 127 of the block's largest magnitude, and the block's sum scale * sum(q) for the Q4_1
- * offset term). Each block pair then reduces with 8-bit integer multiply-adds into 32-bit sums,
- * scaled once per block. The work is split over output rows (OpenMP, the runtime torch loaded,
+ * Products: the activations are first rounded to 16-bit (quantize_q16, gemm_quant16: the
+ * default) or 8-bit (quantize_q8, gemm_quant) integers per block of 32, with the block's scale
+ * (its largest magnitude over 32767 or 127) and sum (scale * sum(q), for the Q4_1 offset term).
+ * Each block pair then reduces with integer multiply-adds into 32-bit sums, scaled once per
+ * block. The work is split over output rows (OpenMP, the runtime torch loaded,
  * so both share one thread pool). dequantize() expands rows to float32 for large products,
  * where a float GEMM is faster than these kernels.
  *
@@ -57,8 +58,13 @@ static inline float fp16_to_float(const uint8_t *p) {
 #endif
 }
 
-/* Quantize M rows of K floats (K a multiple of 32) to 8-bit blocks: q[M*K], d and s[M*K/32]. */
-void quantize_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+/*
+ * Round M rows of K floats (K a multiple of 32) to integers of at most `top` in magnitude per
+ * block of 32: scale d = max|x| / top, q = round(x / d), and s = d * sum(q) (for the Q4_1
+ * offset). q is int8_t (wide = 0) or int16_t (wide = 1); d and s hold M * K / 32 floats.
+ */
+static void quantize_blocks(const float *x, int64_t M, int64_t K, float top, int wide, void *q,
+                            float *d, float *s) {
     int64_t nb = M * K / QK;
     for (int64_t b = 0; b < nb; b++) {
         const float *src = x + b * QK;
@@ -67,17 +73,26 @@ void quantize_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, floa
             float a = fabsf(src[j]);
             amax = a > amax ? a : amax;
         }
-        float scale = amax / 127.0f;
+        float scale = amax / top;
         float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
         int sum = 0;
         for (int j = 0; j < QK; j++) {
             int v = (int)lrintf(src[j] * inv);
-            q[b * QK + j] = (int8_t)v;
+            if (wide) {
+                ((int16_t *)q)[b * QK + j] = (int16_t)v;
+            } else {
+                ((int8_t *)q)[b * QK + j] = (int8_t)v;
+            }
             sum += v;
         }
         d[b] = scale;
         s[b] = scale * (float)sum;
     }
+}
+
+/* 8-bit activations for gemm_quant. */
+void quantize_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+    quantize_blocks(x, M, K, 127.0f, 0, q, d, s);
 }
 
 #ifdef __AVX2__
@@ -247,25 +262,7 @@ static void dequant_block(const uint8_t *blk, int fmt, float *o) {
  * the same weights to about 1e-5 relative, for about 1.3x the 8-bit kernel's time.
  */
 void quantize_q16(const float *x, int64_t M, int64_t K, int16_t *q, float *d, float *s) {
-    int64_t nb = M * K / QK;
-    for (int64_t b = 0; b < nb; b++) {
-        const float *src = x + b * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            float a = fabsf(src[j]);
-            amax = a > amax ? a : amax;
-        }
-        float scale = amax / 32767.0f;
-        float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            int v = (int)lrintf(src[j] * inv);
-            q[b * QK + j] = (int16_t)v;
-            sum += v;
-        }
-        d[b] = scale;
-        s[b] = scale * (float)sum;
-    }
+    quantize_blocks(x, M, K, 32767.0f, 1, q, d, s);
 }
 
 #ifdef __AVX2__
