@@ -285,8 +285,10 @@ class SlidingWindowKVCacheManager(KVCacheManager):
     def _find_longest_cache_hit(self, hashes: Sequence[Hashable], max_blocks: int
                                 ) -> list[KVCacheBlock]:
         """Searches from the end for the longest prefix whose last ``ceil((window - 1) / bs)``
-        blocks are all cached; earlier blocks are returned as null blocks."""
-        needed = -(-(self.sliding_window - 1) // self.block_size)
+        blocks are all cached; earlier blocks are returned as null blocks. With ``use_eagle``
+        one more cached block is required, since the caller drops the last one: the hit that
+        remains must still have its whole window cached."""
+        needed = -(-(self.sliding_window - 1) // self.block_size) + self.use_eagle
         pool = self.block_pool
         computed: list[KVCacheBlock] = [self.null_block] * max_blocks
         run = 0
