@@ -100,14 +100,19 @@ class KVCacheManager:
         return chain
 
     # ----------------------------------------------------------------- lookup
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: CacheRequest, *, record_stats: bool = True
+                            ) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached blocks at the start of the request, and the tokens they
         hold. Changes no reference count.
 
         Returns nothing when caching is off or the request wants prompt logprobs (those need the
         whole prompt computed; such requests are not counted in the stats either). When the
         request length is an exact multiple of the block size, the last block is not looked up,
-        so that at least one token is computed and there are logits to sample from."""
+        so that at least one token is computed and there are logits to sample from.
+
+        ``record_stats=False`` leaves the stats alone: a caller that may look the same request
+        up again (a scheduler whose allocation failed) counts it once, with ``record_lookup``,
+        when the allocation succeeds."""
         if not self.enable_caching or request.wants_prompt_logprobs:
             return [], 0
         hashes = self.block_hashes(request)
@@ -115,15 +120,23 @@ class KVCacheManager:
         computed = self._find_longest_cache_hit(hashes, min(max_hit_blocks, len(hashes)))
         if self.use_eagle and computed:
             computed.pop()
-        num_computed_tokens = len(computed) * self.block_size
-        if self.log_stats:
-            stats = self.prefix_cache_stats
-            stats.requests += 1
-            stats.queries += len(hashes)
-            stats.hits += len(computed)
-            stats.query_tokens += request.num_tokens
-            stats.hit_tokens += num_computed_tokens
-        return computed, num_computed_tokens
+        if record_stats and self.log_stats:
+            self._record(request, len(hashes), len(computed))
+        return computed, len(computed) * self.block_size
+
+    def record_lookup(self, request: CacheRequest, num_hit_blocks: int) -> None:
+        """Counts one lookup of ``request`` that found ``num_hit_blocks`` blocks (after a
+        ``get_computed_blocks(request, record_stats=False)``), under the same rules."""
+        if self.log_stats and self.enable_caching and not request.wants_prompt_logprobs:
+            self._record(request, len(self.block_hashes(request)), num_hit_blocks)
+
+    def _record(self, request: CacheRequest, num_queries: int, num_hits: int) -> None:
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += num_queries
+        stats.hits += num_hits
+        stats.query_tokens += request.num_tokens
+        stats.hit_tokens += num_hits * self.block_size
 
     def _find_longest_cache_hit(self, hashes: Sequence[Hashable], max_blocks: int
                                 ) -> list[KVCacheBlock]:

@@ -10,6 +10,8 @@ Each step the scheduler fills a token budget (``max_num_batched_tokens``):
 2. Then waiting requests, oldest first, while there is budget, a free sequence slot and no
    preemption happened in this step: ``get_computed_blocks`` (a pure query), then
    ``allocate_slots`` with the hits; a request that does not fit stays at the head of the queue.
+   The lookup is counted in the prefix-cache stats when the request is admitted, so a head
+   looked up at several steps counts once (and a resumed request once more).
 
 Invariants:
 
@@ -121,7 +123,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.num_preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            # counted in the stats once, when admitted (a head that does not fit is looked up
+            # again next step)
+            computed, num_cached = self.kv_cache_manager.get_computed_blocks(
+                request, record_stats=False)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self._may_chunk(request):
@@ -134,6 +139,7 @@ class Scheduler:
             request.block_ids = []  # a new list: the runner copies a new table whole
             self._add_block_ids(request, [*computed, *new_blocks])
             self.waiting.popleft()
+            self.kv_cache_manager.record_lookup(request, len(computed))
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
