@@ -86,7 +86,7 @@ def _reference_extras(request: CacheRequest, bs: int, num_blocks: int) -> list[o
     return out
 
 
-TOKENS = st.lists(st.integers(0, 2**40), min_size=0, max_size=40)
+TOKENS = st.lists(st.integers(-(2**40), 2**40), min_size=0, max_size=40)
 ALGO = st.sampled_from(HASH_ALGOS)
 BS = st.integers(1, 8)
 
@@ -157,3 +157,45 @@ def test_precomputed_hashes_are_returned_as_given_and_never_extended(hashes: lis
     assert manager.block_hashes(request) is given_hashes
     assert manager.block_hashes(request, len(hashes) + 3) is given_hashes
     assert "r" not in manager.req_to_block_hashes
+
+
+def test_serialize_block_writes_every_extra_key_type_as_specified() -> None:
+    """The byte layout, written out by hand: parent, uint32 token count, int64 tokens (also
+    negative ones), then the tagged extra keys, nested."""
+    from prefixserve.core.hashing import serialize_block
+
+    extras = (None, True, False, 7, -3, 1.5, "sé", b"by", bytearray(b"ba"), [1, (2,)])
+    expected = (
+        b"P" + struct.pack("<I", 2) + struct.pack("<q", -5) + struct.pack("<q", 2**40)
+        + b"t" + struct.pack("<I", 10)
+        + b"N" + b"T" + b"F"
+        + b"i" + struct.pack("<I", 1) + b"7"
+        + b"i" + struct.pack("<I", 2) + b"-3"
+        + b"f" + struct.pack("<d", 1.5)
+        + b"s" + struct.pack("<I", 3) + "sé".encode()
+        + b"b" + struct.pack("<I", 2) + b"by"
+        + b"b" + struct.pack("<I", 2) + b"ba"
+        + b"t" + struct.pack("<I", 2) + b"i" + struct.pack("<I", 1) + b"1"
+        + b"t" + struct.pack("<I", 1) + b"i" + struct.pack("<I", 1) + b"2"
+    )
+    assert serialize_block(b"P", (-5, 2**40), extras) == expected
+    for algo in ("sha256", "xxhash"):
+        function, _ = get_hash_function(algo)
+        digest = hashlib.sha256 if algo == "sha256" else xxhash.xxh3_128
+        assert function(b"P", (-5, 2**40), extras) == digest(expected).digest()
+    try:
+        serialize_block(b"P", (1,), {1, 2})
+    except TypeError as error:
+        assert "set" in str(error)
+    else:
+        raise AssertionError("a set extra key must be refused")
+
+
+def test_none_hash_is_the_seeds_sha256_under_pythonhashseed_else_random(monkeypatch) -> None:
+    from prefixserve.core.hashing import _make_none_hash
+
+    monkeypatch.setenv("PYTHONHASHSEED", "17")
+    assert _make_none_hash() == hashlib.sha256(b"17").digest()
+    monkeypatch.delenv("PYTHONHASHSEED")
+    first, second = _make_none_hash(), _make_none_hash()
+    assert len(first) == len(second) == 32 and first != second

@@ -210,3 +210,20 @@ def test_shared_blocks_sliding_out_make_no_room_for_a_new_one() -> None:
     assert [blk.ref_cnt for blk in table[1:]] == [2, 1] and table[0].is_null
     assert manager.allocate_slots(b, 1) is None
     assert manager.req_to_blocks["b"] == table and [blk.ref_cnt for blk in table[1:]] == [2, 1]
+
+
+def test_a_block_shared_with_another_request_leaves_the_window_on_time() -> None:
+    """Window 1 at block size 1: b hits a's block 0 and decodes; at position 1 block 0 leaves
+    b's window although no block of b's own comes back to the pool: b drops its reference then,
+    so when a finishes the block is free."""
+    manager = SlidingWindowKVCacheManager(8, 1, sliding_window=1)
+    a = CacheRequest("a", [1])
+    admit(manager, a)
+    b = CacheRequest("b", [1, 0])
+    assert admit(manager, b) == 1
+    shared = manager.req_to_blocks["a"][0]
+    assert shared.ref_cnt == 2
+    decode(manager, a, [5])
+    assert manager.req_to_blocks["a"][0] is manager.null_block and shared.ref_cnt == 1
+    finish(manager, b)
+    assert shared.ref_cnt == 0 and manager.num_free_blocks == 7 - 1  # a's new block is held

@@ -195,7 +195,8 @@ class KVCacheManager:
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []
-        if num_reclaimable:
+        if self.sliding_window is not None:
+            # also when nothing comes back to the pool: shared blocks leave the table too
             self._remove_skipped_blocks(req_blocks, num_computed_tokens)
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
