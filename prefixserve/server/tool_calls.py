@@ -53,6 +53,7 @@ from prefixserve.server.agent_protocol import (
     ToolDefinition,
 )
 from prefixserve.server.errors import ApiError
+from prefixserve.server.structured import check_json_schema
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -145,6 +146,9 @@ class ToolCalling:
                            param="tool_choice", code="invalid_value")
         if not tools:
             return None
+        for tool in tools:
+            if tool.function.parameters is not None:
+                check_json_schema(tool.function.parameters, "tools")
         return cls(tools, kind, forced, parallel is not False, detect_format(template))
 
     # ------------------------------------------------------------------ the prompt
@@ -202,26 +206,29 @@ class ToolCalling:
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return {**schema, "x-guidance": _COMPACT}
 
-    def grammar(self) -> str:
-        """The Lark grammar (llguidance's, with ``%json``) of one or more calls."""
+    def grammar(self, tokenizer: Tokenizer | None = None) -> str:
+        """The Lark grammar (llguidance's, with ``%json``) of one or more calls. A marker that
+        is an added token of ``tokenizer``'s vocabulary is written as that token (llguidance
+        treats added tokens as special: their text does not spell them)."""
         schema = json.dumps(self._call_schema(), ensure_ascii=False)
         many = self.parallel and self.forced is None
         if self.format == "llama3_json":
             more = ' ("; " call)*' if many else ""
             return f"start: call{more}\ncall: %json {schema}\n"
         more = ' ("\\n" call)*' if many else ""
+        start, end = _marker(CALL_START, tokenizer), _marker(CALL_END, tokenizer)
         return (f"start: call{more}\n"
-                f'call: "<tool_call>\\n" %json {schema} "\\n</tool_call>"\n')
+                f'call: {start} "\\n" %json {schema} "\\n" {end}\n')
 
     def constraint(self, tokenizer: Tokenizer) -> StructuredOutputsParams | None:
         """The output's grammar: forced calls for ``required`` / a named function; for
         ``auto`` a lazy one that starts at the call marker when it is a single token."""
         if self.choice in ("required", "function"):
-            return StructuredOutputsParams(grammar=self.grammar())
+            return StructuredOutputsParams(grammar=self.grammar(tokenizer))
         if self.choice == "auto" and self.format != "llama3_json":
             marker = tokenizer.encode(CALL_START, add_special_tokens=False)
             if len(marker) == 1:
-                return StructuredOutputsParams(grammar=self.grammar(),
+                return StructuredOutputsParams(grammar=self.grammar(tokenizer),
                                                trigger_token_ids=tuple(marker))
         return None
 
@@ -236,6 +243,15 @@ class ToolCalling:
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
+
+
+def _marker(text: str, tokenizer: Tokenizer | None) -> str:
+    """The grammar term of a call marker: the added token itself, or its text."""
+    if tokenizer is not None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] in tokenizer.backend.get_added_tokens_decoder():
+            return text
+    return json.dumps(text)
 
 
 def call_text(name: str, arguments: Any) -> str:
