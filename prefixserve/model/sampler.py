@@ -127,29 +127,39 @@ def apply_token_controls(logits: Tensor, params: Sequence[SamplingParams],
     ``allowed_token_ids`` and its grammar mask (``token_masks[row]``, a ``[V]`` bool tensor of
     allowed tokens) set to -inf. Rows with no control are not touched (nor copied when no row
     has one); where allowed ids and grammar share no token, the grammar alone applies, and an
-    empty mask is ignored (a row always keeps some token)."""
-    rows = sorted({i for i, p in enumerate(params) if has_token_controls(p)} | set(token_masks))
-    if not rows:
+    empty mask is ignored (a row always keeps some token). Grammar-only rows are masked in one
+    vectorised operation."""
+    controlled = sorted(i for i, p in enumerate(params) if has_token_controls(p))
+    if not controlled and not token_masks:
         return logits
     result = logits.clone()
-    vocab_size = logits.shape[1]
-    for row in rows:
-        p, line = params[row], result[row]
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
-            line.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()),
-                                                 dtype=line.dtype, device=logits.device))
-        keep = token_masks.get(row)
-        if keep is not None:
-            keep = keep.to(logits.device)
-        if p.allowed_token_ids is not None:
-            allowed = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
-            allowed[torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = True
-            both = allowed if keep is None else allowed & keep
-            keep = both if bool(both.any()) else keep
-        if keep is not None and bool(keep.any()):
-            line.masked_fill_(~keep, float("-inf"))
+    plain = [row for row in sorted(token_masks) if row not in set(controlled)]
+    if plain:
+        keep = torch.stack([token_masks[row] for row in plain]).to(logits.device)
+        keep |= ~keep.any(dim=1, keepdim=True)  # an empty mask keeps everything
+        index = torch.tensor(plain, dtype=torch.int64, device=logits.device)
+        result[index] = result[index].masked_fill(~keep, float("-inf"))
+    for row in controlled:
+        _control_row(result[row], params[row], token_masks.get(row))
     return result
+
+
+def _control_row(line: Tensor, p: SamplingParams, keep: Tensor | None) -> None:
+    """One row of :func:`apply_token_controls` with ``logit_bias`` or ``allowed_token_ids``,
+    in place."""
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=line.device)
+        line.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=line.dtype,
+                                             device=line.device))
+    if keep is not None:
+        keep = keep.to(line.device)
+    if p.allowed_token_ids is not None:
+        allowed = torch.zeros(line.shape[0], dtype=torch.bool, device=line.device)
+        allowed[torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = True
+        both = allowed if keep is None else allowed & keep
+        keep = both if bool(both.any()) else keep
+    if keep is not None and bool(keep.any()):
+        line.masked_fill_(~keep, float("-inf"))
 
 
 def has_penalties(params: SamplingParams) -> bool:
