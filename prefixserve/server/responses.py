@@ -248,7 +248,9 @@ def add_responses_route(app: FastAPI, serving: OpenAIServing, config: ServerConf
         stream = await serving._start(run)
         if body.stream:
             events = EventStreamResponse(_events(answer, stream, keep), stream)
-            events.headers.update(dict(response.headers))
+            for name, value in response.headers.items():
+                if name.startswith("x-"):
+                    events.headers[name] = value
             return events
 
         async def collect() -> dict[str, Any]:

@@ -355,7 +355,7 @@ class OpenAIServing:
             return None
         bias = {}
         for key, value in body.logit_bias.items():
-            token_id = int(key) if key.isdigit() else -1
+            token_id = int(key) if key.isascii() and key.isdigit() else -1
             if not 0 <= token_id < self.vocab_size:
                 raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, "
                                f"{self.vocab_size})", param="logit_bias", code="invalid_value")
