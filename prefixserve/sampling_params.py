@@ -11,6 +11,7 @@ section 9), and it imports nothing else of prefixserve.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,60 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, enforced token by token by the engine's grammar backend
+    (``prefixserve.engine.structured_output``); exactly one of the constraint fields is set.
+
+    - ``json``: a JSON schema (a dict, or its JSON text): the output is one JSON value that
+      validates against it;
+    - ``json_object``: any JSON object;
+    - ``regex``: the output matches the regular expression as a whole;
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a Lark grammar (llguidance's dialect, which also embeds ``%json {...}``).
+
+    ``trigger_token_ids`` makes the constraint lazy: the output is free until the model samples
+    one of these tokens, and from that token on (it is the constrained text's first token) the
+    grammar applies; used for ``tool_choice: "auto"``. A frozen value: its ``key`` (a string)
+    identifies the compiled grammar, so equal constraints compile once.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    trigger_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in GRAMMAR_KINDS
+                 if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {given or 'none'}")
+        if self.choice is not None:
+            if not isinstance(self.choice, tuple | list) or not self.choice or not all(
+                    isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        object.__setattr__(self, "trigger_token_ids", tuple(self.trigger_token_ids))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint field is set."""
+        return next(k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """A string that identifies the constraint (equal keys, equal grammars)."""
+        value = getattr(self, self.kind)
+        text = _json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+        return f"{self.kind}:{text}"
+
+
 @dataclass
 class SamplingParams:
     """How to pick the output tokens of one request, and when to stop.
@@ -79,6 +134,14 @@ class SamplingParams:
     ``n`` (>= 1) is the number of sequences to generate for the prompt. ``logprobs`` (None or
     0..20) asks for the chosen token's logprob plus that many top alternatives per generated
     token; ``prompt_logprobs`` (None or 0..20) the same for every prompt token after the first.
+
+    Token controls, applied after the penalties: ``logit_bias`` (``{token_id: bias}``, each in
+    [-100, 100], added to the logits; OpenAI's form), ``allowed_token_ids`` (only these may be
+    sampled) and ``structured_outputs`` (a grammar; see :class:`StructuredOutputsParams`). A
+    grammar decides where a constrained output ends: ``stop``, ``stop_token_ids``,
+    ``min_tokens`` and ``ignore_eos`` do not apply to it (a stop string could cut a JSON
+    document in half), and ``allowed_token_ids`` narrows the grammar's choice only where the
+    two leave some token.
     """
 
     n: int = 1
@@ -99,6 +162,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         """Validate every field and normalise ``stop``, ``stop_token_ids`` and ``top_k``."""
@@ -109,6 +175,30 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         self._check_lengths_and_outputs()
+        self._check_token_controls()
+
+    def _check_token_controls(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got "
+                                 f"{self.logit_bias!r}")
+            bias = {}
+            for token_id, value in self.logit_bias.items():
+                if _check_int("logit_bias key", token_id) < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id}")
+                value = _check_float("logit_bias value", value)
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+                bias[token_id] = value
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self._normalise_stop_token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            self.allowed_token_ids = ids
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     def _check_sampling(self) -> None:
         self.temperature = _check_float("temperature", self.temperature)
@@ -171,14 +261,14 @@ class SamplingParams:
         return list(stop)
 
     @staticmethod
-    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+    def _normalise_stop_token_ids(ids: Any, name: str = "stop_token_ids") -> list[int]:
         if ids is None:
             return []
         if not isinstance(ids, list | tuple):
-            raise ValueError(f"stop_token_ids must be None or a list of integers, got {ids!r}")
+            raise ValueError(f"{name} must be None or a list of integers, got {ids!r}")
         for token_id in ids:
-            if _check_int("stop_token_ids element", token_id) < 0:
-                raise ValueError(f"stop_token_ids must contain ids >= 0, got {token_id}")
+            if _check_int(f"{name} element", token_id) < 0:
+                raise ValueError(f"{name} must contain ids >= 0, got {token_id}")
         return list(ids)
 
     @property

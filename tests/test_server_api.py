@@ -361,15 +361,17 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
-    ("completions", {"prompt": "hi", "logit_bias": {"42": 100}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"42": 101}}, "logit_bias"),
     ("completions", {"prompt": "hi", "max_token": 3}, "max_token"),
     ("completions", {"prompt": ["hi"] * 257}, "prompt"),
     ("completions", {"prompt": ["hi"] * 3, "n": 100}, "n"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, "n"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                          "tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                          "response_format": {"type": "json_object"}}, "response_format"),
+                          "functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                           "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("completions", {"prompt": "hi", "cache_salt": ""}, "cache_salt"),
@@ -440,14 +442,16 @@ def test_the_openai_client_sees_bad_requests(client: openai.OpenAI) -> None:
 def test_fields_that_cannot_change_the_result_are_accepted_and_named(
         server: ServerProcess, client: openai.OpenAI) -> None:
     extra = {"store": False, "metadata": {"trace": "1"}, "service_tier": "auto",
-             "parallel_tool_calls": True, "prompt_cache_key": "session-1",
-             "reasoning_effort": "low", "user": "u-1", "tools": [], "tool_choice": "none",
-             "response_format": {"type": "text"}, "logit_bias": {}}
+             "prompt_cache_key": "session-1", "reasoning_effort": "low", "user": "u-1",
+             "modalities": ["text"]}
+    # supported fields at their neutral values change nothing and are not "ignored"
+    neutral = {"tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+               "response_format": {"type": "text"}, "logit_bias": {}}
     messages = [{"role": "user", "content": "Say hello."}]
     plain = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": messages, "max_tokens": 4, "temperature": 0})
     loose = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-        "messages": messages, "max_tokens": 4, "temperature": 0, **extra})
+        "messages": messages, "max_tokens": 4, "temperature": 0, **extra, **neutral})
     assert loose.status_code == 200, loose.text
     assert loose.headers["x-ignored-fields"].split(",") == sorted(extra)
     assert "x-ignored-fields" not in plain.headers

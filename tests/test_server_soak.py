@@ -91,8 +91,8 @@ def _oversized_body(rng: random.Random) -> Bad:
 
 
 def _unsupported_field(rng: random.Random) -> Bad:
-    tools = [{"type": "function", "function": {"name": f"f{rng.randint(0, 9)}"}}]
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    functions = [{"name": f"f{rng.randint(0, 9)}"}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "functions": functions}
     return Bad(CHAT, {"json": body}, 400)
 
 

@@ -11,6 +11,7 @@ a background thread of its own).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from prefixserve.engine.output_processor import (
 )
 from prefixserve.engine.request import Request
 from prefixserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from prefixserve.engine.structured_output import GrammarError, StructuredOutputs
 from prefixserve.model.dtypes import resolve_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
@@ -95,6 +97,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.sampler = Sampler(self.model_config.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                            self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids,
                                                 self.max_model_len)
         self.metrics = PrefixCachingMetrics()
@@ -161,6 +165,8 @@ class LLMEngine:
             token_ids = list(prompt)
         self._check_prompt(token_ids)  # before the queue: a request that can never run is
         self._check_queue_room(params.n)  # a RequestError, never a retryable QueueFullError
+        self.check_token_controls(params)
+        grammar, params = self._compile_grammar(params)
         arrival = arrival_time or time.time()
         children = []
         for index in range(params.n):
@@ -182,8 +188,36 @@ class LLMEngine:
             children.append(request)
         self.output_processor.add_request(request_id, text, children)
         for request in children:
+            if grammar is not None and params.structured_outputs is not None:
+                self.structured.add(request.request_id, grammar, params.structured_outputs)
             self.scheduler.add_request(request)
         return request_id
+
+    def check_token_controls(self, params: SamplingParams) -> None:
+        """Raises ``RequestError`` (naming the field) for a ``logit_bias`` or
+        ``allowed_token_ids`` id outside the vocabulary."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise RequestError(f"{name}: token id {bad} is outside the vocabulary "
+                                   f"[0, {vocab})", code="invalid_value", param=name)
+
+    def _compile_grammar(self, params: SamplingParams) -> tuple[str | None, SamplingParams]:
+        """The compiled grammar of a constrained request (a ``RequestError`` naming
+        ``structured_outputs`` if it does not compile) and its parameters without the stop
+        conditions a grammar replaces (see ``SamplingParams``)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None, params
+        try:
+            grammar = self.structured.compile(spec)
+        except GrammarError as exc:
+            raise RequestError(f"the {spec.kind} constraint does not compile: {exc}",
+                               code="invalid_grammar", param="structured_outputs") from None
+        return grammar, dataclasses.replace(params, stop=[], stop_token_ids=[], min_tokens=0,
+                                            ignore_eos=False)
 
     def _check_queue_room(self, n: int) -> None:
         """The waiting queue holds at most ``max_waiting_requests`` sequences (each of the ``n``
@@ -243,6 +277,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks; returns whether it existed."""
+        sequences = self.output_processor.requests.get(request_id)
+        for sequence in sequences.sequences if sequences is not None else ():
+            self.structured.remove(sequence.request.request_id)
         return self.output_processor.abort_request(request_id, self.scheduler.finish_request)
 
     def has_unfinished_requests(self) -> bool:
@@ -270,7 +307,12 @@ class LLMEngine:
         if not scheduled.scheduled:
             return []
         executed = self._execute(scheduled)
-        return self.output_processor.process(executed, finish=self.scheduler.finish_request)
+        outputs = self.output_processor.process(executed, finish=self.scheduler.finish_request)
+        if len(self.structured):
+            for request in executed.requests:
+                if request.is_finished:
+                    self.structured.remove(request.request_id)
+        return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> ExecutedStep:
         """Runs the model over the scheduled tokens, moves each request's
@@ -313,12 +355,16 @@ class LLMEngine:
         chosen = [requests[row] for row in rows]
         if len(rows) != len(requests):
             logits = logits[torch.tensor(rows)]
+        masks = self.structured.masks(
+            [(r.request_id, r.output_token_ids, r.num_preemptions) for r in chosen]
+        ) if len(self.structured) else None
         sampled = self.sampler.sample(
             logits,
             [r.params for r in chosen],
             [r.generator for r in chosen],
             [r.prompt_token_ids for r in chosen],
             [r.output_token_ids for r in chosen],
+            token_masks=masks,
         )
         return [SampledToken(request, token, None if logprobs is None else logprobs.as_dict())
                 for request, token, logprobs in zip(chosen, sampled.token_ids, sampled.logprobs,

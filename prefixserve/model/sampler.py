@@ -6,6 +6,10 @@ Per row, the logits go through, in this order:
    tokens only), see :func:`apply_penalties`;
 2. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are masked to ``-inf`` while
    the request has fewer than ``min_tokens`` output tokens;
+2b. token controls (:func:`apply_token_controls`), on the rows that have one only:
+   ``logit_bias`` is added, then every token outside ``allowed_token_ids`` and outside the
+   row's grammar mask (``token_masks``, from the engine's structured outputs) is set to
+   ``-inf``; where the two sets share no token, the grammar's mask alone applies;
 3. greedy rows take the argmax here;
 4. the other rows are divided by their temperature, filtered by top-k, then top-p, then min-p
    (:func:`filter_logits`), turned into probabilities, and sampled by an exponential race:
@@ -30,7 +34,7 @@ the step, with per-row parameters as tensors; only the seeded draws loop over ro
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -107,9 +111,55 @@ def argmax_rows(logits: Tensor) -> list[int]:
 
 def _plain_greedy(params: SamplingParams, num_output: int) -> bool:
     """Whether a row is a bare argmax: greedy, no penalty, ``min_tokens`` reached (so no token
-    is masked) and no logprobs asked for."""
+    is masked), no token control and no logprobs asked for."""
     return (params.greedy and num_output >= params.min_tokens and params.logprobs is None
-            and not has_penalties(params))
+            and not has_penalties(params) and not has_token_controls(params))
+
+
+def has_token_controls(params: SamplingParams) -> bool:
+    """True when ``logit_bias`` or ``allowed_token_ids`` is set."""
+    return params.logit_bias is not None or params.allowed_token_ids is not None
+
+
+def apply_token_controls(logits: Tensor, params: Sequence[SamplingParams],
+                         token_masks: Mapping[int, Tensor]) -> Tensor:
+    """``logits`` ``[n, V]`` with each row's ``logit_bias`` added and the tokens outside its
+    ``allowed_token_ids`` and its grammar mask (``token_masks[row]``, a ``[V]`` bool tensor of
+    allowed tokens) set to -inf. Rows with no control are not touched (nor copied when no row
+    has one); where allowed ids and grammar share no token, the grammar alone applies, and an
+    empty mask is ignored (a row always keeps some token). Grammar-only rows are masked in one
+    vectorised operation."""
+    controlled = sorted(i for i, p in enumerate(params) if has_token_controls(p))
+    if not controlled and not token_masks:
+        return logits
+    result = logits.clone()
+    plain = [row for row in sorted(token_masks) if row not in set(controlled)]
+    if plain:
+        keep = torch.stack([token_masks[row] for row in plain]).to(logits.device)
+        keep |= ~keep.any(dim=1, keepdim=True)  # an empty mask keeps everything
+        index = torch.tensor(plain, dtype=torch.int64, device=logits.device)
+        result[index] = result[index].masked_fill(~keep, float("-inf"))
+    for row in controlled:
+        _control_row(result[row], params[row], token_masks.get(row))
+    return result
+
+
+def _control_row(line: Tensor, p: SamplingParams, keep: Tensor | None) -> None:
+    """One row of :func:`apply_token_controls` with ``logit_bias`` or ``allowed_token_ids``,
+    in place."""
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=line.device)
+        line.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=line.dtype,
+                                             device=line.device))
+    if keep is not None:
+        keep = keep.to(line.device)
+    if p.allowed_token_ids is not None:
+        allowed = torch.zeros(line.shape[0], dtype=torch.bool, device=line.device)
+        allowed[torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = True
+        both = allowed if keep is None else allowed & keep
+        keep = both if bool(both.any()) else keep
+    if keep is not None and bool(keep.any()):
+        line.masked_fill_(~keep, float("-inf"))
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -350,13 +400,16 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
+        token_masks: Mapping[int, Tensor] | None = None,
     ) -> SamplerOutput:
         """Choose one token per row of ``logits`` ``[B, V]`` (converted to float32 if needed).
 
         ``params``, ``generators``, ``prompt_token_ids`` and ``output_token_ids`` each have one
         entry per row: the row's sampling parameters, its generator (None: use torch's default
         generator of the logits' device; a generator must live on that device), its prompt and
-        the tokens it has generated so far (before this step). ``logits`` is not modified.
+        the tokens it has generated so far (before this step). ``token_masks`` maps the rows
+        under a grammar to their ``[V]`` bool masks of allowed tokens. ``logits`` is not
+        modified.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D [B, V], got shape {tuple(logits.shape)}")
@@ -368,14 +421,15 @@ class Sampler:
                 f"{batch} entries (one per logits row), got {len(params)}, {len(generators)}, "
                 f"{len(prompt_token_ids)}, {len(output_token_ids)}"
             )
-        if all(_plain_greedy(p, len(out)) for p, out in zip(params, output_token_ids,
-                                                             strict=True)):
+        token_masks = token_masks or {}
+        if not token_masks and all(_plain_greedy(p, len(out)) for p, out in zip(
+                params, output_token_ids, strict=True)):
             # The common case, one argmax over the batch and nothing else (no penalty, no
             # min_tokens mask, no logprobs): the general path would give the same tokens.
             return SamplerOutput(argmax_rows(logits.float()), [None] * batch)
         with torch.inference_mode():
             return self._sample(logits.float(), params, generators, prompt_token_ids,
-                                output_token_ids)
+                                output_token_ids, token_masks)
 
     def _sample(
         self,
@@ -384,6 +438,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
+        token_masks: Mapping[int, Tensor],
     ) -> SamplerOutput:
         """``sample`` of float32 logits ``raw``, the arguments checked."""
         vocab_size = raw.shape[1]
@@ -392,12 +447,16 @@ class Sampler:
             self._blocked_ids(p, len(out), vocab_size)
             for p, out in zip(params, output_token_ids, strict=True)
         ]
-        if all(p.greedy for p in params) and not penalised_rows and not any(blocked):
+        controlled = bool(token_masks) or any(has_token_controls(p) for p in params)
+        if (all(p.greedy for p in params) and not penalised_rows and not any(blocked)
+                and not controlled):
             token_ids = argmax_rows(raw)
         else:
             processed = self._penalise_and_block(
                 raw, params, prompt_token_ids, output_token_ids, penalised_rows, blocked
             )
+            if controlled:
+                processed = apply_token_controls(processed, params, token_masks)
             token_ids = self._choose(processed, params, generators)
         return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(raw, params, token_ids))
 

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve import __version__
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.server.agent_routes import add_agent_routes
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.metrics import ServerMetrics
@@ -147,6 +148,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     keys = KeyParameters.for_config(config)
     docs = ErrorDocs.for_config(config)
     _add_openai_routes(app, serving, config, keys, docs)
+    add_agent_routes(app, serving, config, keys.api, docs)
     _add_operation_routes(app, engine, metrics, keys, docs)
     install_openapi(app, config)
     return app

@@ -55,6 +55,12 @@ def _add_http(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="on SIGTERM, how long running requests may take to finish before "
                       "they are ended with an error (default 30)")
+    http.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=[],
+                      help="origins whose browser pages may call the API (CORS), e.g. "
+                      "https://app.example.com, or * for any; default: none (CORS off)")
+    http.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
+                      help="/v1/responses kept in memory for previous_response_id, oldest "
+                      "dropped first (default 1024; 0 keeps none)")
 
 
 def _add_security(keys: argparse._ArgumentGroup) -> None:

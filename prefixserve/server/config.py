@@ -22,6 +22,8 @@ DEFAULT_MAX_REQUEST_BODY_SIZE = 32 << 20
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 #: Sequences that may wait for a slot before new requests get 503.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+#: ``/v1/responses`` kept for ``previous_response_id``.
+DEFAULT_MAX_STORED_RESPONSES = 1024
 #: Metric name prefixes ``--metrics-prefix`` accepts (``vllm`` for vLLM's dashboards).
 METRICS_PREFIXES = ("prefixserve", "vllm")
 
@@ -35,7 +37,9 @@ class ServerConfig:
     authentication). With keys, each key's requests get their own cache salt unless
     ``share_cache_across_keys``. ``admin_keys`` may call admin routes (with API keys and no
     admin key, nobody may); ``metrics_keys`` (or an admin key) are needed for ``/metrics`` when
-    given, else it is open."""
+    given, else it is open. ``allowed_origins``: origins allowed by CORS (empty: CORS off,
+    ``*``: any). ``max_stored_responses``: ``/v1/responses`` kept for
+    ``previous_response_id``."""
 
     served_model_names: tuple[str, ...]
     api_keys: tuple[str, ...] = ()
@@ -48,6 +52,8 @@ class ServerConfig:
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
+    allowed_origins: tuple[str, ...] = ()
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -60,6 +66,8 @@ class ServerConfig:
             raise ValueError(f"max_n may be at most {MAX_N} (OpenAI's limit), got {self.max_n}")
         if self.request_read_timeout <= 0:
             raise ValueError("request_read_timeout must be positive")
+        if self.max_stored_responses < 0:
+            raise ValueError("max_stored_responses must be >= 0")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be one of {METRICS_PREFIXES}")
 

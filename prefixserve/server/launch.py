@@ -83,7 +83,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_prompts_per_request=args.max_prompts_per_request, max_n=args.max_n,
         max_sequences_per_request=args.max_sequences_per_request,
         max_request_body_size=parse_memory(args.max_request_body_size),
-        request_read_timeout=args.request_read_timeout)
+        request_read_timeout=args.request_read_timeout,
+        allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()),
+        max_stored_responses=getattr(args, "max_stored_responses", 1024))
 
 
 def run_server(args: argparse.Namespace) -> int:

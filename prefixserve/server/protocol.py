@@ -5,8 +5,10 @@ fields, so a typo such as ``max_token`` is an error rather than silently ignored
 client sends must be valid Unicode (no lone surrogates). Fields that SDKs and agent frameworks
 send and that cannot change the result here (``store``, ``metadata``, ``user``...,
 ``IGNORED_FIELDS``) are accepted and ignored; fields that would change the result but are not
-implemented (``tools``, ``response_format``, ``logit_bias``..., ``UNSUPPORTED_FIELDS``) are a 400
-unless they hold their neutral value (``[]``, ``"none"``, ``{"type": "text"}``...). The
+implemented (``functions``, ``function_call``, ``modalities``: ``UNSUPPORTED_FIELDS``) are a 400
+unless they hold their neutral value (``[]``, ``"none"``, ``["text"]``). The agent fields
+(``tools``, ``tool_choice``, ``response_format``, ``structured_outputs``...) are modelled in
+:mod:`prefixserve.server.agent_protocol`. The
 constraints here are those of the OpenAI API where it sets one and those of ``SamplingParams``
 otherwise, so ``/openapi.json`` describes what is accepted. Fields outside the OpenAI API
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
@@ -29,6 +31,15 @@ from pydantic import (
 
 from prefixserve.outputs import FinishReason
 from prefixserve.sampling_params import MAX_LOGPROBS
+from prefixserve.server.agent_protocol import (
+    DeltaToolCall,
+    ResponseFormat,
+    ResponseToolCall,
+    StructuredOutputsField,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
 from prefixserve.server.config import MAX_N
 
 #: The most stop strings one request may give.
@@ -88,13 +99,14 @@ _UNSUPPORTED = "Not supported: a 400 unless it holds its neutral value"
 #: Fields accepted for compatibility with SDKs and agent frameworks that do not change the result.
 IGNORED_FIELDS = frozenset({
     "user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-    "safety_identifier", "reasoning_effort", "verbosity", "parallel_tool_calls", "priority"})
+    "safety_identifier", "reasoning_effort", "verbosity", "priority"})
 #: Fields that would change the result and are not implemented, with the values that do not.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}), "modalities": (None, ["text"]),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]),
 }
+#: Bias values of ``logit_bias`` (OpenAI's range).
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
 
 
 class _Strict(BaseModel):
@@ -158,19 +170,27 @@ class GenerationRequest(_Strict):
     reasoning_effort: Text | None = Field(None, description=_IGNORED + " (no served model "
                                           "reasons)")
     verbosity: Text | None = Field(None, description=_IGNORED)
-    parallel_tool_calls: bool | None = Field(None, description=_IGNORED + " (no tools)")
     priority: int | None = Field(None, description=_IGNORED)
+    # Token controls and structured outputs.
+    logit_bias: LogitBias | None = Field(None, description="Token id (as a string) -> bias "
+                                         "in [-100, 100], added to the logits.")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description="Only "
+                                                    "these token ids may be sampled.")
+    response_format: ResponseFormat | None = Field(None, description="`json_object` or "
+                                                   "`json_schema`: the output is JSON that "
+                                                   "follows it, enforced by a grammar.")
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="vLLM's form: one of json, json_object, regex, choice, grammar.")
+    guided_json: dict[str, Any] | bool | str | None = Field(None, description="Older vLLM "
+                                                            "name of structured_outputs.json.")
+    guided_regex: Text | None = Field(None, description="structured_outputs.regex")
+    guided_choice: list[Text] | None = Field(None, min_length=1,
+                                             description="structured_outputs.choice")
+    guided_grammar: Text | None = Field(None, description="structured_outputs.grammar")
     # Not implemented: a 400 unless neutral.
-    tools: list[Any] | None = Field(None, description=_UNSUPPORTED + " (`[]` accepted)")
-    tool_choice: Any = Field(None, description=_UNSUPPORTED + " (`\"none\"` and `\"auto\"` "
-                             "accepted)")
     functions: list[Any] | None = Field(None, description=_UNSUPPORTED + " (`[]` accepted)")
     function_call: Any = Field(None, description=_UNSUPPORTED + " (`\"none\"` and `\"auto\"` "
                                "accepted)")
-    response_format: dict[str, Any] | None = Field(
-        None, description=_UNSUPPORTED + " (`{\"type\": \"text\"}` accepted)")
-    logit_bias: dict[str, Any] | None = Field(None, description=_UNSUPPORTED + " (`{}` "
-                                              "accepted)")
     modalities: list[Any] | None = Field(None, description=_UNSUPPORTED + " (`[\"text\"]` "
                                          "accepted)")
 
@@ -245,12 +265,29 @@ MessageContent = Annotated[
 
 
 class ChatMessage(_Strict):
-    """One message of a conversation. ``developer`` is treated as ``system``."""
+    """One message of a conversation. ``developer`` is treated as ``system``; ``tool`` carries
+    the result of the call ``tool_call_id`` of an earlier assistant message."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: MessageContent = Field(description="Text, or a list of text parts joined by "
-                                    "newlines.")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: MessageContent | None = Field(None, description="Text, or a list of text parts "
+                                           "joined by newlines (only an assistant message "
+                                           "with tool_calls may leave it out).")
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="Calls the assistant made.")
+    tool_call_id: Text | None = Field(None, description="On a tool message: the call it "
+                                      "answers.")
+
+    @model_validator(mode="after")
+    def _content_and_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with "
+                             "tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message "
+                             "has one")
+        return self
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -270,6 +307,12 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="More variables for the chat template (e.g. `enable_thinking`); "
         "names the server sets itself cannot be overridden.")
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may "
+                                               "call (see README, Tool calling).")
+    tool_choice: ToolChoice | None = Field(None, description="`none`, `auto` (the default "
+                                           "with tools), `required` or a named function.")
+    parallel_tool_calls: bool | None = Field(None, description="Allow several calls in one "
+                                             "answer (default true).")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -337,13 +380,14 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | Literal["tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -359,13 +403,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | Literal["tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

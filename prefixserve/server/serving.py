@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import jinja2
 from pydantic import BaseModel
@@ -38,7 +38,8 @@ from starlette.responses import Response
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
 from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
+from prefixserve.server.agent_protocol import ResponseToolCall
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError
 from prefixserve.server.logprobs import LogprobEntry, LogprobFormatter
@@ -67,6 +68,8 @@ from prefixserve.server.streams import (
     run_unless_disconnected,
     sse_event,
 )
+from prefixserve.server.structured import structured_outputs
+from prefixserve.server.tool_calls import ToolCalling, ToolCallStream, check_tool_messages
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -78,6 +81,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "tokenize",
                                       "bos_token", "eos_token"})
 ResponseT = TypeVar("ResponseT", bound=BaseModel)
+#: A chat choice also finishes with ``tool_calls`` when its text was tool calls.
+ChatFinishReason = FinishReason | Literal["tool_calls"]
 
 
 def _fresh(completions: Sequence[CompletionOutput], base: int,
@@ -162,6 +167,8 @@ class _Run:
     param: str
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    grammar_param: str = "structured_outputs"
+    tools: ToolCalling | None = None
 
     def event(self, kind: type[CompletionResponse] | type[ChatCompletionChunk],
               choices: list[Any], usage: Usage | None = None) -> str:
@@ -215,10 +222,13 @@ class _CompletionChoices:
                                 finish_reason=finish_reason, stop_reason=stop_reason)
 
 
-def _bad_request(exc: RequestError, param: str) -> ApiError:
+def _bad_request(exc: RequestError, param: str, grammar_param: str = "structured_outputs",
+                 ) -> ApiError:
     """The 400 of an engine's ``RequestError``: its code, and ``param`` (the request field that
-    holds the prompt) unless the error names another field."""
-    return ApiError(400, str(exc), param=exc.param or param, code=exc.code)
+    holds the prompt) unless the error names another field (a grammar's error names
+    ``grammar_param``, the field the constraint came from)."""
+    named = grammar_param if exc.param == "structured_outputs" else exc.param
+    return ApiError(400, str(exc), param=named or param, code=exc.code)
 
 
 def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Any]:
@@ -306,10 +316,11 @@ class OpenAIServing:
             raise _bad_request(exc, param) from exc
 
     def sampling_params(self, body: GenerationRequest, *, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's sampling parameters (an unset field takes SamplingParams' default;
         a ``top_k`` of the vocabulary size or more means all tokens); a value SamplingParams
-        refuses is a 400 naming the field."""
+        refuses is a 400 naming the field. ``constraint`` is the output's grammar."""
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -329,11 +340,32 @@ class OpenAIServing:
                 min_tokens=pick(body.min_tokens, 0), ignore_eos=pick(body.ignore_eos, False),
                 skip_special_tokens=pick(body.skip_special_tokens, True),
                 include_stop_str_in_output=pick(body.include_stop_str_in_output, False),
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                logit_bias=self._logit_bias(body), allowed_token_ids=body.allowed_token_ids,
+                structured_outputs=constraint)
         except ValueError as exc:
             message = str(exc)
             raise ApiError(400, message, param=message.split()[0],
                            code="invalid_value") from exc
+
+    def _logit_bias(self, body: GenerationRequest) -> dict[int, float] | None:
+        """``logit_bias`` with integer keys; a 400 naming it for a key that is not a token id
+        of this vocabulary."""
+        if not body.logit_bias:
+            return None
+        bias = {}
+        for key, value in body.logit_bias.items():
+            token_id = int(key) if key.isascii() and key.isdigit() else -1
+            if not 0 <= token_id < self.vocab_size:
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, "
+                               f"{self.vocab_size})", param="logit_bias", code="invalid_value")
+            bias[token_id] = value
+        bad = [t for t in body.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"allowed_token_ids: {bad[0]} is not a token id in [0, "
+                           f"{self.vocab_size})", param="allowed_token_ids",
+                           code="invalid_value")
+        return bias
 
     # ------------------------------------------------------------------ running requests
     async def _source(self, ids: list[int], params: SamplingParams, request_id: str,
@@ -362,7 +394,7 @@ class OpenAIServing:
         try:
             await stream.start()
         except RequestError as exc:
-            raise _bad_request(exc, run.param) from exc
+            raise _bad_request(exc, run.param, run.grammar_param) from exc
         except QueueFullError as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry later",
                            code="queue_full",
@@ -385,12 +417,14 @@ class OpenAIServing:
         return sequences
 
     def _run(self, kind: str, model: str, prompts: _Prompts, params: SamplingParams,
-             body: GenerationRequest, api_key: str | None, param: str) -> _Run:
+             body: GenerationRequest, api_key: str | None, param: str,
+             grammar_param: str = "structured_outputs") -> _Run:
         """The run of a request: its id is ``kind`` and a fresh hex uuid, its salt the
         request's (see :meth:`cache_salt`)."""
         return _Run(id=f"{kind}-{uuid.uuid4().hex}", model=model, prompts=prompts,
                     params=params, salt=self.cache_salt(body.cache_salt, api_key), param=param,
-                    include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                    grammar_param=grammar_param)
 
     @staticmethod
     async def _respond(request: Request, stream_events: bool,
@@ -428,12 +462,14 @@ class OpenAIServing:
         for ids in ids_list:
             self.check_prompt(ids, max_tokens, "prompt")
         k, echo = body.logprobs, bool(body.echo)
+        constraint, grammar_param = structured_outputs(body)
         params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
-                                      prompt_logprobs=k if echo else None)
+                                      prompt_logprobs=k if echo else None,
+                                      constraint=constraint)
         echo_texts = self._echo_texts(items, ids_list) if echo else None
         prompts = _Prompts(ids_list)
         choices = _CompletionChoices(prompts, echo_texts, k, self.logprobs)
-        run = self._run("cmpl", model, prompts, params, body, api_key, "prompt")
+        run = self._run("cmpl", model, prompts, params, body, api_key, "prompt", grammar_param)
         return await self._respond(
             request, bool(body.stream), lambda: self._start(run),
             lambda stream: self._completion_events(run, choices, stream),
@@ -472,27 +508,38 @@ class OpenAIServing:
             yield run.event(CompletionResponse, [], run.prompts.usage(completion_tokens))
 
     # ------------------------------------------------------------------ /v1/chat/completions
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The conversation rendered with the model's chat template, as token ids; a 400 when
-        the template refuses it."""
-        messages = []
+    def tool_calling(self, body: ChatCompletionRequest) -> ToolCalling | None:
+        """The request's tools (None without), after checking its tool messages."""
+        check_tool_messages(body.messages)
+        return ToolCalling.for_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                       self.tokenizer.chat_template)
+
+    def chat_prompt(self, body: ChatCompletionRequest,
+                    tools: ToolCalling | None = None) -> list[int]:
+        """The conversation rendered with the model's chat template (with the tools as their
+        format says), as token ids; a 400 when the template refuses it."""
+        messages: list[dict[str, Any]] = []
         for message in body.messages:
-            content = message.content if isinstance(message.content, str) else \
+            content = message.content if isinstance(message.content, str | None) else \
                 "\n".join(part.text for part in message.content)
             item = {"role": "system" if message.role == "developer" else message.role,
-                    "content": content}
+                    "content": content or ""}
             if message.name is not None:
                 item["name"] = message.name
             messages.append(item)
         add_generation_prompt = body.add_generation_prompt is not False
         extra = dict(body.chat_template_kwargs or {})
+        tool_variables: dict[str, Any] = {}
+        if tools is not None:
+            messages, tool_variables = tools.messages(messages, body.messages)
         reserved = sorted(_RESERVED_TEMPLATE_NAMES & extra.keys())
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
                            param="chat_template_kwargs", code="invalid_value")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                **{**extra, **tool_variables})
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise ApiError(400, f"the chat template cannot render these messages: {exc}",
                            param="messages", code="invalid_messages") from exc
@@ -509,12 +556,23 @@ class OpenAIServing:
         self.check_fields(body, response)
         self.check_limits(1, body.n)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        ids = self.chat_prompt(body)
+        tools = self.tool_calling(body)
+        ids = self.chat_prompt(body, tools)
         self.check_prompt(ids, max_tokens, "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
+        constraint, grammar_param = structured_outputs(body)
+        tool_constraint = tools.constraint(self.tokenizer) if tools is not None else None
+        if tool_constraint is not None:
+            if constraint is not None and tools is not None and tools.choice != "auto":
+                raise ApiError(400, f"{grammar_param} cannot be combined with a forced "
+                               "tool_choice", param=grammar_param, code="invalid_value")
+            if constraint is None:
+                constraint, grammar_param = tool_constraint, "tools"
         params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
-                                      prompt_logprobs=None)
-        run = self._run("chatcmpl", model, _Prompts([ids]), params, body, api_key, "messages")
+                                      prompt_logprobs=None, constraint=constraint)
+        run = self._run("chatcmpl", model, _Prompts([ids]), params, body, api_key, "messages",
+                        grammar_param)
+        run.tools = tools
         return await self._respond(
             request, bool(body.stream), lambda: self._start(run),
             lambda stream: self._chat_events(run, k, stream),
@@ -529,11 +587,18 @@ class OpenAIServing:
     async def _chat_response(self, run: _Run, k: int | None) -> ChatCompletionResponse:
         """Starts ``run``, runs it to its end and answers with every choice whole."""
         sequences = (await self._collect(await self._start(run), run.prompts, run.params.n))[0]
-        choices = [ChatChoice(
-            index=j, message=ChatResponseMessage(content="".join(seq.text)),
-            logprobs=self._chat_logprobs(seq.token_ids, seq.logprobs, k),
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-            for j, seq in enumerate(sequences)]
+        choices = []
+        for j, seq in enumerate(sequences):
+            content: str | None = "".join(seq.text)
+            calls: list[ResponseToolCall] = []
+            if run.tools is not None and content is not None:
+                content, calls = run.tools.parse(content)
+            finish = "tool_calls" if calls and seq.finish_reason == "stop" else \
+                seq.finish_reason
+            choices.append(ChatChoice(
+                index=j, message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=self._chat_logprobs(seq.token_ids, seq.logprobs, k),
+                finish_reason=finish, stop_reason=seq.stop_reason))
         completion_tokens = sum(len(s.token_ids) for s in sequences)
         return ChatCompletionResponse(id=run.id, created=run.created, model=run.model,
                                       choices=choices, usage=run.prompts.usage(completion_tokens))
@@ -544,6 +609,7 @@ class OpenAIServing:
         delta with something new, then the usage when asked for."""
         finished: set[int] = set()
         completion_tokens = 0
+        splitters = [run.tools.stream() for _ in range(run.params.n)] if run.tools else None
         for j in range(run.params.n):
             yield run.event(ChatCompletionChunk, [ChatChunkChoice(
                 index=j, delta=ChatDelta(role="assistant", content=""))])
@@ -551,12 +617,33 @@ class OpenAIServing:
             run.prompts.note(0, output)
             for _, c in _fresh(output.outputs, 0, finished):
                 completion_tokens += len(c.token_ids)
+                delta = ChatDelta(content=c.text or None)
+                finish: ChatFinishReason | None = c.finish_reason
+                if splitters is not None:
+                    delta, finish = _split_tool_calls(splitters[c.index], c.text,
+                                                      c.finish_reason)
+                    if k is None and finish is None and delta == ChatDelta():
+                        continue  # text held back while it may start a call
                 yield run.event(ChatCompletionChunk, [ChatChunkChoice(
-                    index=c.index, delta=ChatDelta(content=c.text or None),
+                    index=c.index, delta=delta,
                     logprobs=self._chat_logprobs(c.token_ids, c.logprobs or [], k),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    finish_reason=finish, stop_reason=c.stop_reason)])
         if run.include_usage:
             yield run.event(ChatCompletionChunk, [], run.prompts.usage(completion_tokens))
+
+
+def _split_tool_calls(splitter: ToolCallStream, text: str, finish_reason: FinishReason | None,
+                      ) -> tuple[ChatDelta, ChatFinishReason | None]:
+    """The delta of a streamed chat choice with tools: content that cannot start a call now,
+    and the tool-call deltas when the choice ends (finishing with ``tool_calls`` then)."""
+    content = splitter.feed(text)
+    if finish_reason is None:
+        return ChatDelta(content=content or None), None
+    rest, calls = splitter.finish()
+    content += rest
+    finish: ChatFinishReason | None = "tool_calls" if calls and finish_reason == "stop" \
+        else finish_reason
+    return ChatDelta(content=content or None, tool_calls=calls or None), finish
 
 
 async def _terminated(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 
 DESCRIPTION = """\
-Sends a dataset to an OpenAI-compatible server (this one or a peer) through /v1/completions,
-streamed, and reports TTFT, TPOT, inter-token and end-to-end latency (mean, p50, p90, p99),
-request and token throughput, the share of prompt tokens the server served from its cache
-(usage.prompt_tokens_details.cached_tokens, when it reports it), what a perfect cache would have
-served of the same prompts (prefixserve estimate), the change of the server's /metrics counters,
-and errors. Prompts are token ids when the server accepts them, else the text they decode to
-(the same tokens: prompts are made of words that round-trip through the tokenizer).
+Sends a dataset to an OpenAI-compatible server (this one or a peer) through /v1/completions (or
+/v1/chat/completions with --endpoint chat), streamed, and reports TTFT, TPOT, inter-token and
+end-to-end latency (mean, p50, p90, p99), request and token throughput, the share of prompt
+tokens the server served from its cache (usage.prompt_tokens_details.cached_tokens, when it
+reports it), what a perfect cache would have served of the same prompts (prefixserve estimate),
+the change of the server's /metrics counters, and errors. Prompts are token ids when the server
+accepts them, else the text they decode to (the same tokens: prompts are made of words that
+round-trip through the tokenizer).
 
 Datasets:
   shared-prefix  --num-groups G x --prompts-per-group P prompts: a system prompt of
@@ -29,6 +30,15 @@ Datasets:
                  the first --num-prompts requests, or whole conversations drawn at random
                  (--trace-sample conversations)
   random         --num-prompts unrelated prompts of --input-len tokens (the 0%%-hit case)
+  agent          --num-sessions agent sessions of --num-turns turns, shaped after the
+                 kv-cache-tester coding-agent traces: a shared system prompt
+                 (--system-tokens) and tool manifest (--tool-tokens words over --num-tools
+                 functions) before a --question-len task; later turns are tool results of
+                 --result-len words, or user messages (--user-share of them)
+
+--endpoint chat sends /v1/chat/completions instead: messages rendered by the server's chat
+template, with the agent dataset's manifest as 'tools' and its tool results as 'tool' messages
+answering a call on the previous assistant message.
 
 Load: sessions (a request, or a conversation) start all at once, or as a Poisson process of
 --request-rate per second, or at the trace's timestamps; --max-concurrency bounds the requests
@@ -73,6 +83,10 @@ def _add_server(target: argparse._ArgumentGroup) -> None:
     target.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                         help="the API root (default http://127.0.0.1:8000/v1)")
     target.add_argument("--model", help="the 'model' field to send (default: none sent)")
+    target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                        help="/v1/completions (token ids or text) or /v1/chat/completions "
+                        "(messages, with the agent dataset's tool manifest; default "
+                        "completions)")
     target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     target.add_argument("--prompt-type", choices=("auto", "token-ids", "text"), default="auto",
                         help="send prompts as token ids or text (default auto: token ids if "
@@ -91,7 +105,8 @@ def _add_server(target: argparse._ArgumentGroup) -> None:
 
 def _add_dataset(data: argparse._ArgumentGroup) -> None:
     """The generated datasets' arguments (and the ones all datasets share)."""
-    data.add_argument("--dataset", choices=("shared-prefix", "multi-turn", "trace", "random"))
+    data.add_argument("--dataset", choices=("shared-prefix", "multi-turn", "trace", "random",
+                                            "agent"))
     data.add_argument("--num-prompts", type=int, metavar="N",
                       help="random: prompts; trace: the first N requests (default 100)")
     data.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
@@ -114,6 +129,18 @@ def _add_dataset(data: argparse._ArgumentGroup) -> None:
                        help="shared-prefix: send prompts group by group")
     data.add_argument("--num-conversations", type=int, default=16, metavar="C")
     data.add_argument("--num-turns", type=int, default=6, metavar="T")
+    data.add_argument("--num-sessions", type=int, default=16, metavar="N",
+                      help="agent: sessions (default 16)")
+    data.add_argument("--tool-tokens", type=int, default=768, metavar="N",
+                      help="agent: words of the tool manifest (default 768)")
+    data.add_argument("--system-tokens", type=int, default=192, metavar="N",
+                      help="agent: words of the system prompt (default 192)")
+    data.add_argument("--num-tools", type=int, default=8, metavar="N",
+                      help="agent: functions in the manifest (default 8)")
+    data.add_argument("--result-len", type=int, default=96, metavar="N",
+                      help="agent: words of a tool result (default 96)")
+    data.add_argument("--user-share", type=float, default=0.16, metavar="P",
+                      help="agent: share of later turns that are user messages (default 0.16)")
 
 
 def _add_trace(data: argparse._ArgumentGroup) -> None:

@@ -80,8 +80,11 @@ def _apply(payload: dict[str, Any], result: Completion, timing: _Timing) -> None
         message = error.get("message") if isinstance(error, dict) else error
         raise ValueError(f"error event: {message}")
     for choice in payload.get("choices") or []:
-        text = choice.get("text") or ""
-        if text or choice.get("finish_reason") is None:
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else None
+        text = (delta.get("content") if delta is not None else choice.get("text")) or ""
+        output = bool(text) or bool(delta is not None and delta.get("tool_calls"))
+        opening = delta is not None and delta.get("role") is not None and not output
+        if output or (choice.get("finish_reason") is None and not opening):
             timing.token()
         result.text += text
     usage = payload.get("usage")
@@ -153,8 +156,10 @@ class CompletionClient:
         body.update(self.extra_body)
         return body
 
-    async def complete(self, ids: Sequence[int], text: str, max_tokens: int) -> Completion:
-        """Sends one request and times it; failures come back in ``Completion.error``."""
+    async def complete(self, ids: Sequence[int], text: str, max_tokens: int,
+                       chat: dict[str, Any] | None = None) -> Completion:
+        """Sends one request and times it; failures come back in ``Completion.error``.
+        ``chat`` (the conversation's messages and tools) is for :class:`ChatClient`."""
         return await self._send(self.body(ids, text, max_tokens))
 
     async def choose_prompt_type(self, ids: Sequence[int], text: str) -> str:
@@ -200,6 +205,32 @@ class CompletionClient:
         result.itl = timing.itl
         result.token_events = timing.count
         return result
+
+
+class ChatClient(CompletionClient):
+    """Sends each turn to ``/v1/chat/completions`` as the conversation's messages (and tool
+    manifest), with the same sampling, streaming and usage options; the prompt's token ids
+    are not sent (the server renders the messages with its chat template). The role chunk that
+    opens a chat stream is not a token event."""
+
+    def __init__(self, base_url: str, **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.prompt_type = "text"
+
+    async def complete(self, ids: Sequence[int], text: str, max_tokens: int,
+                       chat: dict[str, Any] | None = None) -> Completion:
+        body = self.body(ids, text, max_tokens, "text")
+        del body["prompt"]
+        body.update(chat or {"messages": [{"role": "user", "content": text}]})
+        return await self._send(body)
+
+    async def choose_prompt_type(self, ids: Sequence[int], text: str) -> str:
+        result = await self.complete(ids, text, 1)
+        if result.error is not None:
+            raise RuntimeError(f"the server at {self.url} failed a first request "
+                               f"({result.error})")
+        return "text"
 
 
 def metrics_url(base_url: str) -> str:

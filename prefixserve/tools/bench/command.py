@@ -21,11 +21,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from prefixserve.tools.bench.client import CompletionClient, metrics_url, scrape
+from prefixserve.tools.bench.client import ChatClient, CompletionClient, metrics_url, scrape
 from prefixserve.tools.bench.datasets import (
     Dataset,
     Turn,
     WordVocabulary,
+    agent,
     multi_turn,
     random_prompts,
     shared_prefix,
@@ -66,6 +67,12 @@ def make_dataset(args: argparse.Namespace, vocabulary: WordVocabulary) -> Datase
             vocabulary, num_conversations=args.num_conversations, num_turns=args.num_turns,
             system_prompt_len=_or(args.system_prompt_len, 0), question_len=args.question_len,
             output_len=_or(args.output_len, 64), seed=args.seed)
+    if name == "agent":
+        return agent(vocabulary, num_sessions=args.num_sessions, num_turns=args.num_turns,
+                     tool_tokens=args.tool_tokens, system_tokens=args.system_tokens,
+                     num_tools=args.num_tools, task_len=args.question_len,
+                     result_len=args.result_len, user_share=args.user_share,
+                     output_len=_or(args.output_len, 32), seed=args.seed)
     if name == "random":
         return random_prompts(vocabulary, num_prompts=_or(args.num_prompts, DEFAULT_NUM_PROMPTS),
                               input_len=args.input_len, output_len=_or(args.output_len, 64),
@@ -149,10 +156,12 @@ async def _measure(args: argparse.Namespace, dataset: Dataset, vocabulary: WordV
     """Chooses the prompt type, warms up, runs; returns the run, the prompt type used and the
     change of the server's counters (None when it has no ``/metrics``)."""
     prompt_type = "token-ids" if args.prompt_type == "auto" else args.prompt_type
-    client = CompletionClient(args.base_url, prompt_type=prompt_type, model=args.model,
-                              ignore_eos=args.ignore_eos, cache_salt=args.cache_salt,
-                              extra_body=_extra_body(args.extra_body), api_key=args.api_key,
-                              timeout=args.timeout)
+    kind = ChatClient if getattr(args, "endpoint", "completions") == "chat" else \
+        CompletionClient
+    client = kind(args.base_url, prompt_type=prompt_type, model=args.model,
+                  ignore_eos=args.ignore_eos, cache_salt=args.cache_salt,
+                  extra_body=_extra_body(args.extra_body), api_key=args.api_key,
+                  timeout=args.timeout)
     async with client:
         rng = np.random.default_rng(args.seed + WARMUP_SEED_OFFSET)
         warmups = [vocabulary.sample(rng, WARMUP_PROMPT_LEN) for _ in range(max(1, args.warmup))]

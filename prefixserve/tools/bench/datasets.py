@@ -73,10 +73,13 @@ class WordVocabulary:
 
 @dataclass(frozen=True)
 class Turn:
-    """The tokens a turn adds to its session's history, and the tokens to generate."""
+    """The tokens a turn adds to its session's history, and the tokens to generate. ``role``:
+    who sends them on ``/v1/chat/completions`` (``user``, or ``tool``: the result of a call the
+    previous reply made)."""
 
     tokens: list[int]
     output_len: int
+    role: str = "user"
 
 
 @dataclass
@@ -88,6 +91,19 @@ class Session:
     turns: list[Turn]
     arrival: float | None = None
     group: int = 0
+    chat: ChatSetup | None = None
+
+
+@dataclass
+class ChatSetup:
+    """How a session looks on ``/v1/chat/completions``: a system message (``system`` tokens
+    as text), a tool manifest (``tools``, function definitions), and the first user message
+    (``first``: the first turn's own tokens, without the system prompt and manifest that its
+    completions prompt starts with)."""
+
+    system: list[int]
+    tools: list[dict[str, Any]]
+    first: list[int]
 
 
 @dataclass
@@ -114,6 +130,30 @@ class Conversation:
         self.turn = 0
         self.ids: list[int] = []
         self.text = ""
+        self.messages: list[dict[str, Any]] = []
+        if session.chat is not None and session.chat.system:
+            self.messages.append({"role": "system",
+                                  "content": vocabulary.text(session.chat.system).strip()})
+
+    def chat_request(self) -> dict[str, Any]:
+        """The chat body fields of the current turn: ``messages`` (and ``tools``)."""
+        body: dict[str, Any] = {"messages": list(self.messages)}
+        if self.session.chat is not None and self.session.chat.tools:
+            body["tools"] = self.session.chat.tools
+        return body
+
+    def _add_message(self, turn: Turn) -> None:
+        chat = self.session.chat
+        tokens = chat.first if chat is not None and self.turn == 0 else turn.tokens
+        content = self.vocabulary.text(tokens).strip()
+        if turn.role == "tool" and self.messages and self.messages[-1]["role"] == "assistant":
+            call_id = f"call_{self.turn}"
+            name = chat.tools[0]["function"]["name"] if chat and chat.tools else "tool"
+            self.messages[-1]["tool_calls"] = [{"id": call_id, "type": "function", "function": {
+                "name": name, "arguments": "{}"}}]
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        else:
+            self.messages.append({"role": "user", "content": content})
 
     @property
     def done(self) -> bool:
@@ -125,6 +165,7 @@ class Conversation:
         turn = self.session.turns[self.turn]
         self.ids = self.ids + turn.tokens
         self.text = self.text + self.vocabulary.text(turn.tokens)
+        self._add_message(turn)
         return self.ids, self.text, turn.output_len
 
     def add_reply(self, reply_ids: Sequence[int], reply_text: str) -> None:
@@ -133,6 +174,7 @@ class Conversation:
         if not self.done:
             self.ids = self.ids + list(reply_ids)
             self.text = self.text + reply_text
+            self.messages.append({"role": "assistant", "content": reply_text})
 
 
 def shared_prefix(vocabulary: WordVocabulary, *, num_groups: int, prompts_per_group: int,
@@ -184,6 +226,51 @@ def multi_turn(vocabulary: WordVocabulary, *, num_conversations: int, num_turns:
         "num_conversations": num_conversations, "num_turns": num_turns,
         "system_prompt_len": system_prompt_len, "question_len": question_len,
         "output_len": output_len, "seed": seed})
+
+
+def agent(vocabulary: WordVocabulary, *, num_sessions: int, num_turns: int, tool_tokens: int,
+          system_tokens: int, num_tools: int, task_len: int, result_len: int,
+          user_share: float, output_len: int, seed: int) -> Dataset:
+    """Agent sessions shaped after the kv-cache-tester coding-agent traces
+    (``/work/shared/traces``: per session a tool manifest of ``tool_tokens`` (median 12.7k
+    there) and a system prompt of ``system_tokens`` (3.6k), then turns that are mostly tool
+    results, about 1 in 6 a new user message), scaled down to fit a small model's context.
+
+    Every session has the same system prompt and manifest (``num_tools`` functions whose
+    descriptions share ``tool_tokens`` words), sent before the conversation, so they are the
+    prefix every turn shares; each session's task differs from its first token on. A later
+    turn is a tool result of ``result_len`` tokens (the result of a call made by the reply
+    before it) or, with probability ``user_share``, a user message of ``task_len``. On
+    ``/v1/completions`` a session's first prompt is system + manifest + task as tokens; on
+    ``/v1/chat/completions`` they are a system message, ``tools`` and a user message."""
+    _check_positive(num_sessions=num_sessions, num_turns=num_turns, num_tools=num_tools,
+                    task_len=task_len, result_len=result_len, output_len=output_len)
+    _check_non_negative(tool_tokens=tool_tokens, system_tokens=system_tokens)
+    if not 0.0 <= user_share <= 1.0:
+        raise ValueError(f"user-share must be in [0, 1], got {user_share}")
+    rng = np.random.default_rng(seed)
+    system = vocabulary.sample(rng, system_tokens)
+    pieces = [vocabulary.sample(rng, max(1, tool_tokens // num_tools)) for _ in range(num_tools)]
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{index}", "description": vocabulary.text(piece).strip(),
+        "parameters": {"type": "object", "properties": {"input": {"type": "string"}}}}}
+        for index, piece in enumerate(pieces)]
+    manifest = [token for piece in pieces for token in piece]
+    sessions = []
+    for number, first in enumerate(vocabulary.distinct(rng, num_sessions)):
+        task = [first, *vocabulary.sample(rng, task_len - 1)]
+        turns = [Turn(system + manifest + task, output_len)]
+        for _ in range(num_turns - 1):
+            if rng.random() < user_share:
+                turns.append(Turn(vocabulary.sample(rng, task_len), output_len))
+            else:
+                turns.append(Turn(vocabulary.sample(rng, result_len), output_len, role="tool"))
+        sessions.append(Session(turns, group=number, chat=ChatSetup(system, tools, task)))
+    return Dataset("agent", sessions, {
+        "num_sessions": num_sessions, "num_turns": num_turns, "tool_tokens": tool_tokens,
+        "system_tokens": system_tokens, "num_tools": num_tools, "task_len": task_len,
+        "result_len": result_len, "user_share": user_share, "output_len": output_len,
+        "seed": seed})
 
 
 def random_prompts(vocabulary: WordVocabulary, *, num_prompts: int, input_len: int,

@@ -102,7 +102,8 @@ class _Run:
             ids, text, output_len = conversation.next_prompt()
             async with self._slot():
                 sent_at = time.perf_counter() - self.t0
-                result = await self.client.complete(ids, text, output_len)
+                result = await self.client.complete(ids, text, output_len,
+                                                    conversation.chat_request())
             record = RequestRecord(
                 session=index, turn=conversation.turn, group=session.group, start=sent_at,
                 prompt_len=len(ids), output_len=output_len, **result.measured())
