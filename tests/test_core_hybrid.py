@@ -63,7 +63,7 @@ def test_window_groups_release_blocks_sliding_out() -> None:
     manager = HybridKVCacheManager(64, BS, WINDOWS)
     req = request("a", list(range(40)))
     run(manager, req, chunk=4)
-    full, win1, win2 = manager.get_group_block_ids(req)
+    full, win1, _ = manager.get_group_block_ids(req)
     assert len(full) == len(win1) == 10 and 0 not in full
     # the next token (position 40) needs positions 33..40: blocks 8 and 9
     assert win1[:7] == [0] * 7 and 0 not in win1[8:]

@@ -9,8 +9,8 @@ same groups, so group g of the manager is group g of the runner).
 
 from __future__ import annotations
 
-from dataclasses import replace
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from prefixserve.core import KVCacheManager

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.core import MultiModalInput, PrefixCachingMetrics
-from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
+from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
 from prefixserve.engine.output_processor import (
     ExecutedStep,
     OutputProcessor,

@@ -125,6 +125,7 @@ class Gemma3CausalLM(CausalLM):
         local = rope_inv_freq(config.head_dim, config.rope_local_theta or config.rope_theta, None)
         self.register_buffer("rope_local_inv_freq", local, persistent=False)
         self.embed_scale = math.sqrt(config.hidden_size)
+        self.sliding = [w is not None for w in windows]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata | list[AttentionMetadata], block_size: int
@@ -137,7 +138,7 @@ class Gemma3CausalLM(CausalLM):
         metas = meta if isinstance(meta, list) else [meta]
         group, slot = self.kv_layout.group, self.kv_layout.slot
         for i, layer in enumerate(self.layers):
-            cos, sin = tables[layer.sliding]
+            cos, sin = tables[self.sliding[i]]
             x = layer(x, cos, sin, kv_cache[slot[i]], metas[group[i]], block_size)
         return x
 

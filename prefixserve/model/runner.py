@@ -65,7 +65,8 @@ class ModelRunner:
 
     The cache is one tensor ``[group_size, 2, num_blocks * block_size, kv_heads, head_dim]``
     (zero-initialised; ``group_size`` is the number of layers of a KV cache group, all of them
-    for a model with one attention kind, see :mod:`prefixserve.model.kv_layout`). Block ids are plain ints in ``[0, num_blocks)`` chosen by the caller;
+    for a model with one attention kind, see :mod:`prefixserve.model.kv_layout`). Block ids
+    are plain ints in ``[0, num_blocks)`` chosen by the caller;
     the runner never allocates or frees blocks. Blocks may be shared between sequences, and a
     sequence may read in a step a block that another sequence of the same step writes.
     """
