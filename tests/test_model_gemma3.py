@@ -186,3 +186,27 @@ def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any) -> None
         needed = blocks if window is None else -(-(window - 1) // 16)
         assert all(not b.is_null for b in group[blocks - needed:]), window
     assert llm.engine.get_stats().num_free_blocks == llm.engine.num_kv_blocks - 1
+
+
+def test_estimate_sizes_pools_with_the_hybrid_layout(tmp_path: Any) -> None:
+    """80 MiB of float32 KV: 853 blocks of 3 layers with the hybrid layout, where a 3,200-token
+    request fits (only 2,275 tokens would with every layer full: 80 MiB / 36 KiB per token);
+    39 of the 40 requests hit the shared 3,000-token prefix (187 of its blocks)."""
+    import json
+
+    from prefixserve.cli import main
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(1000, 2000) for _ in range(3000)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"token_ids": prefix + [rng.randrange(5000, 9000)
+                                                                for _ in range(200)]}) + "\n"
+                           for _ in range(40)))
+    out = tmp_path / "out.json"
+    assert main(["estimate", str(log), "--kv-model", "gemma-3-270m", "--kv-memory", "80MiB",
+                 "--kv-dtype", "fp32", "--no-progress", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    pool = next(r for r in report["caches"] if r["capacity_blocks"] is not None)
+    assert pool["capacity_blocks"] == 80 * 2**20 // (3 * 2 * 256 * 4 * 16)
+    assert pool["requests_too_large"] == 0
+    assert pool["hit_blocks"] == 39 * 187
