@@ -24,19 +24,13 @@ from torch import nn
 
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.layers import GatedMLP, apply_rope, rope_cos_sin, rope_inv_freq
-from prefixserve.model.llama import CausalLM
+from prefixserve.model.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from prefixserve.model.llama import Attention, CausalLM
 
 
-class OffsetRMSNorm(nn.Module):
+class OffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: normalise and scale in float32, then cast back. ``weight`` holds
     ``1 + w`` of the reference implementation (so it multiplies directly)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (self.dim,), eps=self.eps)
@@ -51,22 +45,16 @@ class GeGLU(GatedMLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3Attention(nn.Module):
-    """Grouped-query attention with Q/K norms; the query is pre-scaled so that SDPA's default
-    ``head_dim ** -0.5`` gives ``query_pre_attn_scalar ** -0.5`` (one factor for the plain and
-    the two-pass paths)."""
+class Gemma3Attention(Attention):
+    """Grouped-query attention with Gemma's Q/K norms; the query is pre-scaled so that SDPA's
+    default ``head_dim ** -0.5`` gives ``query_pre_attn_scalar ** -0.5`` (one factor for the
+    plain and the two-pass paths)."""
+
+    q_norm: OffsetRMSNorm
+    k_norm: OffsetRMSNorm
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
-                                  bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        super().__init__(config)
         self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         scalar = config.query_pre_attn_scalar or float(self.head_dim)

@@ -352,17 +352,11 @@ class _ItemSize:
 def model_kv_bytes_per_token(model: str | None, dtype: str) -> int:
     """KV bytes per token of ``model`` (a GGUF file or HF directory, None: the default model)
     with KV cache in ``dtype``, from ``prefixserve.model.config`` (no weights are loaded)."""
-    from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token, resolve_model_path
-    from prefixserve.model.gguf_file import GGUFFile
+    from prefixserve.model.config import kv_cache_bytes_per_token
 
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"unknown KV dtype {dtype!r}; choose one of {', '.join(_DTYPE_BYTES)}")
-    path = resolve_model_path(model)
-    if path.endswith(".gguf"):
-        gguf = GGUFFile(path)
-        config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
-    else:
-        config = ModelConfig.from_hf_dir(path)
+    config = estimate_hybrid.model_config(model)
     return kv_cache_bytes_per_token(config, _ItemSize(_DTYPE_BYTES[dtype]))
 
 

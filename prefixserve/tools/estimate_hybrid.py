@@ -13,30 +13,39 @@ as too large.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.core import CacheRequest, PrefixCacheStats
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from prefixserve.tools.estimate_results import ReplaySettings
 from prefixserve.tools.trace_formats import TraceRequest, Workload
 
+if TYPE_CHECKING:
+    from prefixserve.model.config import ModelConfig
+
 CHUNK_TOKENS = 2048
 
 
 @functools.cache
-def model_kv_groups(model: str | None) -> tuple[int, int, tuple[int | None, ...] | None]:
-    """``(layers, layers per pool block, group windows)`` of ``model``; the windows are None
-    (and a block holds every layer) when every layer is full attention."""
+def model_config(model: str | None) -> ModelConfig:
+    """The config of ``model`` (a GGUF file, an HF directory, a short name or None for the
+    default model), read once per process; no weights are loaded."""
     from prefixserve.model.config import ModelConfig, resolve_model_path
     from prefixserve.model.gguf_file import GGUFFile
-    from prefixserve.model.kv_layout import kv_layout
 
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         gguf = GGUFFile(path)
-        config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
-    else:
-        config = ModelConfig.from_hf_dir(path)
+        return ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
+    return ModelConfig.from_hf_dir(path)
+
+
+def model_kv_groups(model: str | None) -> tuple[int, int, tuple[int | None, ...] | None]:
+    """``(layers, layers per pool block, group windows)`` of ``model``; the windows are None
+    (and a block holds every layer) when every layer is full attention."""
+    from prefixserve.model.kv_layout import kv_layout
+
+    config = model_config(model)
     layout = kv_layout(config)
     windows = tuple(layout.windows)
     if all(w is None for w in windows):
