@@ -1,7 +1,7 @@
 """Sliding-window layers in the paged runner vs transformers, on tiny random-weight models.
 
-Qwen2 with ``use_sliding_window`` (full layer 0, window layer 1: two KV cache groups) and Mistral
-(every layer slides: one window group), window 8 at block size 4, built here with transformers,
+Qwen2 with ``use_sliding_window`` (full layer 0, window layer 1: two KV cache groups), Mistral
+(every layer slides: one window group) and a Gemma 3 HF directory (window layer 0, full layer 1), window 8 at block size 4, built here with transformers,
 saved with safetensors and loaded with ``load_model``. Prompts are several windows long, run in
 one step, in chunks and then decoded, with each group's blocks in its own shuffled table and
 window blocks that slid out replaced by block 0, as the hybrid manager leaves them.
@@ -16,7 +16,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
@@ -31,6 +37,11 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
                                  max_window_layers=1),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW),
+    # an HF Gemma 3 directory: norms stored as w of (1 + w), a query scale that is not
+    # head_dim's, per-layer-type rope bases
+    "gemma3": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=WINDOW,
+                                       query_pre_attn_scalar=24,
+                                       layer_types=["sliding_attention", "full_attention"]),
 }
 
 
