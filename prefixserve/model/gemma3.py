@@ -109,7 +109,7 @@ class Gemma3CausalLM(CausalLM):
         windows = config.layer_windows
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, windows[i] is not None)
                                     for i in range(config.num_hidden_layers))
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)  # type: ignore[assignment]
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         local = rope_inv_freq(config.head_dim, config.rope_local_theta or config.rope_theta, None)
         self.register_buffer("rope_local_inv_freq", local, persistent=False)
         self.embed_scale = math.sqrt(config.hidden_size)
