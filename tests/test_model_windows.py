@@ -1,8 +1,9 @@
 """Sliding-window layers in the paged runner vs transformers, on tiny random-weight models.
 
 Qwen2 with ``use_sliding_window`` (full layer 0, window layer 1: two KV cache groups), Mistral
-(every layer slides: one window group) and a Gemma 3 HF directory (window layer 0, full layer 1), window 8 at block size 4, built here with transformers,
-saved with safetensors and loaded with ``load_model``. Prompts are several windows long, run in
+(every layer slides: one window group) and a Gemma 3 HF directory (window layer 0, full layer
+1), window 8 at block size 4, built here with transformers, saved with safetensors and loaded
+with ``load_model``. Prompts are several windows long, run in
 one step, in chunks and then decoded, with each group's blocks in its own shuffled table and
 window blocks that slid out replaced by block 0, as the hybrid manager leaves them.
 Float32, ``atol = rtol = 1e-4``.
