@@ -186,12 +186,14 @@ def test_hf_unsupported_architecture() -> None:
         ModelConfig.from_hf_config({"model_type": "gemma2"})
 
 
-def test_hf_sliding_window_rejected() -> None:
+def test_hf_sliding_window_per_layer() -> None:
+    """Qwen2 slides from ``max_window_layers`` on (issue 12 replaced the old refusal)."""
     cfg = Qwen2Config(
-        **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=64
+        **COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=64,
+        max_window_layers=1,
     ).to_dict()
-    with pytest.raises(ValueError, match="sliding-window"):
-        ModelConfig.from_hf_config(cfg)
+    config = ModelConfig.from_hf_config(cfg)
+    assert config.layer_windows == (None, 64)
 
 
 def test_hf_config_v4_spelling() -> None:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.core import KVCacheManager, MultiModalInput, PrefixCachingMetrics
+from prefixserve.core import MultiModalInput, PrefixCachingMetrics
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
+from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
 from prefixserve.engine.output_processor import (
     ExecutedStep,
     OutputProcessor,
@@ -88,12 +89,11 @@ class LLMEngine:
             raise ValueError("kv_cache_memory is too small for two KV blocks")
         self.runner = ModelRunner(self.model_config, model, num_blocks, config.block_size,
                                   self.dtype, config.device)
-        capacity = num_blocks * config.block_size
+        self.kv_cache_manager, capacity = make_engine_kv_cache(
+            self.model_config, num_blocks, config)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, enable_caching=config.prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo)
+        log_kv_capacity(self.model_config, num_blocks, config)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.sampler = Sampler(self.model_config.eos_token_ids)
@@ -347,6 +347,7 @@ class LLMEngine:
             need_prompt_logits=(request.wants_prompt_logprobs
                                 and start < request.num_prompt_tokens),
             seq_id=request.request_id,
+            extra_block_tables=request.extra_block_ids,
         )
 
     def _sample(self, logits: torch.Tensor, rows: list[int],

@@ -54,6 +54,9 @@ class Request(CacheRequest):
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
+    extra_block_ids: tuple[list[int], ...] = ()
+    """With a hybrid KV cache: the block ids of KV cache groups 1, 2, ... (``block_ids`` are
+    group 0's)."""
 
     @property
     def is_finished(self) -> bool:

@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from prefixserve.core import KVCacheBlock, KVCacheManager
+from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 
 
@@ -88,6 +89,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.block_ids = []
+        request.extra_block_ids = ()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -153,8 +155,13 @@ class Scheduler:
     def _add_block_ids(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         """Appends the ids of the blocks just allocated to ``request.block_ids``, so that it
         stays equal to the manager's table without being rebuilt at every step. (A manager that
-        rewrites a table in place, the sliding-window one, is copied whole instead.)"""
-        if self.kv_cache_manager.sliding_window is not None:
+        rewrites a table in place, the sliding-window one, is copied whole instead, and the
+        hybrid one's other groups go to ``request.extra_block_ids``.)"""
+        manager = self.kv_cache_manager
+        if isinstance(manager, HybridKVCacheManager):
+            first, *others = manager.get_group_block_ids(request)
+            request.block_ids, request.extra_block_ids = first, tuple(others)
+        elif self.kv_cache_manager.sliding_window is not None:
             request.block_ids = self.kv_cache_manager.get_block_ids(request)
         elif blocks:
             request.block_ids.extend([block.block_id for block in blocks])
@@ -174,5 +181,6 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.block_ids = []
+        request.extra_block_ids = ()
         self.kv_cache_manager.free(request)
         self.kv_cache_manager.free_block_hashes(request)

@@ -57,7 +57,8 @@ class PrefillSeq:
     """A sequence with several new tokens: rows ``[start, end)`` of the flattened batch.
 
     With ``cached`` False (nothing of it was in the cache before this step) attention uses the
-    fresh K/V with a plain causal mask. Otherwise K/V of ``num_keys`` positions are gathered
+    fresh K/V with a plain causal mask, or with ``mask`` when one is given (a sliding window,
+    :mod:`prefixserve.model.window_attention`). Otherwise K/V of ``num_keys`` positions are gathered
     from ``block_table`` and ``mask`` (``[end-start, num_keys]``) is causal offset by the
     number of cached tokens.
     """
@@ -359,7 +360,7 @@ def _prefill_attention(
         keys.transpose(0, 1)[None],
         values.transpose(0, 1)[None],
         attn_mask=seq.mask,
-        is_causal=not seq.cached,
+        is_causal=seq.mask is None,
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)

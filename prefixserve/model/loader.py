@@ -33,6 +33,7 @@ from prefixserve.model.config import (
     default_model_path,
     resolve_model_path,
 )
+from prefixserve.model.gemma3 import model_class
 from prefixserve.model.gguf_file import GGUFFile
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.quant import (
@@ -79,7 +80,7 @@ def load_model(
         config, state = _hf_state(path, dtype, device, packing)
         freq_factors = None
     with torch.device("meta"):
-        net = CausalLM(config)
+        net = model_class(config)(config)
     _install_packed(net, state, dtype)
     net.load_state_dict(state, strict=True, assign=True)
     net.to(device)
@@ -214,7 +215,26 @@ def _assemble(
         if config.qk_norm:
             state[prefix + "attn.q_norm.weight"] = part("q_norm")
             state[prefix + "attn.k_norm.weight"] = part("k_norm")
+        if config.architecture == "gemma3":
+            state[prefix + "post_attn_out_norm.weight"] = part("post_attn_out_norm")
+            state[prefix + "post_mlp_norm.weight"] = part("post_mlp_norm")
     return state
+
+
+# Gemma 3: four norms per layer; "post_norm" is the one before the MLP.
+_GEMMA3_GGUF_NAMES = {
+    "post_attn_out_norm": "blk.{i}.post_attention_norm.weight",
+    "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
+}
+_GEMMA3_HF_NAMES = {
+    "post_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_attn_out_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+
+
+def _names(config: ModelConfig, base: dict[str, str], gemma: dict[str, str]) -> dict[str, str]:
+    return {**base, **gemma} if config.architecture == "gemma3" else base
 
 
 _GGUF_NAMES = {
@@ -314,7 +334,8 @@ def _gguf_state(
         used.add(name)
         return packed
 
-    state = _assemble(config, get, _GGUF_NAMES, config.architecture == "llama", get_weight)
+    names = _names(config, _GGUF_NAMES, _GEMMA3_GGUF_NAMES)
+    state = _assemble(config, get, names, config.architecture == "llama", get_weight)
     freq_factors = read("rope_freqs.weight") if "rope_freqs.weight" in available else None
     _check_all_used(available, used, {"rope_freqs.weight"}, path)
     return config, state, freq_factors
@@ -351,7 +372,13 @@ def _hf_state(
             used.add(name)
             return pack_float(tensor.float().numpy(), target)
 
-        state = _assemble(config, get, _HF_NAMES, False, get_weight)
+        names = _names(config, _HF_NAMES, _GEMMA3_HF_NAMES)
+        state = _assemble(config, get, names, False, get_weight)
+        if config.architecture == "gemma3":  # HF stores w of Gemma's (1 + w) norms
+            for key in [k for k in state if "norm" in k]:
+                norm = state[key]
+                assert isinstance(norm, torch.Tensor)
+                state[key] = norm + 1
     ignorable = {name for name in available if name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")

@@ -10,8 +10,10 @@ from itertools import accumulate
 import torch
 
 from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
-from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
 from prefixserve.model.llama import CausalLM
+from prefixserve.model.window_attention import build_window_metadata
 
 
 @dataclass
@@ -29,6 +31,11 @@ class SeqBatchInput:
     previous step. Its ``block_table`` must then be one list that only grows at its end; a
     different list (a sequence that was preempted and resumed, say) is copied whole again.
     Without ``seq_id`` the table is copied whole at every step.
+
+    A model with several KV cache groups (:mod:`prefixserve.model.kv_layout`: sliding-window
+    and full layers) needs one table per group: ``block_table`` is group 0's and
+    ``extra_block_tables`` those of groups 1, 2, ... (a window group's table may hold any block,
+    the null block say, before the blocks its window reaches: those are never read).
     """
 
     token_ids: list[int]
@@ -36,6 +43,7 @@ class SeqBatchInput:
     block_table: list[int]
     need_prompt_logits: bool = False
     seq_id: Hashable | None = None
+    extra_block_tables: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -55,8 +63,10 @@ class ExecuteOutput:
 class ModelRunner:
     """Runs a :class:`CausalLM` over a preallocated paged KV cache.
 
-    The cache is one tensor ``[num_layers, 2, num_blocks * block_size, kv_heads, head_dim]``
-    (zero-initialised). Block ids are plain ints in ``[0, num_blocks)`` chosen by the caller;
+    The cache is one tensor ``[group_size, 2, num_blocks * block_size, kv_heads, head_dim]``
+    (zero-initialised; ``group_size`` is the number of layers of a KV cache group, all of them
+    for a model with one attention kind, see :mod:`prefixserve.model.kv_layout`). Block ids
+    are plain ints in ``[0, num_blocks)`` chosen by the caller;
     the runner never allocates or frees blocks. Blocks may be shared between sequences, and a
     sequence may read in a step a block that another sequence of the same step writes.
     """
@@ -82,9 +92,10 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
+        self.layout = kv_layout(config)
         self.kv_cache = torch.zeros(
             (
-                config.num_hidden_layers,
+                self.layout.group_size,
                 2,
                 num_blocks * block_size,
                 config.num_key_value_heads,
@@ -93,7 +104,7 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
         )
-        self.block_tables = BlockTables(num_blocks, self.device)
+        self.block_tables = [BlockTables(num_blocks, self.device) for _ in self.layout.groups]
         self.model_seconds = 0.0
         """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
         was made: the rest of a step is the engine's own work. (Host time: on an accelerator,
@@ -103,9 +114,9 @@ class ModelRunner:
     def num_blocks_for_memory(
         config: ModelConfig, dtype: torch.dtype, block_size: int, kv_cache_memory_bytes: int
     ) -> int:
-        """How many blocks of ``block_size`` tokens fit in ``kv_cache_memory_bytes``."""
-        per_block = kv_cache_bytes_per_token(config, dtype) * block_size
-        return kv_cache_memory_bytes // per_block
+        """How many blocks of ``block_size`` tokens fit in ``kv_cache_memory_bytes`` (a block
+        holds one KV cache group's layers)."""
+        return kv_cache_memory_bytes // kv_block_bytes(config, dtype, block_size)
 
     def _check(self, seq: SeqBatchInput) -> int:
         """Raises ``ValueError`` for a malformed input; returns how many blocks it uses. (Block
@@ -120,6 +131,14 @@ class ModelRunner:
             raise ValueError(
                 f"block table of {len(seq.block_table)} blocks does not cover position {last_pos}"
             )
+        if len(seq.extra_block_tables) != len(self.layout.groups) - 1:
+            raise ValueError(f"the model has {len(self.layout.groups)} KV cache groups: give "
+                             f"{len(self.layout.groups) - 1} extra block tables, got "
+                             f"{len(seq.extra_block_tables)}")
+        for table in seq.extra_block_tables:
+            if len(table) < needed:
+                raise ValueError(f"a group's block table of {len(table)} blocks does not "
+                                 f"cover position {last_pos}")
         if last_pos >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {last_pos} exceeds the model's {self.config.max_position_embeddings}"
@@ -136,15 +155,7 @@ class ModelRunner:
         if not seqs:
             raise ValueError("execute needs at least one sequence")
         needed = [self._check(seq) for seq in seqs]
-        rows = self.block_tables.update(seqs, needed)
-        meta = build_metadata(
-            [(s.start_pos, len(s.token_ids)) for s in seqs],
-            [s.block_table for s in seqs],
-            self.block_size,
-            self.device,
-            self.dtype,
-            TableRows(self.block_tables.buffer, rows),
-        )
+        meta = self._metadata(seqs, needed)
         token_ids: list[int] = []
         positions: list[int] = []
         for seq in seqs:
@@ -157,13 +168,33 @@ class ModelRunner:
         self.model_seconds += time.perf_counter() - start
         return out
 
-    def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, meta: AttentionMetadata,
+    def _metadata(self, seqs: list[SeqBatchInput], needed: list[int]
+                  ) -> list[AttentionMetadata]:
+        """One metadata per KV cache group, from each group's tables (window groups with the
+        window's masks)."""
+        seq_lens = [(s.start_pos, len(s.token_ids)) for s in seqs]
+        metas = []
+        for g, group in enumerate(self.layout.groups):
+            tables = [s.block_table if g == 0 else s.extra_block_tables[g - 1] for s in seqs]
+            keeper = self.block_tables[g]
+            rows = keeper.update(seqs, needed, tables)
+            table_rows = TableRows(keeper.buffer, rows)
+            if group.window is None:
+                metas.append(build_metadata(seq_lens, tables, self.block_size, self.device,
+                                            self.dtype, table_rows))
+            else:
+                metas.append(build_window_metadata(seq_lens, tables, self.block_size,
+                                                   group.window, self.device, self.dtype,
+                                                   table_rows))
+        return metas
+
+    def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, meta: list[AttentionMetadata],
                  seqs: list[SeqBatchInput]) -> ExecuteOutput:
         """The model over the step's tokens, and the logits asked for."""
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta, self.block_size)
         if len(seqs) == 1:
             last_hidden = hidden[-1:]
-        elif meta.num_tokens == len(seqs):  # one new token each: every row is a last row
+        elif meta[0].num_tokens == len(seqs):  # one new token each: every row is a last row
             last_hidden = hidden
         else:
             ends = list(accumulate(len(seq.token_ids) for seq in seqs))
@@ -204,17 +235,21 @@ class BlockTables:
         self._rows: dict[Hashable, _TableRow] = {}
         self._free = list(range(rows - 1, -1, -1))
 
-    def update(self, seqs: list[SeqBatchInput], needed: list[int]) -> list[int]:
-        """Copies what is new of each sequence's table, up to its first ``needed[i]`` blocks,
-        and returns each sequence's row. Raises ``ValueError`` for a block id out of range."""
+    def update(self, seqs: list[SeqBatchInput], needed: list[int],
+               tables: list[list[int]] | None = None) -> list[int]:
+        """Copies what is new of each sequence's table (``tables[i]``, default its
+        ``block_table``), up to its first ``needed[i]`` blocks, and returns each sequence's row.
+        Raises ``ValueError`` for a block id out of range."""
         keys = [seq.seq_id if seq.seq_id is not None else object() for seq in seqs]
         live = set(keys)
         if len(live) != len(keys):
             raise ValueError("seq_id must be unique within a step")
         for key in self._rows.keys() - live:
             self._release(key)
-        return [self._copy(key, seq.block_table, n)
-                for key, seq, n in zip(keys, seqs, needed, strict=True)]
+        if tables is None:
+            tables = [seq.block_table for seq in seqs]
+        return [self._copy(key, table, n)
+                for key, table, n in zip(keys, tables, needed, strict=True)]
 
     def _copy(self, key: Hashable, table: list[int], needed: int) -> int:
         row = self._rows.get(key)

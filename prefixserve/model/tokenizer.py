@@ -190,10 +190,12 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
 
 def _tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _spm_tokenizer_from_gguf(meta)
     if kind != "gpt2":
         raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-            "use the model's HF directory instead"
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2' and "
+            "SentencePiece BPE 'llama'); use the model's HF directory instead"
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
@@ -240,6 +242,19 @@ def _tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
         eos_token_ids=eos,
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+def _spm_tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (:mod:`prefixserve.model.spm_tokenizer`)."""
+    from prefixserve.model.spm_tokenizer import spm_backend
+
+    eos: tuple[int, ...] = ()
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        token_id = meta.get(key)
+        if token_id is not None and token_id not in eos:
+            eos += (token_id,)
+    return Tokenizer(spm_backend(meta), bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                     eos_token_ids=eos, chat_template=meta.get("tokenizer.chat_template"))
 
 
 def _set_pre_tokenizer(backend: BackendTokenizer, pre: str) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixserve.core import CacheRequest, KVCacheManager, PrefixCacheStats, PrefixCachingMetrics
+from prefixserve.tools import estimate_hybrid
 from prefixserve.tools.estimate_results import CacheResult, Estimate, ReplaySettings
 from prefixserve.tools.trace_formats import (
     ReadOptions,
@@ -94,7 +95,11 @@ class _PoolReplay:
         self.block_size = workload.block_size
         self.capacity = capacity
         self.concurrency = settings.concurrency
+        self.settings = settings
         self.manager = KVCacheManager(capacity, workload.block_size)
+        if settings.group_windows is not None:
+            self.manager = estimate_hybrid.hybrid_manager(capacity, workload.block_size,
+                                                          settings)
         self.resident: deque[tuple[CacheRequest, TraceRequest, list[Any]]] = deque()
         self.result = CacheResult(capacity)
         self.tally = _Tally(self.result, len(workload.requests), settings)
@@ -113,6 +118,9 @@ class _PoolReplay:
         return self.result
 
     def _arrive(self, index: int, trace_request: TraceRequest) -> None:
+        if self.settings.group_windows is not None:
+            estimate_hybrid.hybrid_arrive(self, index, trace_request, self.settings)
+            return
         bs = self.block_size
         keys = self.workload.block_keys(trace_request)
         prompt = trace_request.num_prompt_tokens
@@ -344,17 +352,11 @@ class _ItemSize:
 def model_kv_bytes_per_token(model: str | None, dtype: str) -> int:
     """KV bytes per token of ``model`` (a GGUF file or HF directory, None: the default model)
     with KV cache in ``dtype``, from ``prefixserve.model.config`` (no weights are loaded)."""
-    from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token, resolve_model_path
-    from prefixserve.model.gguf_file import GGUFFile
+    from prefixserve.model.config import kv_cache_bytes_per_token
 
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"unknown KV dtype {dtype!r}; choose one of {', '.join(_DTYPE_BYTES)}")
-    path = resolve_model_path(model)
-    if path.endswith(".gguf"):
-        gguf = GGUFFile(path)
-        config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
-    else:
-        config = ModelConfig.from_hf_dir(path)
+    config = estimate_hybrid.model_config(model)
     return kv_cache_bytes_per_token(config, _ItemSize(_DTYPE_BYTES[dtype]))
 
 
@@ -412,11 +414,15 @@ class _Progress:
 
 
 def _kv_bytes_per_token(args: argparse.Namespace) -> int | None:
+    """KV bytes per token of a pool block: all layers, or, for a model with sliding windows,
+    the layers of one KV cache group (a pool block holds one group's layers)."""
     if args.kv_bytes_per_token is not None:
         return args.kv_bytes_per_token
     if args.kv_model is not None:
         model = None if args.kv_model == "default" else args.kv_model
-        return model_kv_bytes_per_token(model, args.kv_dtype)
+        per_token = model_kv_bytes_per_token(model, args.kv_dtype)
+        layers, group_size, _ = estimate_hybrid.model_kv_groups(model)
+        return per_token * group_size // layers
     return None
 
 
@@ -461,9 +467,13 @@ def estimate(args: argparse.Namespace) -> Estimate:
     read_seconds = time.perf_counter() - start
     num_requests = len(workload.requests)
     window = args.window or min(1000, max(1, num_requests // 20))
+    group_windows = None
+    if args.kv_model is not None:
+        _, _, group_windows = estimate_hybrid.model_kv_groups(
+            None if args.kv_model == "default" else args.kv_model)
     settings = ReplaySettings(concurrency=args.concurrency,
                               warmup_requests=math.floor(num_requests * args.warmup_fraction),
-                              window=window)
+                              window=window, group_windows=group_windows)
     jobs = args.jobs or os.cpu_count() or 1
     if args.jobs is None and workload.num_prompt_blocks < SMALL_REPLAY_BLOCKS:
         jobs = 1

