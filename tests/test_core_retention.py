@@ -147,8 +147,8 @@ def test_shared_block_keeps_highest_priority_and_longest_duration() -> None:
     for r in (a, b, c):
         finish(manager, r)
     block = manager.block_pool.cached_blocks(manager.block_hashes(req("x", SYSTEM))[0])[0]
-    assert (block.priority, block.duration) == (80, 30.0)
-    clock.now += 29.0
+    assert (block.priority, block.duration) == (80, 100.0)  # the latest expiry asked for
+    clock.now += 99.0
     flood(manager, 30, 9)
     assert hit_tokens(manager, SYSTEM) == 40
     clock.now += 2.0
@@ -231,6 +231,21 @@ def test_retained_hits_are_counted_by_level() -> None:
     manager.make_prefix_cache_stats()
     run_once(manager, req("b", SYSTEM[:20] + [1]))
     assert manager.make_prefix_cache_stats().retained_hits == {90: 5}
+
+
+def test_expired_blocks_go_before_default_ones_earliest_expiry_first() -> None:
+    clock = FakeClock()
+    manager = KVCacheManager(16, 4, clock=clock)
+    run_once(manager, CacheRequest("a", [1, 2, 3, 4, 9], retention=keep(80, 20.0)))
+    run_once(manager, CacheRequest("b", [5, 6, 7, 8, 9], retention=keep(80, 10.0)))
+    run_once(manager, req("plain", [11, 12, 13, 14, 9]))
+    clock.now += 15.0
+    manager.block_pool.expire()  # b expires first, a later: the order must not depend on this
+    clock.now += 10.0
+    manager.block_pool.expire()
+    order = [b.block_hash[1][0] for b in manager.block_pool.free_blocks_in_eviction_order()
+             if b.block_hash is not None]  # type: ignore[index]
+    assert order == [5, 1, 11]
 
 
 def test_bad_retention_values_are_refused() -> None:

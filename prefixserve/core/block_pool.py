@@ -19,9 +19,11 @@ Invariants (checked by the stateful tests):
   priority; eviction takes the lowest priority first and, within a priority, the head (LRU).
 * A retained free block's expiry is its release time plus its duration; once the clock passes
   it, the block falls back to the default priority **lazily** (no timer: ``expire`` runs before
-  each eviction and on a hit, from a heap of expiries) and joins the default list at its head, as
-  its least recently used block (it was last used at least its duration ago). A hit refreshes
-  nothing by itself: the expiry restarts when the block is released again.
+  each eviction and on a hit, from a heap of expiries). Expired blocks are taken before every
+  other default-priority block (each was last used at least its duration ago), earliest expiry
+  first; they wait in a list of their own (``EXPIRED_LEVEL``), so that order does not depend
+  on when ``expire`` ran. The expiry restarts whenever the block is released again (a hit
+  refreshes it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ from prefixserve.core.hashing import hash_value_of
 from prefixserve.core.retention import DEFAULT_PRIORITY, NO_EXPIRY
 
 Clock = Callable[[], float]
+
+EXPIRED_LEVEL = -1
+"""The ``priority`` a free block carries between its expiry and its reuse: its level is the
+default priority, but it sits in a list of its own evicted just before the default list."""
+
+
+def _level_order(priority: int) -> float:
+    return DEFAULT_PRIORITY - 0.5 if priority == EXPIRED_LEVEL else priority
 
 
 @final
@@ -277,11 +287,12 @@ class BlockPool:
             block.ref_cnt += 1
 
     def _take_retained(self, block: KVCacheBlock) -> None:
-        """Unlinks a free block of a retained level (a hit on it)."""
+        """Unlinks a free block of a retained level (a hit on it); an expired one falls back."""
         self.retained_queues[block.priority].remove(block)
         self.num_free_retained -= 1
-        if block.expiry <= self.clock():
-            self.expired_retentions += 1
+        if block.priority == EXPIRED_LEVEL or block.expiry <= self.clock():
+            if block.priority != EXPIRED_LEVEL:
+                self.expired_retentions += 1
             block.priority = DEFAULT_PRIORITY
             block.duration = 0.0
         block.expiry = NO_EXPIRY
@@ -292,14 +303,11 @@ class BlockPool:
         release (``NO_EXPIRY``: no expiry). A block shared by several requests keeps the
         highest priority and the longest duration asked for; ``fresh`` (a block this request
         just computed, nobody else's) sets them as given, so a low priority can apply."""
-        if fresh:
-            block.priority = priority
-            block.duration = duration
-        elif priority > block.priority:
-            block.priority = priority
-            block.duration = max(block.duration, duration)
-        elif priority == block.priority and duration > block.duration:
-            block.duration = duration
+        if not fresh:
+            priority = max(priority, block.priority)
+            duration = max(duration, block.duration)
+        block.priority = priority
+        block.duration = 0.0 if priority == DEFAULT_PRIORITY else duration
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Hashable],
                           start: int, end: int) -> None:
@@ -366,7 +374,7 @@ class BlockPool:
         """Creates the free list of a priority not used before (at most 101 ever exist)."""
         queue = self.retained_queues[priority] = FreeBlockQueue(())
         self._levels.append((priority, queue))
-        self._levels.sort(key=lambda level: level[0])
+        self._levels.sort(key=lambda level: _level_order(level[0]))
         return queue
 
     def _compact_heap(self) -> None:
@@ -377,8 +385,8 @@ class BlockPool:
         heapq.heapify(self._expiry_heap)
 
     def expire(self) -> int:
-        """Moves every free block whose retention has expired to the head of the default free
-        list (in expiry order: the earliest is evicted first); returns how many moved."""
+        """Moves every free block whose retention has expired to the expired list (in expiry
+        order: the earliest is evicted first); returns how many moved."""
         heap = self._expiry_heap
         if not heap:
             return 0
@@ -389,14 +397,15 @@ class BlockPool:
             if (block.ref_cnt or block.expiry != expiry or block.priority == DEFAULT_PRIORITY):
                 continue  # stale: touched, evicted or already demoted since it was pushed
             self.retained_queues[block.priority].remove(block)
-            self.num_free_retained -= 1
-            block.priority = DEFAULT_PRIORITY
+            block.priority = EXPIRED_LEVEL
             block.duration = 0.0
             block.expiry = NO_EXPIRY
             demoted.append(block)
         if demoted:
             self.expired_retentions += len(demoted)
-            self.free_queue.prepend(demoted)
+            queue = self.retained_queues.get(EXPIRED_LEVEL) or self._add_level(EXPIRED_LEVEL)
+            for block in demoted:
+                queue.append(block)
         return len(demoted)
 
     def free_blocks_in_eviction_order(self) -> Iterator[KVCacheBlock]:
