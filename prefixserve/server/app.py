@@ -36,6 +36,7 @@ from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
+from prefixserve.server.pin_routes import add_pin_routes
 from prefixserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -211,11 +212,15 @@ def _add_operation_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics
 
     @app.post("/reset_prefix_cache", response_model=StatusResponse, tags=["Operations"],
               responses=docs.admin)
-    async def reset_prefix_cache(admin_key: AdminKey) -> StatusResponse:
+    async def reset_prefix_cache(admin_key: AdminKey, keep_pins: bool = False
+                                 ) -> StatusResponse:
         """Empties the prefix cache (its counters are kept), also while requests run: blocks
-        they hold stop being findable and return to the pool uncached. An admin action."""
-        await engine.reset_prefix_cache()
+        they hold stop being findable and return to the pool uncached. Pins are released too
+        unless ``?keep_pins=true``. An admin action."""
+        await engine.reset_prefix_cache(keep_pins=keep_pins)
         return StatusResponse(status="reset")
+
+    add_pin_routes(app, engine, AdminKey, docs)
 
     @app.get("/health", response_model=StatusResponse, tags=["Operations"],
              responses={503: error_doc("The engine has stopped.")})

@@ -20,6 +20,7 @@ DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 DEFAULT_MAX_REQUEST_BODY_SIZE = 32 << 20
 #: Seconds a client has to send a request's headers and body.
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
+DEFAULT_MAX_RETENTION_DURATION = 3600.0
 #: Sequences that may wait for a slot before new requests get 503.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 #: Metric name prefixes ``--metrics-prefix`` accepts (``vllm`` for vLLM's dashboards).
@@ -48,6 +49,7 @@ class ServerConfig:
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
+    max_retention_duration: float = DEFAULT_MAX_RETENTION_DURATION
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -60,6 +62,8 @@ class ServerConfig:
             raise ValueError(f"max_n may be at most {MAX_N} (OpenAI's limit), got {self.max_n}")
         if self.request_read_timeout <= 0:
             raise ValueError("request_read_timeout must be positive")
+        if not self.max_retention_duration > 0:
+            raise ValueError("max_retention_duration must be positive")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be one of {METRICS_PREFIXES}")
 
