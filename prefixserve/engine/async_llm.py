@@ -78,6 +78,11 @@ class AsyncLLM:
         return self.engine.num_kv_blocks
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block."""
+        return self.engine.block_size
+
+    @property
     def max_waiting_requests(self) -> int | None:
         """The most sequences the waiting queue holds (None: unbounded)."""
         return self.engine.max_waiting_requests

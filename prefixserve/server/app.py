@@ -32,6 +32,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve import __version__
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.server.anthropic import AnthropicServing
+from prefixserve.server.anthropic_routes import add_anthropic_routes
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.metrics import ServerMetrics
@@ -149,6 +151,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     docs = ErrorDocs.for_config(config)
     _add_openai_routes(app, serving, config, keys, docs)
     _add_operation_routes(app, engine, metrics, keys, docs)
+    add_anthropic_routes(app, AnthropicServing(serving, engine.block_size), config, docs)
     install_openapi(app, config)
     return app
 
