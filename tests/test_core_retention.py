@@ -60,6 +60,22 @@ def test_flood_evicts_unprotected_prompt_but_not_a_retained_one(protected: bool)
     assert hit_tokens(manager, SYSTEM) == (40 if protected else 0)
 
 
+@pytest.mark.parametrize("protected", [False, True])
+def test_flood_and_ttl_on_a_2000_token_system_prompt(protected: bool) -> None:
+    """The issue's check at its size: 2,000 tokens in blocks of 16, unique 300-token prompts;
+    LRU loses the prompt, a 5-minute retention keeps all of it, and after the TTL it goes."""
+    clock = FakeClock()
+    manager = KVCacheManager(256, 16, clock=clock)
+    system = list(range(100_000, 102_000))
+    retention = keep(80, 300.0) if protected else None
+    run_once(manager, CacheRequest("sys", system + [1], retention=retention))
+    flood(manager, 20, 300)
+    assert hit_tokens(manager, system) == (2000 if protected else 0)
+    clock.now += 301.0
+    flood(manager, 20, 300, base=40_000)
+    assert hit_tokens(manager, system) == 0
+
+
 def test_expired_retention_is_evictable_again() -> None:
     clock = FakeClock()
     manager = KVCacheManager(24, 4, clock=clock)

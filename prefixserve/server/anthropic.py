@@ -76,6 +76,10 @@ class AnthropicPrompt:
         self.body = body
         self.system = _blocks(body.system)
         self.turns = [(m.role, _blocks(m.content)) for m in body.messages]
+        auto = getattr(body, "cache_control", None)
+        if auto is not None and self.turns[-1][1]:  # automatic caching: the last block
+            last = self.turns[-1][1][-1]
+            self.turns[-1][1][-1] = last.model_copy(update={"cache_control": auto})
         self.text = self._render(None)
         self.ids = serving.tokenizer.encode(self.text, add_special_tokens=False)
         self.breakpoints = self._breakpoints()

@@ -53,6 +53,10 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = Field(None, max_length=16)
     stream: bool | None = None
     metadata: Metadata | None = None
+    cache_control: CacheControl | None = Field(
+        None, description="Automatic caching: a breakpoint on the last block of the last "
+        "message (counts towards the four).")
+    service_tier: str | None = Field(None, description="Accepted and ignored.")
 
 
 class Usage(BaseModel):

@@ -151,6 +151,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     docs = ErrorDocs.for_config(config)
     _add_openai_routes(app, serving, config, keys, docs)
     _add_operation_routes(app, engine, metrics, keys, docs)
+    add_pin_routes(app, engine, keys.admin, docs, serving.cache_salt)
     add_anthropic_routes(app, AnthropicServing(serving, engine.block_size), config, docs)
     install_openapi(app, config)
     return app
@@ -222,8 +223,6 @@ def _add_operation_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics
         unless ``?keep_pins=true``. An admin action."""
         await engine.reset_prefix_cache(keep_pins=keep_pins)
         return StatusResponse(status="reset")
-
-    add_pin_routes(app, engine, AdminKey, docs)
 
     @app.get("/health", response_model=StatusResponse, tags=["Operations"],
              responses={503: error_doc("The engine has stopped.")})

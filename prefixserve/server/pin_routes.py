@@ -1,6 +1,7 @@
 """The admin pin routes (see ``retention.py``). Annotations here are evaluated (no ``from
 __future__ import annotations``): FastAPI reads the local key dependency from them."""
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -12,9 +13,11 @@ from prefixserve.server.retention import PinService
 from prefixserve.server.retention_protocol import PinInfo, PinList, PinRequest
 
 
-def add_pin_routes(app: FastAPI, engine: AsyncLLM, admin_key: Any, docs: ErrorDocs) -> None:
+def add_pin_routes(app: FastAPI, engine: AsyncLLM, admin_key: Any, docs: ErrorDocs,
+                   salt: Callable[[str | None, str | None], str | None]) -> None:
     """Declares ``POST /v1/pins``, ``GET /v1/pins`` and ``DELETE /v1/pins/{pin_id}``, each an
-    admin action (``admin_key`` is the admin-key parameter type of ``KeyParameters``)."""
+    admin action (``admin_key`` is the admin-key parameter type of ``KeyParameters``; ``salt``
+    the server's salt of a request's ``cache_salt`` and key, ``OpenAIServing.cache_salt``)."""
     service = PinService(engine, {})
     if TYPE_CHECKING:
         AdminKey = str | None
@@ -24,7 +27,7 @@ def add_pin_routes(app: FastAPI, engine: AsyncLLM, admin_key: Any, docs: ErrorDo
     @app.post("/v1/pins", response_model=PinInfo, tags=["Operations"], responses=docs.admin)
     async def pin(body: PinRequest, key: AdminKey) -> PinInfo:
         """Computes a prefix and pins its full blocks until unpinned. An admin action."""
-        return await service.pin(body, body.cache_salt)
+        return await service.pin(body, salt(body.cache_salt, body.for_api_key))
 
     @app.get("/v1/pins", response_model=PinList, tags=["Operations"], responses=docs.admin)
     async def pins(key: AdminKey) -> PinList:

@@ -43,6 +43,10 @@ class PinRequest(_Strict):
     messages: list[dict[str, Any]] | None = Field(None, min_length=1)
     prompt_token_ids: list[int] | None = Field(None, min_length=1)
     cache_salt: str | None = Field(None, min_length=1)
+    for_api_key: str | None = Field(
+        None, min_length=1, description="The tenant whose requests should hit the pin: with "
+        "per-key cache isolation (the default with API keys) a pin is salted like that key's "
+        "requests.")
 
 
 class PinInfo(BaseModel):
