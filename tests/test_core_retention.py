@@ -249,7 +249,7 @@ def test_retained_hits_are_counted_by_level() -> None:
     assert manager.make_prefix_cache_stats().retained_hits == {90: 5}
 
 
-def test_expired_blocks_go_before_default_ones_earliest_expiry_first() -> None:
+def test_an_expired_block_joins_the_default_lru_as_if_released_at_its_expiry() -> None:
     clock = FakeClock()
     manager = KVCacheManager(16, 4, clock=clock)
     run_once(manager, CacheRequest("a", [1, 2, 3, 4, 9], retention=keep(80, 20.0)))
@@ -258,10 +258,10 @@ def test_expired_blocks_go_before_default_ones_earliest_expiry_first() -> None:
     clock.now += 15.0
     manager.block_pool.expire()  # b expires first, a later: the order must not depend on this
     clock.now += 10.0
-    manager.block_pool.expire()
+    run_once(manager, req("late", [21, 22, 23, 24, 9]))  # released after both expiries
     order = [b.block_hash[1][0] for b in manager.block_pool.free_blocks_in_eviction_order()
              if b.block_hash is not None]  # type: ignore[index]
-    assert order == [5, 1, 11]
+    assert order == [11, 5, 1, 21]
 
 
 def test_bad_retention_values_are_refused() -> None:

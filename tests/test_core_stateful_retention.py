@@ -6,9 +6,9 @@ duration, release time and release order, and picks each victim as the minimum o
 derived from the rules of docs/DESIGN.md section 13 at the current time:
 
 1. the effective level: the block's priority while its expiry lies ahead; after it, the
-   default priority, taken before every unexpired default block;
-2. within the default level, expired blocks by expiry, then everything else by release order
-   (LRU), which is also the release order within every other level.
+   default priority;
+2. within a level, the time the block joined it: its release, or for an expired block its
+   expiry (as if released then); at equal times an expired block first, then release order.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Reference:
         self.tables: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
         self.pinned: dict[str, list[int]] = {}
+        self.holders: dict[tuple, list[int]] = {}  # blocks holding a prefix, first cached first
 
     def expired(self, b: int, now: float) -> bool:
         return (self.prio[b] != DEFAULT_PRIORITY and self.key[b] is not None
@@ -63,10 +64,10 @@ class Reference:
 
     def sort_key(self, b: int, now: float) -> tuple:
         if self.key[b] is None or self.prio[b] == DEFAULT_PRIORITY:
-            return (DEFAULT_PRIORITY, 1, 0.0, self.order[b])
+            return (DEFAULT_PRIORITY, self.released_at[b], 1, self.order[b])
         if self.expired(b, now):
-            return (DEFAULT_PRIORITY, 0, self.released_at[b] + self.dur[b], self.order[b])
-        return (self.prio[b], 1, 0.0, self.order[b])
+            return (DEFAULT_PRIORITY, self.released_at[b] + self.dur[b], 0, self.order[b])
+        return (self.prio[b], 0.0, 1, self.order[b])
 
     def eviction_order(self, now: float) -> list[int]:
         free = [b for b in range(NUM_BLOCKS) if self.ref[b] == 0]
@@ -75,11 +76,11 @@ class Reference:
     def lookup(self, tokens: list[int]) -> list[int]:
         hits = []
         for i in range((len(tokens) - 1) // BS):
-            holders = [b for b in range(NUM_BLOCKS) if self.key[b] == tuple(tokens[:(i + 1) * BS])]
+            holders = self.holders.get(tuple(tokens[:(i + 1) * BS]))
             if not holders:
                 break
-            hits.append(holders)
-        return [h[0] for h in hits]
+            hits.append(holders[0])
+        return hits
 
     def hit(self, b: int, now: float) -> None:
         if self.ref[b] == 0 and self.expired(b, now):
@@ -100,6 +101,8 @@ class Reference:
         victims = [b for b in self.eviction_order(now)][:need]
         table = self.tables[rid] = list(hits)
         for b in victims:
+            if self.key[b] is not None:
+                self.holders[self.key[b]].remove(b)
             self.key[b] = None
             self.prio[b], self.dur[b] = DEFAULT_PRIORITY, 0.0
             self.ref[b] = 1
@@ -108,6 +111,7 @@ class Reference:
         for i, b in enumerate(table[:num_full]):
             if i >= len(hits):
                 self.key[b] = tuple(tokens[:(i + 1) * BS])
+                self.holders.setdefault(self.key[b], []).append(b)
             if retention is not None or self.prio[b] < DEFAULT_PRIORITY:
                 self.retain(b, wanted(retention, len(tokens), i), fresh=i >= len(hits))
         return True

@@ -18,12 +18,12 @@ Invariants (checked by the stateful tests):
   default level's, the others live in ``retained_queues``. A free block is in the list of its own
   priority; eviction takes the lowest priority first and, within a priority, the head (LRU).
 * A retained free block's expiry is its release time plus its duration; once the clock passes
-  it, the block falls back to the default priority **lazily** (no timer: ``expire`` runs before
-  each eviction and on a hit, from a heap of expiries). Expired blocks are taken before every
-  other default-priority block (each was last used at least its duration ago), earliest expiry
-  first; they wait in a list of their own (``EXPIRED_LEVEL``), so that order does not depend
-  on when ``expire`` ran. The expiry restarts whenever the block is released again (a hit
-  refreshes it).
+  it, the block falls back to the default priority **lazily** (no timer: ``expire`` runs, from
+  a heap of expiries, before every eviction, before every release and when hits are counted; a
+  hit on an expired block resets it at once). It joins the tail of the default list **as if
+  released at its expiry**: since nothing joins the default list without ``expire`` running
+  first, the default list stays ordered by the time each block joined it, whenever ``expire``
+  ran. The expiry restarts whenever the block is released again (a hit refreshes it).
 """
 
 from __future__ import annotations
@@ -38,13 +38,6 @@ from prefixserve.core.retention import DEFAULT_PRIORITY, NO_EXPIRY
 
 Clock = Callable[[], float]
 
-EXPIRED_LEVEL = -1
-"""The ``priority`` a free block carries between its expiry and its reuse: its level is the
-default priority, but it sits in a list of its own evicted just before the default list."""
-
-
-def _level_order(priority: int) -> float:
-    return DEFAULT_PRIORITY - 0.5 if priority == EXPIRED_LEVEL else priority
 
 
 @final
@@ -57,8 +50,8 @@ class KVCacheBlock:
     Final: the pool's map tells a single block from a dict of blocks by ``type(entry) is
     KVCacheBlock``."""
 
-    __slots__ = ("block_hash", "block_id", "duration", "expiry", "hash_value", "is_null",
-                 "next_free", "prev_free", "priority", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "duration", "expiry", "expiry_seq", "hash_value",
+                 "is_null", "next_free", "prev_free", "priority", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -66,6 +59,7 @@ class KVCacheBlock:
         self.priority = DEFAULT_PRIORITY
         self.duration = 0.0  # seconds kept at ``priority`` after release; NO_EXPIRY for ever
         self.expiry = NO_EXPIRY  # while free at a retained priority: when it falls back
+        self.expiry_seq = 0  # the pool's heap entry for ``expiry`` (older entries are stale)
         self.block_hash: Hashable | None = None
         self.hash_value: Hashable | None = None
         self.prev_free: KVCacheBlock = self
@@ -290,9 +284,8 @@ class BlockPool:
         """Unlinks a free block of a retained level (a hit on it); an expired one falls back."""
         self.retained_queues[block.priority].remove(block)
         self.num_free_retained -= 1
-        if block.priority == EXPIRED_LEVEL or block.expiry <= self.clock():
-            if block.priority != EXPIRED_LEVEL:
-                self.expired_retentions += 1
+        if block.expiry <= self.clock():
+            self.expired_retentions += 1
             block.priority = DEFAULT_PRIORITY
             block.duration = 0.0
         block.expiry = NO_EXPIRY
@@ -329,6 +322,8 @@ class BlockPool:
         """Drops one reference from each block; blocks reaching 0 join the tail of their
         priority's free list **in the given order**, so within a level the first one given is
         the first one evicted. A retained block's expiry starts now."""
+        if self._expiry_heap:
+            self.expire()  # what expired before this release joins the default list first
         queue = self.free_queue
         last = queue.tail.prev_free
         count = 0
@@ -366,6 +361,7 @@ class BlockPool:
         if block.duration != NO_EXPIRY:
             block.expiry = self.clock() + block.duration
             self._heap_seq += 1
+            block.expiry_seq = self._heap_seq
             heapq.heappush(self._expiry_heap, (block.expiry, self._heap_seq, block))
             if len(self._expiry_heap) > 2 * self.num_blocks + 64:
                 self._compact_heap()
@@ -374,39 +370,38 @@ class BlockPool:
         """Creates the free list of a priority not used before (at most 101 ever exist)."""
         queue = self.retained_queues[priority] = FreeBlockQueue(())
         self._levels.append((priority, queue))
-        self._levels.sort(key=lambda level: _level_order(level[0]))
+        self._levels.sort(key=lambda level: level[0])
         return queue
 
     def _compact_heap(self) -> None:
         """Drops stale heap entries (blocks touched or evicted since they were pushed)."""
         self._expiry_heap = [e for e in self._expiry_heap
-                             if e[2].ref_cnt == 0 and e[2].expiry == e[0]
+                             if e[2].ref_cnt == 0 and e[2].expiry_seq == e[1]
                              and e[2].priority != DEFAULT_PRIORITY]
         heapq.heapify(self._expiry_heap)
 
     def expire(self) -> int:
-        """Moves every free block whose retention has expired to the expired list (in expiry
-        order: the earliest is evicted first); returns how many moved."""
+        """Moves every free block whose retention has expired to the tail of the default list,
+        earliest expiry first (as if each had been released at its expiry); returns how many
+        moved."""
         heap = self._expiry_heap
         if not heap:
             return 0
         now = self.clock()
-        demoted: list[KVCacheBlock] = []
+        demoted = 0
         while heap and heap[0][0] <= now:
-            expiry, _, block = heapq.heappop(heap)
-            if (block.ref_cnt or block.expiry != expiry or block.priority == DEFAULT_PRIORITY):
+            _, seq, block = heapq.heappop(heap)
+            if block.ref_cnt or block.expiry_seq != seq or block.priority == DEFAULT_PRIORITY:
                 continue  # stale: touched, evicted or already demoted since it was pushed
             self.retained_queues[block.priority].remove(block)
-            block.priority = EXPIRED_LEVEL
+            self.num_free_retained -= 1
+            block.priority = DEFAULT_PRIORITY
             block.duration = 0.0
             block.expiry = NO_EXPIRY
-            demoted.append(block)
-        if demoted:
-            self.expired_retentions += len(demoted)
-            queue = self.retained_queues.get(EXPIRED_LEVEL) or self._add_level(EXPIRED_LEVEL)
-            for block in demoted:
-                queue.append(block)
-        return len(demoted)
+            self.free_queue.append(block)
+            demoted += 1
+        self.expired_retentions += demoted
+        return demoted
 
     def free_blocks_in_eviction_order(self) -> Iterator[KVCacheBlock]:
         """Every free block, in the order ``get_new_blocks`` would take them now (expired

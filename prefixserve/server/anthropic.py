@@ -298,7 +298,7 @@ def _reshaped(handler: Handler) -> Handler:
             status = 529
         reshaped = anthropic_error(status, str(error.get("message", "error")))
         for name, value in response.headers.items():
-            if name.lower() in ("retry-after", "www-authenticate"):
+            if name.lower() in ("retry-after", "www-authenticate", "allow"):
                 reshaped.headers[name] = value
         return reshaped
 

@@ -18,7 +18,7 @@ from prefixserve.server.anthropic_protocol import (
 )
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError
-from prefixserve.server.openapi import ErrorDocs
+from prefixserve.server.openapi import ErrorDocs, error_doc
 
 
 def _key_check(keys: tuple[str, ...]) -> Callable[..., Coroutine[Any, Any, str | None]]:
@@ -49,7 +49,8 @@ def add_anthropic_routes(app: FastAPI, service: AnthropicServing, config: Server
     install_anthropic_errors(app)
 
     @app.post("/v1/messages", response_model=MessageResponse, tags=["Anthropic"],
-              responses=docs.generation)
+              responses={**docs.generation, 529: error_doc("The waiting queue is full "
+                                                           "(`overloaded_error`).")})
     async def messages(body: MessagesRequest, request: Request,
                        api_key: ApiKey) -> Response | MessageResponse:
         """Anthropic's Messages API: the assistant's reply, with `cache_control` breakpoints
@@ -57,7 +58,7 @@ def add_anthropic_routes(app: FastAPI, service: AnthropicServing, config: Server
         return await service.create_message(body, request, api_key)
 
     @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse,
-              tags=["Anthropic"], responses=docs.guarded)
+              tags=["Anthropic"], responses=docs.generation)
     async def count_tokens(body: CountTokensRequest, api_key: ApiKey) -> CountTokensResponse:
         """The prompt's tokens, as `/v1/messages` would count them."""
         return service.count_tokens(body)

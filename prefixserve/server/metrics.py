@@ -32,7 +32,6 @@ name                                       type       meaning
 ``prefix_cache_hit_blocks_by_priority_total`` counter hit blocks by ``priority`` level (35 is the
                                                       default; ``pinned``)
 ``prefix_cache_evicted_blocks_total``      counter    cached blocks evicted, by ``priority`` level
-                                                      (``expired``: after their TTL)
 ``request_success_total``                  counter    finished sequences, by ``finished_reason``
                                                       (stop, length, abort)
 ``time_to_first_token_seconds``            histogram  arrival to first token
@@ -59,7 +58,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixserve.core import DEFAULT_PRIORITY, PIN_PRIORITY
-from prefixserve.core.block_pool import EXPIRED_LEVEL
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.llm_engine import EngineStats
 from prefixserve.outputs import RequestMetrics, RequestOutput
@@ -76,11 +74,10 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                 240.0, 480.0, 960.0, 1920.0)
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, *_E2E_BUCKETS)
 def _by_level(counts: dict[int, int]) -> dict[str, int]:
-    """Counts by priority as label values: ``pinned``, ``expired`` or the number."""
+    """Counts by priority as label values: ``pinned`` or the number."""
     out: dict[str, int] = {}
     for priority, count in counts.items():
-        label = ("pinned" if priority == PIN_PRIORITY else
-                 "expired" if priority == EXPIRED_LEVEL else str(priority))
+        label = "pinned" if priority == PIN_PRIORITY else str(priority)
         out[label] = out.get(label, 0) + count
     return out
 
