@@ -26,13 +26,26 @@ from prefixserve.core.request import (
     MultiModalInput,
     block_extra_keys,
 )
+from prefixserve.core.retention import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    PIN_PRIORITY,
+    PinBudgetError,
+    Retention,
+    RetentionRange,
+)
 from prefixserve.core.stats import PrefixCacheStats, PrefixCachingMetrics
 
 __all__ = [
     "ALLOWED_BLOCK_SIZES",
+    "DEFAULT_PRIORITY",
     "EXTRA_KEY_SOURCES",
     "HASH_ALGOS",
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
     "NONE_HASH",
+    "PIN_PRIORITY",
     "BlockHash",
     "BlockPool",
     "CacheRequest",
@@ -41,8 +54,11 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheManager",
     "MultiModalInput",
+    "PinBudgetError",
     "PrefixCacheStats",
     "PrefixCachingMetrics",
+    "Retention",
+    "RetentionRange",
     "SlidingWindowKVCacheManager",
     "block_extra_keys",
     "get_hash_function",

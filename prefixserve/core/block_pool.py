@@ -12,14 +12,32 @@ Invariants (checked by the stateful tests):
 * The free list is popped at its head and appended at its tail: **the first block freed is the
   first evicted**. Callers choose the order they free in (the manager frees a request's blocks
   tail first, so a shared head outlives the tails that hang from it).
+* **Retention levels** (docs/DESIGN.md section 13): every block carries a ``priority`` (0-100,
+  ``DEFAULT_PRIORITY`` unless a request asked for more or less), a ``duration`` and, while free,
+  an ``expiry``. The free list is one intrusive list per priority in use: ``free_queue`` is the
+  default level's, the others live in ``retained_queues``. A free block is in the list of its own
+  priority; eviction takes the lowest priority first and, within a priority, the head (LRU).
+* A retained free block's expiry is its release time plus its duration; once the clock passes
+  it, the block falls back to the default priority **lazily** (no timer: ``expire`` runs, from
+  a heap of expiries, before every eviction, before every release and when hits are counted; a
+  hit on an expired block resets it at once). It joins the tail of the default list **as if
+  released at its expiry**: since nothing joins the default list without ``expire`` running
+  first, the default list stays ordered by the time each block joined it, whenever ``expire``
+  ran. The expiry restarts whenever the block is released again (a hit refreshes it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+import heapq
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import final
 
 from prefixserve.core.hashing import hash_value_of
+from prefixserve.core.retention import DEFAULT_PRIORITY, NO_EXPIRY
+
+Clock = Callable[[], float]
+
 
 
 @final
@@ -32,12 +50,16 @@ class KVCacheBlock:
     Final: the pool's map tells a single block from a dict of blocks by ``type(entry) is
     KVCacheBlock``."""
 
-    __slots__ = ("block_hash", "block_id", "hash_value", "is_null", "next_free", "prev_free",
-                 "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "duration", "expiry", "expiry_seq", "hash_value",
+                 "is_null", "next_free", "prev_free", "priority", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.priority = DEFAULT_PRIORITY
+        self.duration = 0.0  # seconds kept at ``priority`` after release; NO_EXPIRY for ever
+        self.expiry = NO_EXPIRY  # while free at a retained priority: when it falls back
+        self.expiry_seq = 0  # the pool's heap entry for ``expiry`` (older entries are stale)
         self.block_hash: Hashable | None = None
         self.hash_value: Hashable | None = None
         self.prev_free: KVCacheBlock = self
@@ -97,6 +119,18 @@ class FreeBlockQueue:
         self.tail.prev_free = block
         self.num_free_blocks += 1
 
+    def prepend(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Puts ``blocks`` at the head, in the given order (the first one is popped first)."""
+        nxt = self.head.next_free
+        prev = self.head
+        for block in blocks:
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        self.num_free_blocks += len(blocks)
+
     def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self.head.next_free
         while block is not self.tail:
@@ -108,7 +142,7 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All KV blocks, the free list and the prefix-cache map.
+    """All KV blocks, the free lists (one per priority level) and the prefix-cache map.
 
     The map is keyed by hash value (``hash_value_of``); its value is the block holding that hash or,
     once several blocks hold it, a ``{block id: block}`` dict (no per-block allocation in the
@@ -118,18 +152,25 @@ class BlockPool:
     There is no de-duplication: several physical blocks may hold the same content (two requests
     that computed it at the same time), so a running request's block table never has to be
     rewritten. A lookup returns any one of them.
+
+    Without retention every block stays at ``DEFAULT_PRIORITY`` and only ``free_queue`` is used:
+    the hot paths check one attribute per block more than a single-list pool. ``clock`` (default
+    ``time.monotonic``) is injectable, so tests drive expiry with a simulated clock.
     """
 
-    __slots__ = ("blocks", "cached_block_hash_to_block", "enable_caching", "free_queue",
-                 "null_block", "num_blocks")
+    __slots__ = ("_expiry_heap", "_heap_seq", "_levels", "blocks", "cached_block_hash_to_block",
+                 "clock", "enable_caching", "evictions_by_priority", "expired_retentions",
+                 "free_queue", "null_block", "num_blocks", "num_free_retained",
+                 "retained_queues")
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 reserve_null_block: bool = False) -> None:
+                 reserve_null_block: bool = False, clock: Clock | None = None) -> None:
         if num_blocks < 1 + reserve_null_block:
             raise ValueError(f"num_blocks must be at least {1 + reserve_null_block}, "
                              f"got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.clock: Clock = clock or time.monotonic
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.cached_block_hash_to_block: dict[
             Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}
@@ -140,6 +181,13 @@ class BlockPool:
             self.free_queue = FreeBlockQueue(self.blocks[1:])
         else:
             self.free_queue = FreeBlockQueue(self.blocks)
+        self.retained_queues: dict[int, FreeBlockQueue] = {}
+        self._levels: list[tuple[int, FreeBlockQueue]] = [(DEFAULT_PRIORITY, self.free_queue)]
+        self.num_free_retained = 0
+        self._expiry_heap: list[tuple[float, int, KVCacheBlock]] = []
+        self._heap_seq = 0
+        self.evictions_by_priority: dict[int, int] = {}
+        self.expired_retentions = 0
 
     def get_cached_block(self, block_hash: Hashable) -> KVCacheBlock | None:
         """Any block holding ``block_hash``, or None. Changes nothing."""
@@ -162,16 +210,40 @@ class BlockPool:
         return [b for b in blocks if b.block_hash == block_hash]
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Takes ``n`` blocks from the head of the free list (least recently freed first), evicts
-        their cached hashes and gives each one reference."""
-        queue = self.free_queue
-        if n > queue.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, only {queue.num_free_blocks} free")
-        cache = self.cached_block_hash_to_block
+        """Takes ``n`` free blocks, lowest priority first and least recently freed first within
+        a priority, evicts their cached hashes and gives each one reference. Expired retentions
+        fall back to the default priority first."""
+        if n > self.get_num_free_blocks():
+            raise ValueError(f"asked for {n} free blocks, only {self.get_num_free_blocks()} free")
+        if self._expiry_heap:
+            self.expire()
         out: list[KVCacheBlock] = []
+        if not self.num_free_retained:
+            self._take(self.free_queue, n, out)
+            return out
+        for priority, queue in self._levels:
+            k = min(n - len(out), queue.num_free_blocks)
+            if k:
+                first = len(out)
+                self._take(queue, k, out)
+                if priority != DEFAULT_PRIORITY:
+                    self.num_free_retained -= k
+                    for block in out[first:]:
+                        block.priority = DEFAULT_PRIORITY
+                        block.duration = 0.0
+                        block.expiry = NO_EXPIRY
+            if len(out) == n:
+                break
+        return out
+
+    def _take(self, queue: FreeBlockQueue, n: int, out: list[KVCacheBlock]) -> None:
+        """Pops ``n`` blocks from the head of ``queue`` into ``out``, evicting their hashes."""
+        cache = self.cached_block_hash_to_block
         append = out.append
         head = queue.head
         block = head.next_free
+        priority = block.priority
+        evicted = 0
         for _ in range(n):
             if block.block_hash is not None:
                 key = block.hash_value
@@ -183,23 +255,52 @@ class BlockPool:
                     if entry:
                         cache[key] = entry
                 block.block_hash = None
+                evicted += 1
             block.ref_cnt = 1
             append(block)
             block = block.next_free
         head.next_free = block
         block.prev_free = head
         queue.num_free_blocks -= n
-        return out
+        if evicted:
+            counts = self.evictions_by_priority
+            counts[priority] = counts.get(priority, 0) + evicted
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Adds one reference to each block (a cache hit), taking free ones out of the free list."""
+        """Adds one reference to each block (a cache hit), taking free ones out of their free
+        list. A retained block whose expiry has passed falls back to the default priority."""
         remove = self.free_queue.remove
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                remove(block)
+                if block.priority == DEFAULT_PRIORITY:
+                    remove(block)
+                else:
+                    self._take_retained(block)
             block.ref_cnt += 1
+
+    def _take_retained(self, block: KVCacheBlock) -> None:
+        """Unlinks a free block of a retained level (a hit on it); an expired one falls back."""
+        self.retained_queues[block.priority].remove(block)
+        self.num_free_retained -= 1
+        if block.expiry <= self.clock():
+            self.expired_retentions += 1
+            block.priority = DEFAULT_PRIORITY
+            block.duration = 0.0
+        block.expiry = NO_EXPIRY
+
+    def retain(self, block: KVCacheBlock, priority: int, duration: float, *,
+               fresh: bool = False) -> None:
+        """Raises a **held** block's retention to ``priority`` for ``duration`` seconds after
+        release (``NO_EXPIRY``: no expiry). A block shared by several requests keeps the
+        highest priority and the longest duration asked for; ``fresh`` (a block this request
+        just computed, nobody else's) sets them as given, so a low priority can apply."""
+        if not fresh:
+            priority = max(priority, block.priority)
+            duration = max(duration, block.duration)
+        block.priority = priority
+        block.duration = 0.0 if priority == DEFAULT_PRIORITY else duration
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[Hashable],
                           start: int, end: int) -> None:
@@ -218,8 +319,11 @@ class BlockPool:
                     entry[block.block_id] = block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference from each block; blocks reaching 0 join the free list **in the
-        given order**, so the first one given is the first one evicted."""
+        """Drops one reference from each block; blocks reaching 0 join the tail of their
+        priority's free list **in the given order**, so within a level the first one given is
+        the first one evicted. A retained block's expiry starts now."""
+        if self._expiry_heap:
+            self.expire()  # what expired before this release joins the default list first
         queue = self.free_queue
         last = queue.tail.prev_free
         count = 0
@@ -232,6 +336,9 @@ class BlockPool:
                     raise RuntimeError(f"block {block.block_id} freed more often than taken")
                 continue
             block.ref_cnt = 0
+            if block.priority != DEFAULT_PRIORITY:
+                self._free_retained(block)
+                continue
             last.next_free = block
             block.prev_free = last
             last = block
@@ -240,22 +347,109 @@ class BlockPool:
         queue.tail.prev_free = last
         queue.num_free_blocks += count
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached hash, also while requests hold blocks; always returns True.
+    def _free_retained(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:  # nothing to keep: an uncached block is plain free space
+            block.priority = DEFAULT_PRIORITY
+            block.duration = 0.0
+            self.free_queue.append(block)
+            return
+        queue = self.retained_queues.get(block.priority)
+        if queue is None:
+            queue = self._add_level(block.priority)
+        queue.append(block)
+        self.num_free_retained += 1
+        if block.duration != NO_EXPIRY:
+            block.expiry = self.clock() + block.duration
+            self._heap_seq += 1
+            block.expiry_seq = self._heap_seq
+            heapq.heappush(self._expiry_heap, (block.expiry, self._heap_seq, block))
+            if len(self._expiry_heap) > 2 * self.num_blocks + 64:
+                self._compact_heap()
 
-        The map is emptied and every block, free or held, loses its hash at once. A held block
-        stays in its request's table (its KV is still valid for that request) but can no longer
-        be found, and when freed it joins the free list uncached, so its eviction touches no map
-        entry. Blocks that become full later are cached again by ``cache_full_blocks``."""
+    def _add_level(self, priority: int) -> FreeBlockQueue:
+        """Creates the free list of a priority not used before (at most 101 ever exist)."""
+        queue = self.retained_queues[priority] = FreeBlockQueue(())
+        self._levels.append((priority, queue))
+        self._levels.sort(key=lambda level: level[0])
+        return queue
+
+    def _compact_heap(self) -> None:
+        """Drops stale heap entries (blocks touched or evicted since they were pushed)."""
+        self._expiry_heap = [e for e in self._expiry_heap
+                             if e[2].ref_cnt == 0 and e[2].expiry_seq == e[1]
+                             and e[2].priority != DEFAULT_PRIORITY]
+        heapq.heapify(self._expiry_heap)
+
+    def expire(self) -> int:
+        """Moves every free block whose retention has expired to the tail of the default list,
+        earliest expiry first (as if each had been released at its expiry); returns how many
+        moved."""
+        heap = self._expiry_heap
+        if not heap:
+            return 0
+        now = self.clock()
+        demoted = 0
+        while heap and heap[0][0] <= now:
+            _, seq, block = heapq.heappop(heap)
+            if block.ref_cnt or block.expiry_seq != seq or block.priority == DEFAULT_PRIORITY:
+                continue  # stale: touched, evicted or already demoted since it was pushed
+            self.retained_queues[block.priority].remove(block)
+            self.num_free_retained -= 1
+            block.priority = DEFAULT_PRIORITY
+            block.duration = 0.0
+            block.expiry = NO_EXPIRY
+            self.free_queue.append(block)
+            demoted += 1
+        self.expired_retentions += demoted
+        return demoted
+
+    def free_blocks_in_eviction_order(self) -> Iterator[KVCacheBlock]:
+        """Every free block, in the order ``get_new_blocks`` would take them now (expired
+        retentions are counted at their current level until ``expire`` runs)."""
+        for _, queue in self._levels:
+            yield from queue
+
+    def num_free_by_priority(self) -> dict[int, int]:
+        """Free blocks per priority level (levels with none left out)."""
+        return {p: len(q) for p, q in self._levels if len(q)}
+
+    def reset_prefix_cache(self, keep: Iterable[KVCacheBlock] = ()) -> bool:
+        """Forgets every cached hash but those of ``keep`` (pinned blocks), also while requests
+        hold blocks; always returns True.
+
+        The map is emptied and every other block, free or held, loses its hash and its retention
+        at once. A held block stays in its request's table (its KV is still valid for that
+        request) but can no longer be found, and when freed it joins the free list uncached, so
+        its eviction touches no map entry. Retained free blocks move to the head of the default
+        list (they are empty now). Blocks that become full later are cached again by
+        ``cache_full_blocks``."""
+        kept = list(keep)
+        kept_ids = {block.block_id for block in kept}
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
-            block.block_hash = None
+            if block.block_id not in kept_ids:
+                block.block_hash = None
+                if block.ref_cnt:
+                    block.priority = DEFAULT_PRIORITY
+                    block.duration = 0.0
+        retained = [b for p, q in self._levels if p != DEFAULT_PRIORITY for b in q]
+        for block in retained:
+            self.retained_queues[block.priority].remove(block)
+            block.priority = DEFAULT_PRIORITY
+            block.duration = 0.0
+            block.expiry = NO_EXPIRY
+        self.num_free_retained = 0
+        self._expiry_heap.clear()
+        self.free_queue.prepend(retained)
+        for block in kept:
+            if block.block_hash is not None:
+                self.cache_full_blocks([block], [block.block_hash], 0, 1)
         return True
 
     def get_num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
+        return self.free_queue.num_free_blocks + self.num_free_retained
 
     def get_usage(self) -> float:
         """Share of usable blocks that are held by requests, in [0, 1]."""
         usable = self.num_blocks - (self.null_block is not None)
-        return 1.0 - self.free_queue.num_free_blocks / usable
+        return 1.0 - self.get_num_free_blocks() / usable

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
 
-from prefixserve.core.block_pool import KVCacheBlock
+from prefixserve.core.block_pool import Clock, KVCacheBlock
 from prefixserve.core.hashing import hash_value_of
 from prefixserve.core.kv_cache_manager import KVCacheManager
 from prefixserve.core.request import CacheRequest
@@ -48,7 +48,8 @@ class HybridKVCacheManager(KVCacheManager):
 
     def __init__(self, num_blocks: int, block_size: int, group_windows: Sequence[int | None],
                  enable_caching: bool = True, hash_algo: str = "builtin", *,
-                 use_eagle: bool = False, log_stats: bool = True) -> None:
+                 use_eagle: bool = False, log_stats: bool = True, clock: Clock | None = None,
+                 max_pinned_fraction: float = 0.5, reserved_blocks: int = 0) -> None:
         if not group_windows:
             raise ValueError("a hybrid KV cache needs at least one group")
         for window in group_windows:
@@ -58,7 +59,9 @@ class HybridKVCacheManager(KVCacheManager):
         windows = [w for w in self.group_windows if w is not None]
         self.sliding_window = min(windows) if windows else None
         super().__init__(num_blocks, block_size, enable_caching, hash_algo,
-                         use_eagle=use_eagle, log_stats=log_stats)
+                         use_eagle=use_eagle, log_stats=log_stats, clock=clock,
+                         max_pinned_fraction=max_pinned_fraction,
+                         reserved_blocks=reserved_blocks)
         self.null_block = self.block_pool.null_block
         self.num_groups = len(self.group_windows)
         self.group_blocks: dict[str, list[list[KVCacheBlock]]] = {}
@@ -81,9 +84,11 @@ class HybridKVCacheManager(KVCacheManager):
         return keys
 
     # ----------------------------------------------------------------- lookup
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: CacheRequest, *, record_stats: bool = True
+                            ) -> tuple[list[KVCacheBlock], int]:
         """The longest prefix every group serves (rule 3), as the groups' hit blocks
-        concatenated (rule 2), and the tokens it holds. Changes no reference count."""
+        concatenated (rule 2), and the tokens it holds. Changes no reference count.
+        ``record_stats`` as in ``KVCacheManager.get_computed_blocks``."""
         if not self.enable_caching or request.wants_prompt_logprobs:
             return [], 0
         hashes = self.block_hashes(request)
@@ -101,14 +106,15 @@ class HybridKVCacheManager(KVCacheManager):
         if self.use_eagle and length > 0:
             length -= 1
         computed = [block for hit in hits for block in hit[:length]] if length else []
-        if self.log_stats:
-            stats = self.prefix_cache_stats
-            stats.requests += 1
-            stats.queries += len(hashes)
-            stats.hits += length
-            stats.query_tokens += request.num_tokens
-            stats.hit_tokens += length * self.block_size
+        if record_stats and self.log_stats:
+            self._record(request, len(hashes), length)
         return computed, length * self.block_size
+
+    def record_lookup(self, request: CacheRequest, hit: list[KVCacheBlock] | int) -> None:
+        """As ``KVCacheManager.record_lookup``; a list ``hit`` holds every group's blocks."""
+        if not isinstance(hit, int):
+            hit = len(hit) // self.num_groups
+        super().record_lookup(request, hit)
 
     def _group_hit(self, group: int, keys: Sequence[Hashable], max_blocks: int
                    ) -> list[KVCacheBlock]:
@@ -170,7 +176,7 @@ class HybridKVCacheManager(KVCacheManager):
         for g, table in enumerate(tables):
             table.extend(new_blocks[g * per_group : (g + 1) * per_group])
         if self.enable_caching:
-            self._cache_full(request, tables, num_existing + num_hits, total)
+            self._cache_full_groups(request, tables, num_existing + num_hits, total)
         return new_blocks
 
     def _num_skipped(self, group: int, num_computed_tokens: int) -> int:
@@ -195,7 +201,7 @@ class HybridKVCacheManager(KVCacheManager):
         if out:
             self.block_pool.free_blocks(out)
 
-    def _cache_full(self, request: CacheRequest, tables: list[list[KVCacheBlock]],
+    def _cache_full_groups(self, request: CacheRequest, tables: list[list[KVCacheBlock]],
                     num_known: int, total_tokens: int) -> None:
         """Registers in every group the blocks full once ``total_tokens`` are in."""
         rid = request.request_id

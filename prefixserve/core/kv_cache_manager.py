@@ -23,9 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from prefixserve.core.block_pool import BlockPool, KVCacheBlock
+from prefixserve.core.block_pool import BlockPool, Clock, KVCacheBlock
 from prefixserve.core.hashing import get_hash_function, hash_block_chain, hash_value_of
 from prefixserve.core.request import CacheRequest, block_extra_keys
+from prefixserve.core.retention import (
+    DEFAULT_PRIORITY,
+    NO_EXPIRY,
+    PIN_PRIORITY,
+    PinBudgetError,
+)
 from prefixserve.core.stats import PrefixCacheStats
 
 ALLOWED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
@@ -42,6 +48,12 @@ class KVCacheManager:
 
     ``use_eagle`` drops the last hit block of every lookup, for engines whose speculative-decoding
     heads need the hidden states of the last prompt block.
+
+    Retention (docs/DESIGN.md section 13): a request's ``retention`` is applied to its hit blocks
+    and to the blocks it caches, at allocation; ``pin`` / ``unpin`` hold a cached prefix by
+    reference until unpinned, within ``max_pinned_fraction`` of the pool less
+    ``reserved_blocks`` (the engine reserves room for one request of its whole context, so that
+    pins never make a request unschedulable). ``clock`` drives expiry (tests simulate it).
     """
 
     sliding_window: int | None = None
@@ -57,6 +69,9 @@ class KVCacheManager:
         *,
         use_eagle: bool = False,
         log_stats: bool = True,
+        clock: Clock | None = None,
+        max_pinned_fraction: float = 0.5,
+        reserved_blocks: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -69,9 +84,18 @@ class KVCacheManager:
         self._hash_function, self._hash_root = get_hash_function(hash_algo)
         self.use_eagle = use_eagle
         self.log_stats = log_stats
+        if not 0.0 <= max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
         self.block_pool = BlockPool(num_blocks, enable_caching,
-                                    reserve_null_block=self.sliding_window is not None)
+                                    reserve_null_block=self.sliding_window is not None,
+                                    clock=clock)
         self.num_blocks = num_blocks
+        usable = num_blocks - (self.sliding_window is not None)
+        self.max_pinned_blocks = max(0, min(int(max_pinned_fraction * usable),
+                                            usable - reserved_blocks))
+        self.pins: dict[str, list[KVCacheBlock]] = {}
+        self._pin_refs: dict[int, int] = {}
+        self.retention_seen = False
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[Hashable]] = {}
         self.num_cached_block: dict[str, int] = {}
@@ -121,22 +145,34 @@ class KVCacheManager:
         if self.use_eagle and computed:
             computed.pop()
         if record_stats and self.log_stats:
-            self._record(request, len(hashes), len(computed))
+            self._record(request, len(hashes), computed)
         return computed, len(computed) * self.block_size
 
-    def record_lookup(self, request: CacheRequest, num_hit_blocks: int) -> None:
-        """Counts one lookup of ``request`` that found ``num_hit_blocks`` blocks (after a
-        ``get_computed_blocks(request, record_stats=False)``), under the same rules."""
+    def record_lookup(self, request: CacheRequest, hit: list[KVCacheBlock] | int) -> None:
+        """Counts one lookup of ``request`` that found ``hit`` (the blocks, or their number)
+        after a ``get_computed_blocks(request, record_stats=False)``, under the same rules."""
         if self.log_stats and self.enable_caching and not request.wants_prompt_logprobs:
-            self._record(request, len(self.block_hashes(request)), num_hit_blocks)
+            self._record(request, len(self.block_hashes(request)), hit)
 
-    def _record(self, request: CacheRequest, num_queries: int, num_hits: int) -> None:
+    def _record(self, request: CacheRequest, num_queries: int,
+                hit: list[KVCacheBlock] | int) -> None:
+        """Adds one lookup to the stats; ``hit`` is the hit blocks (their retention levels are
+        counted too) or just their number."""
+        num_hits = hit if isinstance(hit, int) else len(hit)
         stats = self.prefix_cache_stats
         stats.requests += 1
         stats.queries += num_queries
         stats.hits += num_hits
         stats.query_tokens += request.num_tokens
         stats.hit_tokens += num_hits * self.block_size
+        if self.retention_seen and not isinstance(hit, int) and hit:
+            self._count_retained_hits(hit, stats.retained_hits)
+
+    def _count_retained_hits(self, computed: list[KVCacheBlock], counts: dict[int, int]) -> None:
+        self.block_pool.expire()  # count each hit at the level it really has now
+        for block in computed:
+            if block.priority != DEFAULT_PRIORITY:
+                counts[block.priority] = counts.get(block.priority, 0) + 1
 
     def _find_longest_cache_hit(self, hashes: Sequence[Hashable], max_blocks: int
                                 ) -> list[KVCacheBlock]:
@@ -205,18 +241,53 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
 
         if self.enable_caching:
-            num_cached = self.num_cached_block.get(rid, 0)
-            if new_computed_blocks:
-                num_cached = max(num_cached, num_existing + len(new_computed_blocks))
-            num_full = min(total_tokens, request.num_tokens) // bs
-            if num_full > num_cached:
-                hashes = self.block_hashes(request, num_full)
-                num_full = min(num_full, len(hashes))
-                if num_full > num_cached:
-                    self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
-                    num_cached = num_full
-            self.num_cached_block[rid] = num_cached
+            self._cache_full(request, req_blocks, num_existing, len(new_computed_blocks),
+                             total_tokens)
         return new_blocks
+
+    def _cache_full(self, request: CacheRequest, req_blocks: list[KVCacheBlock],
+                    num_existing: int, num_hits: int, total_tokens: int) -> None:
+        """Caches the blocks that became full with this step's tokens, then applies the
+        request's retention to its new hits and newly cached blocks."""
+        rid = request.request_id
+        num_cached = prev_cached = self.num_cached_block.get(rid, 0)
+        if num_hits:
+            num_cached = max(num_cached, num_existing + num_hits)
+        num_full = min(total_tokens, request.num_tokens) // self.block_size
+        if num_full > num_cached:
+            hashes = self.block_hashes(request, num_full)
+            num_full = min(num_full, len(hashes))
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+                num_cached = num_full
+        self.num_cached_block[rid] = num_cached
+        if request.retention is not None or (self.retention_seen and num_hits):
+            end_hit = num_existing + num_hits
+            self._apply_retention(request, req_blocks, num_existing, end_hit,
+                                  max(prev_cached, end_hit), num_cached)
+
+    def _apply_retention(self, request: CacheRequest, req_blocks: list[KVCacheBlock],
+                         first_hit: int, end_hit: int, first_new: int, end_new: int) -> None:
+        """Applies the request's retention to its hit blocks ``[first_hit, end_hit)`` (a block
+        keeps a higher retention than the request's) and to the blocks it has just cached,
+        ``[first_new, end_new)`` (set as asked). A request without retention counts as
+        ``DEFAULT_PRIORITY``: its hits lift a block kept at a lower priority back to it."""
+        retain = self.block_pool.retain
+        retention = request.retention
+        if retention is None:
+            for block in req_blocks[first_hit:end_hit]:
+                if block.priority < DEFAULT_PRIORITY:
+                    retain(block, DEFAULT_PRIORITY, 0.0)
+            return
+        self.retention_seen = True
+        for lo, hi, fresh in ((first_hit, end_hit, False), (first_new, end_new, True)):
+            if lo >= hi:
+                continue
+            values = retention.block_retentions(request.num_prompt_tokens, self.block_size,
+                                                lo, hi)
+            for block, (priority, duration) in zip(req_blocks[lo:hi], values, strict=True):
+                if not block.is_null:
+                    retain(block, priority, duration, fresh=fresh)
 
     def _num_reclaimable_blocks(self, request: CacheRequest, num_computed_tokens: int) -> int:
         """Blocks the request holds that are no longer needed (sliding window only)."""
@@ -244,14 +315,68 @@ class KVCacheManager:
     def get_block_ids(self, request: CacheRequest) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request.request_id, ())]
 
-    def reset_prefix_cache(self) -> bool:
+    # ----------------------------------------------------------------- pins
+    def pin(self, pin_id: str, block_hashes: Sequence[Hashable]) -> list[KVCacheBlock]:
+        """Pins the cached blocks of ``block_hashes`` (a prefix's chain, every block of which
+        must be cached): each gets one reference held by the pin, so it is never free and never
+        evicted until ``unpin``. Raises ``KeyError`` when a block is not cached, ``ValueError``
+        for a pin id in use and ``PinBudgetError`` when the distinct pinned blocks would exceed
+        ``max_pinned_blocks``; nothing changes then."""
+        if pin_id in self.pins:
+            raise ValueError(f"pin id {pin_id!r} is already in use")
+        blocks = self._find_longest_cache_hit(block_hashes, len(block_hashes))
+        if len(blocks) < len(block_hashes):
+            raise KeyError(f"block {len(blocks)} of the prefix is not cached")
+        new = {b.block_id for b in blocks if b.block_id not in self._pin_refs}
+        if len(self._pin_refs) + len(new) > self.max_pinned_blocks:
+            raise PinBudgetError(
+                f"pinning {len(new)} more blocks would pin {len(self._pin_refs) + len(new)} of "
+                f"{self.num_blocks} blocks; the pin budget is {self.max_pinned_blocks} "
+                f"(--max-pinned-fraction)")
+        self.block_pool.touch(blocks)
+        for block in blocks:
+            self._pin_refs[block.block_id] = self._pin_refs.get(block.block_id, 0) + 1
+            block.priority = PIN_PRIORITY
+            block.duration = NO_EXPIRY
+        self.retention_seen = True
+        self.pins[pin_id] = blocks
+        return blocks
+
+    def unpin(self, pin_id: str) -> bool:
+        """Releases a pin (tail first); a block no other pin holds falls back to the default
+        priority. Returns whether the pin existed."""
+        blocks = self.pins.pop(pin_id, None)
+        if blocks is None:
+            return False
+        for block in blocks:
+            left = self._pin_refs[block.block_id] - 1
+            if left:
+                self._pin_refs[block.block_id] = left
+                continue
+            del self._pin_refs[block.block_id]
+            block.priority = DEFAULT_PRIORITY
+            block.duration = 0.0
+        self.block_pool.free_blocks(reversed(blocks))
+        return True
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks held by pins."""
+        return len(self._pin_refs)
+
+    def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
         """Empties the prefix cache, also under traffic; returns True (kept for callers).
 
         Running requests keep their blocks, chains and ``num_cached_block`` counts: their blocks
         cached before the reset are never registered again (they lie below the count), and the
         blocks they fill afterwards are cached under their still valid chain hashes. The stats
-        are flagged ``reset`` (which clears the rolling hit-rate window, not the counters)."""
-        self.block_pool.reset_prefix_cache()
+        are flagged ``reset`` (which clears the rolling hit-rate window, not the counters).
+        Pins are released first unless ``keep_pins``, which keeps them and their hashes."""
+        if not keep_pins:
+            for pin_id in list(self.pins):
+                self.unpin(pin_id)
+        kept = [block for blocks in self.pins.values() for block in blocks]
+        self.block_pool.reset_prefix_cache(keep=kept)
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
@@ -285,14 +410,17 @@ class SlidingWindowKVCacheManager(KVCacheManager):
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_algo: str = "builtin", *, sliding_window: int, use_eagle: bool = False,
-                 log_stats: bool = True) -> None:
+                 log_stats: bool = True, clock: Clock | None = None,
+                 max_pinned_fraction: float = 0.5, reserved_blocks: int = 0) -> None:
         if sliding_window is None:
             raise ValueError("SlidingWindowKVCacheManager needs a sliding_window")
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.sliding_window = sliding_window
         super().__init__(num_blocks, block_size, enable_caching, hash_algo, use_eagle=use_eagle,
-                         log_stats=log_stats)
+                         log_stats=log_stats, clock=clock,
+                         max_pinned_fraction=max_pinned_fraction,
+                         reserved_blocks=reserved_blocks)
         assert self.block_pool.null_block is not None
         self.null_block = self.block_pool.null_block
 

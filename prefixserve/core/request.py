@@ -12,6 +12,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from prefixserve.core.retention import Retention
+
 
 class MultiModalInput(NamedTuple):
     """A multimodal input occupying placeholder tokens ``[offset, offset + length)`` of the
@@ -31,7 +33,8 @@ class CacheRequest:
     request's blocks; the engine advances it after each step and resets it to 0 on preemption.
     ``block_hashes``, when given, are precomputed block hashes (one per full block, any hashable
     values) used instead of hashing ``token_ids``; ``token_ids`` then only has to have the right
-    length (``range(n)`` will do).
+    length (``range(n)`` will do). ``retention``, when given, asks the cache to keep the blocks
+    of some prompt ranges longer (``core/retention.py``).
     """
 
     request_id: str
@@ -43,6 +46,7 @@ class CacheRequest:
     block_hashes: Sequence[Hashable] | None = None
     num_computed_tokens: int = 0
     num_prompt_tokens: int = field(default=-1)
+    retention: Retention | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

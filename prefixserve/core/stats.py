@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -12,7 +12,9 @@ class PrefixCacheStats:
 
     ``queries``/``hits`` count blocks (full blocks of each looked-up request / blocks found);
     ``query_tokens``/``hit_tokens`` count tokens (request lengths / tokens served from the
-    cache). ``reset`` says the prefix cache was reset during the step."""
+    cache). ``reset`` says the prefix cache was reset during the step. ``retained_hits`` counts
+    hit blocks by priority level for the levels other than the default (empty until some
+    request or pin used retention)."""
 
     reset: bool = False
     requests: int = 0
@@ -20,6 +22,7 @@ class PrefixCacheStats:
     hits: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    retained_hits: dict[int, int] = field(default_factory=dict)
 
 
 class PrefixCachingMetrics:
@@ -31,7 +34,7 @@ class PrefixCachingMetrics:
 
     __slots__ = ("_window", "_window_hits", "_window_queries", "_window_requests",
                  "hit_tokens", "hits", "max_recent_requests", "queries", "query_tokens",
-                 "requests")
+                 "requests", "retained_hits")
 
     def __init__(self, max_recent_requests: int = 1000) -> None:
         self.max_recent_requests = max_recent_requests
@@ -40,6 +43,7 @@ class PrefixCachingMetrics:
         self.hits = 0
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.retained_hits: dict[int, int] = {}
         self._window: deque[tuple[int, int, int]] = deque()
         self._window_requests = 0
         self._window_queries = 0
@@ -54,6 +58,8 @@ class PrefixCachingMetrics:
         self.hits += stats.hits
         self.query_tokens += stats.query_tokens
         self.hit_tokens += stats.hit_tokens
+        for priority, hits in stats.retained_hits.items():
+            self.retained_hits[priority] = self.retained_hits.get(priority, 0) + hits
         if stats.requests == 0:
             return
         self._window.append((stats.requests, stats.queries, stats.hits))

@@ -13,12 +13,14 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
 
+from prefixserve.core import MAX_PRIORITY, Retention
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.errors import EngineDeadError
 from prefixserve.engine.llm_engine import EngineStats, LLMEngine
@@ -32,6 +34,8 @@ logger = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
 
 _IDLE_WAIT_S = 1.0
+_PIN_WARMUP = Retention.whole_prompt(MAX_PRIORITY, 60.0)
+"""A pin's prefill keeps its blocks at the top priority until the pin takes them."""
 """Longest sleep of the engine thread while no work can run (it wakes at once on a command)."""
 
 
@@ -74,6 +78,11 @@ class AsyncLLM:
         return self.engine.num_kv_blocks
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block."""
+        return self.engine.block_size
+
+    @property
     def max_waiting_requests(self) -> int | None:
         """The most sequences the waiting queue holds (None: unbounded)."""
         return self.engine.max_waiting_requests
@@ -96,6 +105,7 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        retention: Retention | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (deltas) until it finishes. Raises the engine's
         ``RequestError``/``QueueFullError`` before the first output if it cannot be queued.
@@ -106,7 +116,8 @@ class AsyncLLM:
 
         def add() -> None:
             self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt,
-                                    add_special_tokens=add_special_tokens, arrival_time=arrival)
+                                    add_special_tokens=add_special_tokens, arrival_time=arrival,
+                                    retention=retention)
             self._streams[request_id] = (loop, stream)
 
         await self._call(add)
@@ -142,8 +153,29 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._submit(run)
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self._call(self.engine.reset_prefix_cache)
+    async def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
+        return await self._call(lambda: self.engine.reset_prefix_cache(keep_pins=keep_pins))
+
+    async def pin_prefix(self, pin_id: str, token_ids: Sequence[int],
+                         cache_salt: str | None = None) -> int:
+        """Computes the prefix (one prefill, kept at the top priority for a minute so it is
+        still cached when it finishes) and pins its full blocks; returns their number. Raises
+        ``RequestError`` over the pin budget (checked before computing) or for a bad prompt."""
+        ids = list(token_ids)
+        self.engine.validate_prompt(ids, 1)
+        await self._call(lambda: self.engine.check_pin_budget(len(ids)))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        async for _ in self.generate(ids, params, f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
+                                     cache_salt=cache_salt, retention=_PIN_WARMUP):
+            pass
+        return await self._call(lambda: self.engine.pin_cached_prefix(pin_id, ids, cache_salt))
+
+    async def unpin(self, pin_id: str) -> bool:
+        return await self._call(lambda: self.engine.unpin(pin_id))
+
+    async def pins(self) -> dict[str, int]:
+        """Every pin's id and the blocks it holds."""
+        return await self._call(self.engine.pins)
 
     def stats(self) -> EngineStats:
         """The latest snapshot, taken by the engine thread after each step."""

@@ -47,6 +47,7 @@ class EngineConfig:
     ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
     dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
+    ``max_pinned_fraction`` bounds the blocks pins may hold (``pin_prefix``), a share of the pool.
     """
 
     model: str | None = None
@@ -64,8 +65,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     num_threads: int | None = None
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], "
+                             f"got {self.max_pinned_fraction}")
         if self.block_size not in ALLOWED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, "
                              f"got {self.block_size}")

@@ -33,15 +33,21 @@ def make_engine_kv_cache(model: ModelConfig, num_blocks: int, config: EngineConf
     alone (a window group holds at most the window plus one step's chunk)."""
     layout = kv_layout(model)
     bs = config.block_size
-    if all(w is None for w in layout.windows):
-        manager = KVCacheManager(num_blocks, bs, enable_caching=config.prefix_caching,
-                                 hash_algo=config.prefix_caching_hash_algo)
-        return manager, num_blocks * bs
-    hybrid = HybridKVCacheManager(num_blocks, bs, layout.windows,
-                                  enable_caching=config.prefix_caching,
-                                  hash_algo=config.prefix_caching_hash_algo)
-    capacity = max_tokens_for_blocks(layout, num_blocks - 1, bs, config.max_num_batched_tokens)
-    return hybrid, capacity
+    hybrid = any(w is not None for w in layout.windows)
+    capacity = (max_tokens_for_blocks(layout, num_blocks - 1, bs, config.max_num_batched_tokens)
+                if hybrid else num_blocks * bs)
+    max_model_len = min(config.max_model_len or model.max_position_embeddings,
+                        model.max_position_embeddings, capacity)
+    reserved = -(-max_model_len // bs)  # the pin budget leaves room for one longest request
+    if not hybrid:
+        return KVCacheManager(num_blocks, bs, config.prefix_caching,
+                              config.prefix_caching_hash_algo,
+                              max_pinned_fraction=config.max_pinned_fraction,
+                              reserved_blocks=reserved), capacity
+    return HybridKVCacheManager(num_blocks, bs, layout.windows, config.prefix_caching,
+                                config.prefix_caching_hash_algo,
+                                max_pinned_fraction=config.max_pinned_fraction,
+                                reserved_blocks=reserved), capacity
 
 
 def capacity_report(model: ModelConfig, num_blocks: int, block_size: int, num_tokens: int,

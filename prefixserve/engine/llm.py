@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from prefixserve.core import MAX_PRIORITY, Retention
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.output_processor import RequestState
@@ -35,15 +36,17 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        retention: Retention | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion, batched, and returns
-        one output per prompt in input order."""
+        one output per prompt in input order. ``retention`` (``prefixserve.core.Retention``)
+        asks the prefix cache to keep the prompts' blocks at a priority, for a while."""
         batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [cast(Prompt, prompts)]  # one prompt: text, or token ids
         else:
             batch = list(cast(Sequence[Prompt], prompts))
-        return self._run(batch, sampling_params, cache_salt)
+        return self._run(batch, sampling_params, cache_salt, retention)
 
     def chat(
         self,
@@ -67,13 +70,29 @@ class LLM:
         ]
         return self._run(prompts, sampling_params, cache_salt)
 
-    def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache, also while requests run (their blocks come back uncached)."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
+        """Empties the prefix cache, also while requests run (their blocks come back uncached);
+        pins are released too unless ``keep_pins``."""
+        return self.engine.reset_prefix_cache(keep_pins=keep_pins)
+
+    def pin_prefix(self, pin_id: str, prompt: Prompt, cache_salt: str | None = None) -> int:
+        """Computes ``prompt`` (text or token ids) and pins its full blocks until ``unpin``;
+        returns their number. Raises ``RequestError`` over the pin budget."""
+        engine = self.engine
+        ids = (engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        engine.validate_prompt(ids, 1)
+        engine.check_pin_budget(len(ids))
+        self._run([ids], SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
+                  Retention.whole_prompt(MAX_PRIORITY, 60.0))
+        return engine.pin_cached_prefix(pin_id, ids, cache_salt)
+
+    def unpin(self, pin_id: str) -> bool:
+        return self.engine.unpin(pin_id)
 
     def _run(self, prompts: list[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             cache_salt: str | None) -> list[RequestOutput]:
+             cache_salt: str | None, retention: Retention | None = None
+             ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -84,7 +103,8 @@ class LLM:
         states: list[RequestState] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
-                request_id = engine.add_request(prompt, params, cache_salt=cache_salt)
+                request_id = engine.add_request(prompt, params, cache_salt=cache_salt,
+                                                retention=retention)
                 states.append(engine.request_state(request_id))
             while engine.has_unfinished_requests():
                 engine.step()

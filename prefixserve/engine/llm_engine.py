@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.core import MultiModalInput, PrefixCachingMetrics
+from prefixserve.core import (
+    CacheRequest,
+    MultiModalInput,
+    PinBudgetError,
+    PrefixCachingMetrics,
+    Retention,
+)
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
@@ -63,6 +69,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    num_pinned_blocks: int = 0
+    retained_hits: dict[int, int] | None = None
+    evictions_by_priority: dict[int, int] | None = None
+    expired_retentions: int = 0
 
 
 class LLMEngine:
@@ -146,6 +156,7 @@ class LLMEngine:
         mm_inputs: Sequence[MultiModalInput] = (),
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
+        retention: Retention | None = None,
     ) -> str:
         """Queues a prompt (text, or token ids used as given) and returns its request id.
 
@@ -183,6 +194,7 @@ class LLMEngine:
                 params=params,
                 index=index,
                 generator=make_generator(seed, self.config.device),
+                retention=retention,
             )
             request.metrics.arrival_time = arrival
             children.append(request)
@@ -285,13 +297,61 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
         """Empties the prefix cache, also while requests run; returns True.
 
         Every cached hash is dropped at once: nothing computed before the reset is found again.
         Running requests keep their blocks (which go back to the pool uncached when freed) and
-        cache the blocks they fill afterwards as usual."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        cache the blocks they fill afterwards as usual. Pins are released too, unless
+        ``keep_pins`` (then their blocks stay cached and pinned)."""
+        return self.kv_cache_manager.reset_prefix_cache(keep_pins=keep_pins)
+
+    # ------------------------------------------------------------------ pins
+    def pin_cached_prefix(self, pin_id: str, token_ids: Sequence[int],
+                          cache_salt: str | None = None) -> int:
+        """Pins the full blocks of ``token_ids``, which must be cached now (``LLM.pin_prefix``
+        and ``AsyncLLM.pin_prefix`` compute them first); returns the blocks pinned. Raises
+        ``PinBudgetError`` over the budget, ``RequestError`` when a block is not cached or the
+        prefix fills no block."""
+        probe = CacheRequest(f"pin:{pin_id}", list(token_ids), cache_salt=cache_salt)
+        manager = self.kv_cache_manager
+        try:
+            hashes = list(manager.block_hashes(probe))
+        finally:
+            manager.free_block_hashes(probe)
+        if not hashes:
+            raise RequestError(f"the prefix has {len(token_ids)} tokens, less than one block "
+                               f"of {self.block_size}: nothing to pin")
+        try:
+            return len(manager.pin(pin_id, hashes))
+        except KeyError as exc:
+            raise RequestError("the prefix was evicted before it could be pinned; "
+                               "retry") from exc
+        except PinBudgetError as exc:
+            raise RequestError(str(exc), code="pin_budget_exceeded") from exc
+        except ValueError as exc:  # the id is in use
+            raise RequestError(str(exc), code="pin_id_in_use") from exc
+
+    def check_pin_budget(self, num_tokens: int) -> None:
+        """Raises ``RequestError`` (code ``pin_budget_exceeded``) when a prefix of
+        ``num_tokens`` could not be pinned even if none of its blocks were pinned yet (checked
+        before computing it)."""
+        manager = self.kv_cache_manager
+        need = num_tokens // self.block_size
+        if manager.num_pinned_blocks + need > manager.max_pinned_blocks:
+            raise RequestError(
+                f"the prefix fills {need} blocks and {manager.num_pinned_blocks} are pinned, but "
+                f"the pin budget is {manager.max_pinned_blocks} of {manager.num_blocks} blocks "
+                f"(--max-pinned-fraction, less room for one request of the whole context)",
+                code="pin_budget_exceeded")
+
+    def unpin(self, pin_id: str) -> bool:
+        """Releases a pin; returns whether it existed."""
+        return self.kv_cache_manager.unpin(pin_id)
+
+    def pins(self) -> dict[str, int]:
+        """Every pin's id and the blocks it holds."""
+        return {pin_id: len(blocks) for pin_id, blocks in self.kv_cache_manager.pins.items()}
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -406,4 +466,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            num_pinned_blocks=manager.num_pinned_blocks,
+            retained_hits=dict(self.metrics.retained_hits),
+            evictions_by_priority=dict(manager.block_pool.evictions_by_priority),
+            expired_retentions=manager.block_pool.expired_retentions,
         )

@@ -141,7 +141,7 @@ class Scheduler:
             request.block_ids = []  # a new list: the runner copies a new table whole
             self._add_block_ids(request, [*computed, *new_blocks])
             self.waiting.popleft()
-            self.kv_cache_manager.record_lookup(request, len(computed))
+            self.kv_cache_manager.record_lookup(request, computed)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)

@@ -33,10 +33,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prefixserve import __version__
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.server.agent_routes import add_agent_routes
+from prefixserve.server.anthropic import AnthropicServing
+from prefixserve.server.anthropic_routes import add_anthropic_routes
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
+from prefixserve.server.pin_routes import add_pin_routes
 from prefixserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -150,6 +153,8 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     _add_openai_routes(app, serving, config, keys, docs)
     add_agent_routes(app, serving, config, keys.api, docs)
     _add_operation_routes(app, engine, metrics, keys, docs)
+    add_pin_routes(app, engine, keys.admin, docs, serving.cache_salt)
+    add_anthropic_routes(app, AnthropicServing(serving, engine.block_size), config, docs)
     install_openapi(app, config)
     return app
 
@@ -213,10 +218,12 @@ def _add_operation_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics
 
     @app.post("/reset_prefix_cache", response_model=StatusResponse, tags=["Operations"],
               responses=docs.admin)
-    async def reset_prefix_cache(admin_key: AdminKey) -> StatusResponse:
+    async def reset_prefix_cache(admin_key: AdminKey, keep_pins: bool = False
+                                 ) -> StatusResponse:
         """Empties the prefix cache (its counters are kept), also while requests run: blocks
-        they hold stop being findable and return to the pool uncached. An admin action."""
-        await engine.reset_prefix_cache()
+        they hold stop being findable and return to the pool uncached. Pins are released too
+        unless ``?keep_pins=true``. An admin action."""
+        await engine.reset_prefix_cache(keep_pins=keep_pins)
         return StatusResponse(status="reset")
 
     @app.get("/health", response_model=StatusResponse, tags=["Operations"],

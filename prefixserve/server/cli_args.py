@@ -108,6 +108,14 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
                         help="seconds a client has to send a request's headers and body before "
                         "the connection is closed (default "
                         f"{config.DEFAULT_REQUEST_READ_TIMEOUT:g})")
+    limits.add_argument("--max-retention-duration", type=float, metavar="SECONDS",
+                        default=config.DEFAULT_MAX_RETENTION_DURATION,
+                        help="longest retention a request may ask for (`retention`, Anthropic "
+                        "`cache_control` ttl); longer gets 400 (default "
+                        f"{config.DEFAULT_MAX_RETENTION_DURATION:g})")
+    limits.add_argument("--max-pinned-fraction", type=float, metavar="F",
+                        help="share of the KV pool that admin pins may hold (default 0.5, less "
+                        "room for one request of the whole context); a pin beyond gets 400")
 
 
 def _add_engine(group: argparse._ArgumentGroup) -> None:

@@ -20,6 +20,7 @@ DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 DEFAULT_MAX_REQUEST_BODY_SIZE = 32 << 20
 #: Seconds a client has to send a request's headers and body.
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
+DEFAULT_MAX_RETENTION_DURATION = 3600.0
 #: Sequences that may wait for a slot before new requests get 503.
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 #: ``/v1/responses`` kept for ``previous_response_id``.
@@ -54,6 +55,7 @@ class ServerConfig:
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
     allowed_origins: tuple[str, ...] = ()
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    max_retention_duration: float = DEFAULT_MAX_RETENTION_DURATION
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -68,6 +70,8 @@ class ServerConfig:
             raise ValueError("request_read_timeout must be positive")
         if self.max_stored_responses < 0:
             raise ValueError("max_stored_responses must be >= 0")
+        if not self.max_retention_duration > 0:
+            raise ValueError("max_retention_duration must be positive")
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be one of {METRICS_PREFIXES}")
 

@@ -30,7 +30,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _ENGINE_OPTIONS = ("dtype", "weights", "enable_prefix_caching", "prefix_caching_hash_algo",
                    "block_size", "kv_cache_memory", "num_blocks", "max_num_seqs",
                    "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
-                   "max_waiting_requests", "num_threads")
+                   "max_waiting_requests", "num_threads", "max_pinned_fraction")
 
 
 def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:
@@ -85,7 +85,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_request_body_size=parse_memory(args.max_request_body_size),
         request_read_timeout=args.request_read_timeout,
         allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()),
-        max_stored_responses=getattr(args, "max_stored_responses", 1024))
+        max_stored_responses=getattr(args, "max_stored_responses", 1024),
+        max_retention_duration=args.max_retention_duration)
 
 
 def run_server(args: argparse.Namespace) -> int:

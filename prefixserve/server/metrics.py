@@ -27,6 +27,11 @@ name                                       type       meaning
 ``num_preemptions_total``                  counter    sequences preempted for KV blocks
 ``prompt_tokens_total``                    counter    prompt tokens of sequences that generated
 ``generation_tokens_total``                counter    tokens generated
+``kv_cache_num_pinned_blocks``             gauge      KV blocks held by admin pins
+``prefix_cache_expired_retentions_total``  counter    retained blocks whose TTL ran out while free
+``prefix_cache_hit_blocks_by_priority_total`` counter hit blocks by ``priority`` level (35 is the
+                                                      default; ``pinned``)
+``prefix_cache_evicted_blocks_total``      counter    cached blocks evicted, by ``priority`` level
 ``request_success_total``                  counter    finished sequences, by ``finished_reason``
                                                       (stop, length, abort)
 ``time_to_first_token_seconds``            histogram  arrival to first token
@@ -52,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixserve.core import DEFAULT_PRIORITY, PIN_PRIORITY
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.llm_engine import EngineStats
 from prefixserve.outputs import RequestMetrics, RequestOutput
@@ -67,6 +73,15 @@ _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0)
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, *_E2E_BUCKETS)
+def _by_level(counts: dict[int, int]) -> dict[str, int]:
+    """Counts by priority as label values: ``pinned`` or the number."""
+    out: dict[str, int] = {}
+    for priority, count in counts.items():
+        label = "pinned" if priority == PIN_PRIORITY else str(priority)
+        out[label] = out.get(label, 0) + count
+    return out
+
+
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, ... 500000
 
 
@@ -116,6 +131,29 @@ class EngineCollector(Collector):
             yield self._family(GaugeMetricFamily, name, documentation, value)
         for name, documentation, value in _counters(stats):
             yield self._family(CounterMetricFamily, name, documentation, value)
+        yield from self._retention_families(stats)
+
+    def _retention_families(self, stats: EngineStats) -> Iterator[Metric]:
+        """Pinned blocks, expired retentions, hits and evictions by priority level."""
+        yield self._family(GaugeMetricFamily, "kv_cache_num_pinned_blocks",
+                           "KV cache blocks held by admin pins.", stats.num_pinned_blocks)
+        yield self._family(CounterMetricFamily, "prefix_cache_expired_retentions",
+                           "Retained blocks whose retention expired while free.",
+                           stats.expired_retentions)
+        hits = _by_level(stats.retained_hits or {})
+        hits[str(DEFAULT_PRIORITY)] = (stats.prefix_cache_hits - sum(hits.values())
+                                       + hits.get(str(DEFAULT_PRIORITY), 0))
+        for name, documentation, values in (
+                ("prefix_cache_hit_blocks_by_priority",
+                 "Prefix cache hit blocks by retention priority level.", hits),
+                ("prefix_cache_evicted_blocks",
+                 "Cached blocks evicted for reuse, by retention priority level.",
+                 _by_level(stats.evictions_by_priority or {}))):
+            family = CounterMetricFamily(f"{self.prefix}:{name}", documentation,
+                                         labels=[MODEL_NAME_LABEL, "priority"])
+            for level, value in sorted(values.items()):
+                family.add_metric([self.model_name, level], value)
+            yield family
 
     def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
                 documentation: str, value: float) -> Metric:

@@ -41,6 +41,7 @@ from prefixserve.server.agent_protocol import (
     ToolDefinition,
 )
 from prefixserve.server.config import MAX_N
+from prefixserve.server.retention_protocol import RetentionSpec
 
 #: The most stop strings one request may give.
 MAX_STOP_STRINGS = 16
@@ -155,6 +156,9 @@ class GenerationRequest(_Strict):
         None, description="Requests share prefix-cache blocks only when their salts are equal "
         "(so a tenant cannot probe another's prompts by timing). With the server's "
         "API keys each key gets its own salt too, unless `--share-cache-across-keys`.")
+    retention: RetentionSpec | None = Field(
+        None, description="Keep this prompt in the prefix cache at a priority for a while "
+        "(see docs/DESIGN.md section 13).")
     skip_special_tokens: bool | None = Field(None, description="Leave special tokens out of "
                                              "the text (default true).")
     include_stop_str_in_output: bool | None = Field(None, description="Keep the stop string "

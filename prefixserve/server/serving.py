@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from prefixserve.core import Retention
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
 from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
@@ -60,6 +61,7 @@ from prefixserve.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from prefixserve.server.retention import to_retention
 from prefixserve.server.streams import (
     ClientDisconnectedError,
     EventStreamResponse,
@@ -169,6 +171,7 @@ class _Run:
     created: int = field(default_factory=lambda: int(time.time()))
     grammar_param: str = "structured_outputs"
     tools: ToolCalling | None = None
+    retention: Retention | None = None
 
     def event(self, kind: type[CompletionResponse] | type[ChatCompletionChunk],
               choices: list[Any], usage: Usage | None = None) -> str:
@@ -369,12 +372,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running requests
     async def _source(self, ids: list[int], params: SamplingParams, request_id: str,
-                      salt: str | None) -> AsyncGenerator[RequestOutput, None]:
+                      salt: str | None, retention: Retention | None = None,
+                      ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of one engine request, observed for the metrics; closing it aborts the
         request."""
         tracker = self.metrics.track(params.n)
         try:
-            generated = self.engine.generate(ids, params, request_id, cache_salt=salt)
+            generated = self.engine.generate(ids, params, request_id, cache_salt=salt,
+                                             retention=retention)
             async with aclosing(generated) as outputs:
                 async for output in outputs:
                     tracker.observe(output)
@@ -388,7 +393,7 @@ class OpenAIServing:
         ids_list = run.prompts.ids
         stream = MultiStream([
             self._source(ids, run.params, run.id if len(ids_list) == 1 else f"{run.id}-{i}",
-                         run.salt)
+                         run.salt, run.retention)
             for i, ids in enumerate(ids_list)
         ])
         try:
@@ -424,7 +429,8 @@ class OpenAIServing:
         return _Run(id=f"{kind}-{uuid.uuid4().hex}", model=model, prompts=prompts,
                     params=params, salt=self.cache_salt(body.cache_salt, api_key), param=param,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                    grammar_param=grammar_param)
+                    grammar_param=grammar_param,
+                    retention=to_retention(body.retention, self.config.max_retention_duration))
 
     @staticmethod
     async def _respond(request: Request, stream_events: bool,

@@ -36,7 +36,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from prefixserve.core import CacheRequest, KVCacheManager, PrefixCacheStats, PrefixCachingMetrics
+from prefixserve.core import (
+    CacheRequest,
+    KVCacheManager,
+    PinBudgetError,
+    PrefixCacheStats,
+    PrefixCachingMetrics,
+    Retention,
+)
 from prefixserve.tools import estimate_hybrid
 from prefixserve.tools.estimate_results import CacheResult, Estimate, ReplaySettings
 from prefixserve.tools.trace_formats import (
@@ -96,13 +103,22 @@ class _PoolReplay:
         self.capacity = capacity
         self.concurrency = settings.concurrency
         self.settings = settings
-        self.manager = KVCacheManager(capacity, workload.block_size)
+        self.now = 0.0
+        self.manager: KVCacheManager
         if settings.group_windows is not None:
             self.manager = estimate_hybrid.hybrid_manager(capacity, workload.block_size,
-                                                          settings)
+                                                          settings, clock=lambda: self.now)
+        else:
+            self.manager = KVCacheManager(capacity, workload.block_size, clock=lambda: self.now,
+                                          max_pinned_fraction=settings.max_pinned_fraction)
         self.resident: deque[tuple[CacheRequest, TraceRequest, list[Any]]] = deque()
         self.result = CacheResult(capacity)
         self.tally = _Tally(self.result, len(workload.requests), settings)
+        self.default_retention = (None if settings.ttl is None else
+                                  Retention.whole_prompt(settings.ttl_priority, settings.ttl))
+        self.pin_targets = most_reused_blocks(workload, settings.pin_top)
+        self.pinned: set[Any] = set()
+        self.pins_full = False
 
     def run(self, tick: ProgressTick | None) -> CacheResult:
         start = time.perf_counter()
@@ -126,7 +142,7 @@ class _PoolReplay:
         prompt = trace_request.num_prompt_tokens
         total = prompt + trace_request.num_decoded_tokens
         num_prompt_blocks = min(len(keys), prompt // bs)
-        if -(-total // bs) > self.capacity:
+        if -(-total // bs) > self.capacity - self.manager.num_pinned_blocks:
             self.result.requests_too_large += index >= self.tally.warmup
             self.tally.observe(index, PrefixCacheStats(requests=1, queries=num_prompt_blocks,
                                                        query_tokens=prompt))
@@ -134,7 +150,9 @@ class _PoolReplay:
         while len(self.resident) >= self.concurrency:
             self._leave()
         prompt_keys = keys if num_prompt_blocks == len(keys) else keys[:num_prompt_blocks]
-        request = CacheRequest(str(index), range(prompt), block_hashes=prompt_keys)
+        self.now = float(index) if trace_request.time is None else trace_request.time
+        request = CacheRequest(str(index), range(prompt), block_hashes=prompt_keys,
+                               retention=trace_request.retention or self.default_retention)
         manager = self.manager
         hits, num_cached = manager.get_computed_blocks(request)
         self.tally.observe(index, manager.make_prefix_cache_stats())
@@ -144,7 +162,25 @@ class _PoolReplay:
             if not self.resident:
                 raise RuntimeError(f"request {index} fits the pool but could not be allocated")
             self._leave()
+        if self.pin_targets and not self.pins_full:
+            self._pin(index, prompt_keys)
         self.resident.append((request, trace_request, keys))
+
+    def _pin(self, index: int, keys: Sequence[Any]) -> None:
+        """Pins the request's longest prefix made of target blocks, if it adds any."""
+        n = 0
+        while n < len(keys) and keys[n] in self.pin_targets:
+            n += 1
+        if n == 0 or keys[n - 1] in self.pinned:
+            return
+        try:
+            self.manager.pin(f"p{index}", keys[:n])
+        except PinBudgetError:
+            self.pins_full = True
+            return
+        except KeyError:  # a block of the chain is not cached (held twice, evicted): skip
+            return
+        self.pinned.update(keys[:n])
 
     def _leave(self) -> None:
         request, trace_request, keys = self.resident.popleft()
@@ -159,6 +195,25 @@ class _PoolReplay:
                 raise RuntimeError("decoding a request needed blocks it had not reserved")
         manager.free(request)
         manager.free_block_hashes(request)
+
+
+def most_reused_blocks(workload: Workload, k: int) -> set[Any]:
+    """The ``k`` prompt blocks found in the most requests (each standing for the prefix up to
+    it; ties go to the longer prefix), leaving out blocks used once. An oracle: it reads the
+    whole workload first, as an operator who knows the traffic would choose pins."""
+    if k <= 0:
+        return set()
+    counts: dict[Any, int] = {}
+    depth: dict[Any, int] = {}
+    bs = workload.block_size
+    for request in workload.requests:
+        keys = workload.block_keys(request)
+        for i, key in enumerate(keys[:request.num_prompt_tokens // bs]):
+            counts[key] = counts.get(key, 0) + 1
+            depth[key] = i
+    ranked = sorted((key for key, c in counts.items() if c > 1),
+                    key=lambda key: (-counts[key], -depth[key]))
+    return set(ranked[:k])
 
 
 def replay_pool(workload: Workload, capacity: int, settings: ReplaySettings,
@@ -453,6 +508,8 @@ def estimate(args: argparse.Namespace) -> Estimate:
         raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     if args.window is not None and args.window < 1:
         raise ValueError(f"--window must be at least 1, got {args.window}")
+    if args.pin_top < 0 or (args.ttl is not None and not args.ttl > 0):
+        raise ValueError("--pin-top must be at least 0 and --ttl positive")
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token < 1:
         raise ValueError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
     kv_bytes = _kv_bytes_per_token(args)
@@ -473,7 +530,9 @@ def estimate(args: argparse.Namespace) -> Estimate:
             None if args.kv_model == "default" else args.kv_model)
     settings = ReplaySettings(concurrency=args.concurrency,
                               warmup_requests=math.floor(num_requests * args.warmup_fraction),
-                              window=window, group_windows=group_windows)
+                              window=window, group_windows=group_windows,
+                              pin_top=args.pin_top, ttl=args.ttl,
+                              ttl_priority=args.ttl_priority)
     jobs = args.jobs or os.cpu_count() or 1
     if args.jobs is None and workload.num_prompt_blocks < SMALL_REPLAY_BLOCKS:
         jobs = 1

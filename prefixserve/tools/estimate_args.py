@@ -21,7 +21,7 @@ Inputs (detected from the first record, or --format), plain, .gz or .xz, one JSO
                   own content; chained here so that a block only hits after the same history
   kvcache-tester  one session a line (64-token blocks, ids local to the session, sub-agent
                   requests nested): each session gets its own id space
-The "timestamp" of a record is not used: requests are replayed in file order.
+Requests are replayed in file order; a record's "timestamp" is only the clock of --ttl.
 
 Blocks: the cache is simulated with --block-size blocks. A trace with larger blocks is split
 (id i becomes sub-blocks (i, 0..k-1)); one with smaller blocks is merged. Only full blocks are
@@ -108,6 +108,16 @@ def _add_replay(replay: argparse._ArgumentGroup) -> None:
                         "at most 1000)")
     replay.add_argument("--jobs", type=int, metavar="N",
                         help="processes replaying caches in parallel (default: CPU count)")
+    replay.add_argument("--pin-top", type=int, default=0, metavar="K",
+                        help="pin the prefixes up to the K most reused blocks when first "
+                        "computed (an oracle choice, within half the pool; default 0: none)")
+    replay.add_argument("--ttl", type=float, metavar="SECONDS",
+                        help="give every request without a retention of its own a whole-prompt "
+                        "retention for SECONDS (trace time; one second a request when the "
+                        "trace has no times)")
+    replay.add_argument("--ttl-priority", type=int, default=80, metavar="P",
+                        help="the priority of --ttl retentions (default 80; 35 is the default "
+                        "of every block)")
     replay.add_argument("--skip-bad-lines", action="store_true",
                         help="count and skip unreadable lines instead of stopping at the first")
 

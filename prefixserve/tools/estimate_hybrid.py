@@ -16,6 +16,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from prefixserve.core import CacheRequest, PrefixCacheStats
+from prefixserve.core.block_pool import Clock
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from prefixserve.tools.estimate_results import ReplaySettings
 from prefixserve.tools.trace_formats import TraceRequest, Workload
@@ -92,7 +93,8 @@ def hybrid_arrive(replay: Any, index: int, trace_request: TraceRequest,
     replay.resident.append((request, trace_request, keys))
 
 
-def hybrid_manager(capacity: int, block_size: int, settings: ReplaySettings
-                   ) -> HybridKVCacheManager:
+def hybrid_manager(capacity: int, block_size: int, settings: ReplaySettings,
+                   clock: Clock | None = None) -> HybridKVCacheManager:
     assert settings.group_windows is not None
-    return HybridKVCacheManager(capacity, block_size, settings.group_windows)
+    return HybridKVCacheManager(capacity, block_size, settings.group_windows, clock=clock,
+                                max_pinned_fraction=settings.max_pinned_fraction)

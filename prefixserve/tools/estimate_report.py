@@ -125,6 +125,10 @@ def print_report(estimate: Estimate, console: Console | None = None) -> None:
             else f"{concurrency} requests resident, released in arrival order")
     console.print(f"{_window_text(estimate)}; {load}. Partial last blocks are never cached; "
                   "the infinite cache is the upper bound.", highlight=False)
+    if estimate.settings.pin_top or estimate.settings.ttl is not None:
+        console.print(f"Explicit caching: pin-top {estimate.settings.pin_top}, ttl "
+                      f"{estimate.settings.ttl} s at priority {estimate.settings.ttl_priority}.",
+                      highlight=False)
     console.print(build_table(estimate))
     console.print("speed-up bound: 1/(1-h), h the hit rate by tokens (prefill only).",
                   highlight=False)
@@ -198,6 +202,9 @@ def to_json(estimate: Estimate) -> dict[str, Any]:
             "warmup_requests": settings.warmup_requests,
             "rolling_window": settings.window,
             "kv_bytes_per_token": estimate.kv_bytes_per_token,
+            "pin_top": settings.pin_top,
+            "ttl": settings.ttl,
+            "ttl_priority": settings.ttl_priority,
         },
         "caches": [_result_json(r, estimate) for r in estimate.results],
         "timing": {

@@ -16,12 +16,20 @@ class ReplaySettings:
     """``warmup_requests``: requests replayed before the figures start counting;
     ``window``: requests in the rolling hit rate; ``concurrency``: resident requests;
     ``group_windows``: the KV cache groups of a model with sliding windows (replayed through
-    the hybrid manager, :mod:`prefixserve.tools.estimate_hybrid`), None for full attention."""
+    the hybrid manager, :mod:`prefixserve.tools.estimate_hybrid`), None for full attention.
+    Explicit caching (docs/DESIGN.md section 13): ``pin_top`` pins the prefixes up to the K most
+    reused blocks when first computed (within ``max_pinned_fraction`` of the pool); ``ttl``
+    gives every request without a retention of its own a whole-prompt retention of
+    ``ttl_priority`` for ``ttl`` seconds (trace time; one second a request without times)."""
 
     concurrency: int = 1
     warmup_requests: int = 0
     window: int = 1000
     group_windows: tuple[int | None, ...] | None = None
+    pin_top: int = 0
+    ttl: float | None = None
+    ttl_priority: int = 80
+    max_pinned_fraction: float = 0.5
 
 
 @dataclass

@@ -35,6 +35,8 @@ from typing import IO, Any, cast
 
 import numpy as np
 
+from prefixserve.core.retention import Retention, RetentionRange
+
 FORMATS = ("tokens", "text", "chat", "mooncake", "bailian", "kvcache-tester")
 """Input formats. ``text`` and ``chat`` are one reader: a line may hold either field."""
 
@@ -63,13 +65,17 @@ class TraceRequest:
     number of full simulated blocks that have a hash: those of the prompt, then those of the
     known output that decoding fills. ``num_decoded_tokens`` is the number of output tokens whose
     KV the engine computes: all known output tokens but the last (generating the last one ends
-    the request, so it is never fed back); 0 when no output is known.
+    the request, so it is never fed back); 0 when no output is known. ``time`` is the arrival in
+    seconds when the trace has one (Mooncake ``timestamp``), ``retention`` a token line's own
+    ``retention`` field (the HTTP API's shape).
     """
 
     ids: Sequence[Hashable]
     num_blocks: int
     num_prompt_tokens: int
     num_decoded_tokens: int = 0
+    time: float | None = None
+    retention: Retention | None = None
 
 
 @dataclass
@@ -295,7 +301,27 @@ class _TokenReader:
         if record.get("output_token_ids") is not None:
             output = _int_list(record, "output_token_ids", allow_empty=True)
             _check_non_negative(output, "output_token_ids")
-        return [self.hasher.request(prompt, output, _cache_salt(record), _lora_id(record))]
+        request = self.hasher.request(prompt, output, _cache_salt(record), _lora_id(record))
+        request.retention = _retention(record)
+        return [request]
+
+
+def _retention(record: dict[str, Any]) -> Retention | None:
+    """A line's ``retention``: ``{"priority", "duration"}`` or ``{"ranges": [{"start", "end",
+    "priority", "duration"}]}``, durations in seconds (None: no expiry)."""
+    value = record.get("retention")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise LineError("'retention' must be an object")
+    try:
+        if "ranges" in value:
+            return Retention(tuple(RetentionRange(int(r.get("start", 0)), r.get("end"),
+                                                  int(r["priority"]), r.get("duration"))
+                                   for r in value["ranges"]))
+        return Retention.whole_prompt(int(value["priority"]), value.get("duration"))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise LineError(f"bad 'retention': {exc}") from None
 
 
 class _TextReader:
@@ -351,8 +377,10 @@ class _TextReader:
         prompt = self._prompt_ids(record)
         if not prompt:
             raise LineError("the prompt tokenises to nothing")
-        return [self.hasher.request(prompt, self._output_ids(record), _cache_salt(record),
-                                    _lora_id(record))]
+        request = self.hasher.request(prompt, self._output_ids(record), _cache_salt(record),
+                                      _lora_id(record))
+        request.retention = _retention(record)
+        return [request]
 
 
 # ----------------------------------------------------------------------------- hash traces
@@ -470,7 +498,10 @@ class _MooncakeReader:
         input_length = _int_field(record, "input_length", minimum=1)
         _int_field(record, "output_length", minimum=0, default=0)
         self.blocks.set_trace_block_size(self._trace_block_size(record))
-        return [self.blocks.add(ids, input_length)]
+        request = self.blocks.add(ids, input_length)
+        if isinstance(record.get("timestamp"), int | float):
+            request.time = record["timestamp"] / 1000.0
+        return [request]
 
 
 class _KVCacheTesterReader:

@@ -1,0 +1,81 @@
+"""``prefixserve estimate`` with explicit caching: a log line's own ``retention``, ``--pin-top``
+and ``--ttl``, on a hand-counted workload: a shared 16-token prompt comes back every fifth
+request, and four unique 20-token prompts in between evict it under LRU from a 16-block pool."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prefixserve.cli import build_parser
+from prefixserve.tools.estimate import estimate, most_reused_blocks
+from prefixserve.tools.estimate_results import Estimate
+from prefixserve.tools.trace_formats import ReadOptions, TraceError, read_workload
+
+SHARED = list(range(1, 17))  # 4 blocks of 4
+
+
+def workload(path: Path, retention: dict | None = None) -> Path:
+    lines = []
+    for i in range(10):
+        shared = {"token_ids": [*SHARED, 500 + i]}
+        if retention is not None:
+            shared["retention"] = retention
+        lines.append(shared)
+        for j in range(4):
+            lines.append({"token_ids": [1000 + 100 * (4 * i + j) + t for t in range(20)]})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def run(path: Path, *options: str) -> Estimate:
+    args = build_parser().parse_args(["estimate", str(path), "--block-size", "4",
+                                      "--capacity", "16", "--no-progress", "--jobs", "1",
+                                      *options])
+    return estimate(args)
+
+
+def pool_hits(result: Estimate) -> int:
+    return next(r.hit_blocks for r in result.results if r.capacity_blocks == 16)
+
+
+def test_lru_alone_loses_the_shared_prompt(tmp_path: Path) -> None:
+    assert pool_hits(run(workload(tmp_path / "w.jsonl"))) == 0
+
+
+def test_pin_top_keeps_the_most_reused_prefix(tmp_path: Path) -> None:
+    assert pool_hits(run(workload(tmp_path / "w.jsonl"), "--pin-top", "4")) == 9 * 4
+
+
+def test_pin_top_picks_the_most_reused_blocks(tmp_path: Path) -> None:
+    loaded = read_workload(str(workload(tmp_path / "w.jsonl")),
+                           ReadOptions(format="tokens", block_size=4))
+    targets = most_reused_blocks(loaded, 4)
+    first = loaded.requests[0]
+    assert targets == set(loaded.block_keys(first)[:4])
+    assert most_reused_blocks(loaded, 100) == targets  # blocks used once are never pinned
+
+
+@pytest.mark.parametrize(("duration", "hits"), [(100, 9 * 4), (2, 0)])
+def test_a_lines_retention_keeps_it_for_its_duration(tmp_path: Path, duration: float,
+                                                     hits: int) -> None:
+    """No timestamps: one second a request, so the shared prompt returns after 5 s."""
+    path = workload(tmp_path / "w.jsonl", {"priority": 80, "duration": duration})
+    assert pool_hits(run(path)) == hits
+
+
+def test_ttl_applies_to_lines_without_their_own_retention(tmp_path: Path) -> None:
+    path = workload(tmp_path / "w.jsonl", {"priority": 90, "duration": 100})
+    assert pool_hits(run(path, "--ttl", "2")) == 9 * 4  # the line's own retention wins
+    result = run(workload(tmp_path / "plain.jsonl"), "--ttl", "100")
+    assert result.settings.ttl == 100
+    assert pool_hits(result) == 0  # every prompt at the same priority: LRU again
+
+
+def test_bad_retention_on_a_line_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"token_ids": [1, 2, 3], "retention": {"priority": 500}}\n')
+    with pytest.raises(TraceError, match="retention"):
+        run(path)

@@ -1,0 +1,265 @@
+"""Explicit prompt caching on a real server on 127.0.0.1: the official ``anthropic`` client
+against ``/v1/messages`` with ``cache_control`` (creation then reads, streaming, count_tokens,
+Anthropic-shaped errors), the OpenAI API's ``retention`` field under a flood of unique prompts
+(LRU loses an unprotected 2,000-token system prompt, retention keeps it, and after its short TTL
+it is evictable again), and the admin pin routes with their budget. Every test ends with the pool
+idle: no block leaked."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import openai
+import pytest
+from server_helpers import ServerProcess, idle
+
+API_KEY = "tenant-key"
+ADMIN_KEY = "admin-key"
+MODEL = "smol"
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64  # 1,024 tokens; the 512-token context leaves a pin budget of 32 blocks
+MAX_MODEL_LEN = 512
+SYSTEM_TOKENS = 488  # 30 full blocks, almost half the pool
+FLOOD = (4, 272)  # 4 unique prompts of 17 blocks: more than the whole pool
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                             "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL,
+                             "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
+                             "--metrics-key", ADMIN_KEY],
+                            tmp_path_factory.mktemp("server") / "server.log",
+                            metrics_key=ADMIN_KEY).start()
+    yield process
+    assert process.stop() == 0, process.log
+    assert "Traceback" not in process.log, process.log
+
+
+@pytest.fixture(scope="module")
+def claude(server: ServerProcess) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oai(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def words(n: int) -> str:
+    """About ``n`` tokens of text that no other call shares, from the first token on."""
+    tag = uuid.uuid4().hex
+    return f"{tag} " + " ".join(f"w{i % 97}x{tag[i % 32]}" for i in range(n // 4))
+
+
+def system_block(text: str, ttl: str | None = None) -> list[dict]:
+    control: dict = {"type": "ephemeral"}
+    if ttl:
+        control["ttl"] = ttl
+    return [{"type": "text", "text": text, "cache_control": control}]
+
+
+def ask(claude: anthropic.Anthropic, system: list[dict], question: str):
+    return claude.messages.create(model=MODEL, max_tokens=4, system=system,
+                                  messages=[{"role": "user", "content": question}],
+                                  extra_body={"temperature": 0})
+
+
+def test_cache_control_first_call_creates_second_reads(claude: anthropic.Anthropic,
+                                                        server: ServerProcess) -> None:
+    system = system_block(words(200), ttl="1h")
+    first = ask(claude, system, "Who are you?")
+    second = ask(claude, system, "What do you do?")
+    assert first.usage.cache_read_input_tokens == 0
+    assert first.usage.cache_creation_input_tokens > 150
+    assert second.usage.cache_creation_input_tokens == 0
+    assert second.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens
+    counted = claude.messages.count_tokens(model=MODEL, system=system,
+                                           messages=[{"role": "user", "content": "Who are you?"}])
+    u = first.usage
+    assert counted.input_tokens == (u.input_tokens + u.cache_creation_input_tokens
+                                    + u.cache_read_input_tokens)
+    assert first.stop_reason == "max_tokens" and first.usage.output_tokens == 4
+    server.wait_for_metrics(idle)
+
+
+def test_count_tokens_matches_input_tokens_without_cache_control(
+        claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": words(40)}]
+    reply = claude.messages.create(model=MODEL, max_tokens=2, messages=messages)
+    counted = claude.messages.count_tokens(model=MODEL, messages=messages)
+    assert reply.usage.cache_read_input_tokens == 0
+    assert counted.input_tokens == reply.usage.input_tokens
+
+
+def test_streaming_events_parse_in_the_sdk(claude: anthropic.Anthropic,
+                                           server: ServerProcess) -> None:
+    system = system_block(words(200))
+    ask(claude, system, "Hello")
+    kinds = []
+    with claude.messages.stream(model=MODEL, max_tokens=6, system=system,
+                                messages=[{"role": "user", "content": "Hello"}],
+                                extra_body={"temperature": 0}) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert {"content_block_start", "content_block_stop", "message_delta"} <= set(kinds)
+    assert final.usage.cache_read_input_tokens > 120 and final.usage.output_tokens == 6
+    assert final.content[0].text and final.stop_reason == "max_tokens"
+    server.wait_for_metrics(idle)
+
+
+def test_top_level_cache_control_caches_the_whole_prompt(claude: anthropic.Anthropic) -> None:
+    messages = [{"role": "user", "content": words(200)}]
+    first = claude.messages.create(model=MODEL, max_tokens=2, messages=messages,
+                                   cache_control={"type": "ephemeral"})
+    messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    second = claude.messages.create(model=MODEL, max_tokens=2, messages=messages)
+    assert first.usage.cache_creation_input_tokens > 150
+    assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens
+
+
+def test_stop_sequences_report_stop_sequence(claude: anthropic.Anthropic) -> None:
+    reply = claude.messages.create(
+        model=MODEL, max_tokens=30, stop_sequences=["2"], extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Count from 1 to 9, separated by spaces."}])
+    assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == "2"
+    assert "2" not in reply.content[0].text
+
+
+@pytest.mark.parametrize(("system", "messages", "needle"), [
+    ([{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}}
+      for i in range(5)], [{"role": "user", "content": "hi"}], "at most 4"),
+    (system_block("some text", ttl="10m"), [{"role": "user", "content": "hi"}], "ttl"),
+    ([{"type": "text", "text": "", "cache_control": {"type": "ephemeral"}}],
+     [{"role": "user", "content": "hi"}], "empty text block"),
+    (None, [{"role": "user", "content": [{"type": "image", "source": {}}]}], "messages"),
+])
+def test_bad_input_is_a_400_in_anthropic_shape(claude: anthropic.Anthropic,
+                                               server: ServerProcess, system: list | None,
+                                               messages: list, needle: str) -> None:
+    kwargs = {} if system is None else {"system": system}
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=messages, **kwargs)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert needle in body["error"]["message"]
+    assert "/" not in body["error"]["message"].replace("/v1", "")  # no server paths
+    server.wait_for_metrics(idle)
+
+
+def test_keys_and_unknown_models_in_anthropic_shape(server: ServerProcess) -> None:
+    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        bad.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    good = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as caught_404:
+        good.messages.create(model="nope", max_tokens=1,
+                             messages=[{"role": "user", "content": "x"}])
+    assert caught_404.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "x"},
+                       headers={"Authorization": "Bearer wrong"})
+    assert plain.status_code == 401 and "error" in plain.json()  # OpenAI's shape stays
+
+
+def complete(oai: openai.OpenAI, prompt: list[int], **extra: object) -> int:
+    """Runs ``prompt`` (token ids) for one token; returns its cached prompt tokens."""
+    response = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body=extra or None)
+    return response.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+
+
+def unique_ids(n: int) -> list[int]:
+    """``n`` token ids that no other prompt starts with."""
+    seed = uuid.uuid4().int
+    return [1000 + (seed >> (i % 96)) % 20000 + i % 7 for i in range(n)]
+
+
+def flood(oai: openai.OpenAI) -> None:
+    """Unique prompts whose blocks add up to more than the pool."""
+    count, length = FLOOD
+    for _ in range(count):
+        complete(oai, unique_ids(length))
+
+
+@pytest.mark.parametrize("protected", [False, True])
+def test_flood_evicts_unprotected_system_prompt_keeps_protected(
+        oai: openai.OpenAI, server: ServerProcess, protected: bool) -> None:
+    """The same flood both ways: LRU alone loses the system prompt, retention keeps it all."""
+    system = unique_ids(SYSTEM_TOKENS)
+    extra = {"retention": {"priority": 80, "duration": 600}} if protected else {}
+    assert complete(oai, system, **extra) == 0
+    flood(oai)
+    cached = complete(oai, system)
+    assert cached == (SYSTEM_TOKENS - SYSTEM_TOKENS % BLOCK_SIZE if protected else 0)
+    server.wait_for_metrics(idle)
+
+
+def test_protected_prompt_is_evictable_after_its_ttl(oai: openai.OpenAI,
+                                                     server: ServerProcess) -> None:
+    system = unique_ids(SYSTEM_TOKENS)
+    complete(oai, system, retention={"priority": 80, "duration": 1.5})
+    time.sleep(2.0)
+    flood(oai)
+    assert complete(oai, system) == 0
+    metrics = server.wait_for_metrics(idle)
+    assert metrics["prefixserve:prefix_cache_expired_retentions_total"] >= 30
+    assert metrics["prefixserve:prefix_cache_hit_blocks_by_priority_total{priority=80}"] >= 30
+
+
+def test_bad_retention_is_a_400(oai: openai.OpenAI) -> None:
+    for retention, needle in (({"priority": 101, "duration": 5}, "priority"),
+                              ({"priority": 80, "duration": 10**6}, "max-retention-duration"),
+                              ({"priority": 80}, "duration")):
+        with pytest.raises(openai.BadRequestError, match=needle):
+            complete(oai, [1, 2, 3], retention=retention)
+
+
+def admin(server: ServerProcess, method: str, path: str, **kwargs: object) -> httpx.Response:
+    return httpx.request(method, server.url + path, timeout=120,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kwargs)
+
+
+def test_pins_survive_floods_and_resets_with_keep_pins(oai: openai.OpenAI,
+                                                       server: ServerProcess) -> None:
+    ids = unique_ids(200)  # 12 full blocks
+    tenant = httpx.post(server.url + "/v1/pins", json={"prompt_token_ids": ids},
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+    assert tenant.status_code == 403
+    pin = admin(server, "POST", "/v1/pins",
+                json={"id": "manual", "prompt_token_ids": ids, "for_api_key": API_KEY})
+    assert pin.status_code == 200, pin.text
+    assert pin.json() == {"id": "manual", "num_blocks": 12, "num_tokens": 200}
+    listed = admin(server, "GET", "/v1/pins").json()
+    assert [p["id"] for p in listed["data"]] == ["manual"] and listed["num_pinned_blocks"] == 12
+    assert admin(server, "POST", "/reset_prefix_cache?keep_pins=true").status_code == 200
+    flood(oai)
+    assert complete(oai, ids) == 192
+    assert server.metrics()["prefixserve:kv_cache_num_pinned_blocks"] == 12
+    assert admin(server, "POST", "/reset_prefix_cache").status_code == 200
+    assert admin(server, "GET", "/v1/pins").json()["data"] == []
+    assert admin(server, "DELETE", "/v1/pins/manual").status_code == 404
+    server.wait_for_metrics(idle)
+
+
+def test_pin_over_budget_is_a_400_and_leaks_nothing(server: ServerProcess) -> None:
+    first = admin(server, "POST", "/v1/pins", json={"id": "a", "prompt_token_ids": unique_ids(200)})
+    assert first.status_code == 200
+    over = admin(server, "POST", "/v1/pins", json={"prompt_token_ids": unique_ids(400)})
+    assert over.status_code == 400
+    error = over.json()["error"]
+    assert error["code"] == "pin_budget_exceeded" and "pin budget is 32" in error["message"]
+    assert admin(server, "GET", "/v1/pins").json()["num_pinned_blocks"] == 12
+    assert admin(server, "DELETE", "/v1/pins/a").status_code == 200
+    both = admin(server, "POST", "/v1/pins", json={"prompt": "a", "prompt_token_ids": [1]})
+    assert both.status_code == 400
+    server.wait_for_metrics(idle)
+    assert admin(server, "GET", "/v1/pins").json()["num_pinned_blocks"] == 0
