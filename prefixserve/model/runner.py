@@ -12,6 +12,7 @@ import torch
 from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token
 from prefixserve.model.llama import CausalLM
+from prefixserve.model.lora import LoRAModel
 
 
 @dataclass
@@ -29,6 +30,9 @@ class SeqBatchInput:
     previous step. Its ``block_table`` must then be one list that only grows at its end; a
     different list (a sequence that was preempted and resumed, say) is copied whole again.
     Without ``seq_id`` the table is copied whole at every step.
+
+    ``lora_slot`` (None: the base model) is the LoRA adapter slot the sequence runs under; it
+    needs a runner with ``lora`` set (see :mod:`prefixserve.model.lora`).
     """
 
     token_ids: list[int]
@@ -36,6 +40,7 @@ class SeqBatchInput:
     block_table: list[int]
     need_prompt_logits: bool = False
     seq_id: Hashable | None = None
+    lora_slot: int | None = None
 
 
 @dataclass
@@ -94,6 +99,8 @@ class ModelRunner:
             device=self.device,
         )
         self.block_tables = BlockTables(num_blocks, self.device)
+        self.lora: LoRAModel | None = None
+        """The adapter slots of the model (``install_lora``), or None without LoRA."""
         self.model_seconds = 0.0
         """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
         was made: the rest of a step is the engine's own work. (Host time: on an accelerator,
@@ -152,10 +159,18 @@ class ModelRunner:
             positions += range(seq.start_pos, seq.start_pos + len(seq.token_ids))
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self._prepare_lora(seqs)
         start = time.perf_counter()
         out = self._forward(ids_t, pos_t, meta, seqs)
         self.model_seconds += time.perf_counter() - start
         return out
+
+    def _prepare_lora(self, seqs: list[SeqBatchInput]) -> None:
+        """Tells the LoRA modules which rows run under which adapter slot in this step."""
+        if self.lora is not None:
+            self.lora.prepare([s.lora_slot for s in seqs], [len(s.token_ids) for s in seqs])
+        elif any(s.lora_slot is not None for s in seqs):
+            raise ValueError("a sequence asks for a LoRA slot, but the model has no adapters")
 
     def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, meta: AttentionMetadata,
                  seqs: list[SeqBatchInput]) -> ExecuteOutput:
