@@ -47,6 +47,9 @@ class EngineConfig:
     ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
     dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
+    ``enable_lora`` gives the model ``max_loras`` adapter slots of rank up to ``max_lora_rank``
+    (vLLM's names and defaults, 1 and 16); ``lora_modules`` maps served names to adapter paths
+    (PEFT directories or GGUF LoRA files) loaded at start (see ``engine/lora_registry.py``).
     """
 
     model: str | None = None
@@ -64,6 +67,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     num_threads: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in ALLOWED_BLOCK_SIZES:
@@ -88,8 +95,16 @@ class EngineConfig:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be positive, got "
                              f"{self.max_waiting_requests}")
+        self._check_lora()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
 
     @property
     def prefix_caching(self) -> bool:

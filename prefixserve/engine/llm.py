@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.output_processor import RequestState
 from prefixserve.model.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
@@ -22,6 +23,9 @@ class LLM:
     ``LLM(model=None)`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments are
     the fields of :class:`EngineConfig`; ``enable_prefix_caching=None`` (the default) means on.
     Each output carries ``num_cached_tokens``, the prompt tokens served from the prefix cache.
+    With ``enable_lora=True`` (and ``max_loras``, ``max_lora_rank``, ``lora_modules={name:
+    path}``), ``generate`` and ``chat`` take ``lora=name`` to run under a loaded adapter;
+    ``load_lora`` and ``unload_lora`` add and remove adapters.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -35,6 +39,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion, batched, and returns
         one output per prompt in input order."""
@@ -43,7 +48,7 @@ class LLM:
             batch = [cast(Prompt, prompts)]  # one prompt: text, or token ids
         else:
             batch = list(cast(Sequence[Prompt], prompts))
-        return self._run(batch, sampling_params, cache_salt)
+        return self._run(batch, sampling_params, cache_salt, lora)
 
     def chat(
         self,
@@ -51,6 +56,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them and
         generates the assistant's replies."""
@@ -65,15 +71,23 @@ class LLM:
                 list(c), add_generation_prompt=add_generation_prompt, tokenize=True))
             for c in conversations
         ]
-        return self._run(prompts, sampling_params, cache_salt)
+        return self._run(prompts, sampling_params, cache_salt, lora)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, also while requests run (their blocks come back uncached)."""
         return self.engine.reset_prefix_cache()
 
+    def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Loads a LoRA adapter (PEFT directory or GGUF LoRA file) to use as ``lora=name``."""
+        return self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads adapter ``name`` (its cached blocks stay until the pool reuses them)."""
+        self.engine.remove_lora(name)
+
     def _run(self, prompts: list[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             cache_salt: str | None) -> list[RequestOutput]:
+             cache_salt: str | None, lora: str | None = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -84,7 +98,7 @@ class LLM:
         states: list[RequestState] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
-                request_id = engine.add_request(prompt, params, cache_salt=cache_salt)
+                request_id = engine.add_request(prompt, params, cache_salt=cache_salt, lora=lora)
                 states.append(engine.request_state(request_id))
             while engine.has_unfinished_requests():
                 engine.step()
