@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -62,6 +62,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    lora_cache: dict[str, LoRACacheCounts] = field(default_factory=dict)
+    """Prefix-cache counts per loaded LoRA adapter name (the base model under ``""``)."""
 
 
 class LLMEngine:
@@ -430,4 +432,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            lora_cache={name: replace(counts)
+                        for name, counts in self.lora_cache_counts().items()},
         )

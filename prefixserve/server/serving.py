@@ -162,6 +162,7 @@ class _Run:
     param: str
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    lora: str | None = None
 
     def event(self, kind: type[CompletionResponse] | type[ChatCompletionChunk],
               choices: list[Any], usage: Usage | None = None) -> str:
@@ -218,7 +219,8 @@ class _CompletionChoices:
 def _bad_request(exc: RequestError, param: str) -> ApiError:
     """The 400 of an engine's ``RequestError``: its code, and ``param`` (the request field that
     holds the prompt) unless the error names another field."""
-    return ApiError(400, str(exc), param=exc.param or param, code=exc.code)
+    status = 404 if exc.code == "model_not_found" else 400  # an adapter unloaded meanwhile
+    return ApiError(status, str(exc), param=exc.param or param, code=exc.code)
 
 
 def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Any]:
@@ -245,14 +247,18 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ checks and inputs
     def resolve_model(self, name: str | None) -> str:
-        """The served model name to report; a 404 for a name that is not served."""
+        """The served model name to report (a served name of the base model or a LoRA
+        adapter's); a 404 for a name that is not served."""
         if name is None:
             return self.config.served_model_names[0]
-        if name not in self.config.served_model_names:
+        if name not in self.config.served_model_names and not self._is_lora(name):
             served = ", ".join(self.config.served_model_names)
             raise ApiError(404, f"the model {name!r} does not exist here; use one of: {served}",
                            param="model", code="model_not_found")
         return name
+
+    def _is_lora(self, name: str) -> bool:
+        return any(info.name == name for info in self.engine.lora_adapters)
 
     def check_fields(self, body: GenerationRequest, response: Response) -> None:
         """A 400 for a field that is not implemented and would change the result; names the
@@ -337,12 +343,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running requests
     async def _source(self, ids: list[int], params: SamplingParams, request_id: str,
-                      salt: str | None) -> AsyncGenerator[RequestOutput, None]:
+                      salt: str | None, lora: str | None = None,
+                      ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of one engine request, observed for the metrics; closing it aborts the
         request."""
         tracker = self.metrics.track(params.n)
         try:
-            generated = self.engine.generate(ids, params, request_id, cache_salt=salt)
+            generated = self.engine.generate(ids, params, request_id, cache_salt=salt,
+                                             lora=lora)
             async with aclosing(generated) as outputs:
                 async for output in outputs:
                     tracker.observe(output)
@@ -356,7 +364,7 @@ class OpenAIServing:
         ids_list = run.prompts.ids
         stream = MultiStream([
             self._source(ids, run.params, run.id if len(ids_list) == 1 else f"{run.id}-{i}",
-                         run.salt)
+                         run.salt, run.lora)
             for i, ids in enumerate(ids_list)
         ])
         try:
@@ -390,7 +398,8 @@ class OpenAIServing:
         request's (see :meth:`cache_salt`)."""
         return _Run(id=f"{kind}-{uuid.uuid4().hex}", model=model, prompts=prompts,
                     params=params, salt=self.cache_salt(body.cache_salt, api_key), param=param,
-                    include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                    lora=model if model not in self.config.served_model_names else None)
 
     @staticmethod
     async def _respond(request: Request, stream_events: bool,
