@@ -63,13 +63,17 @@ class TraceRequest:
     number of full simulated blocks that have a hash: those of the prompt, then those of the
     known output that decoding fills. ``num_decoded_tokens`` is the number of output tokens whose
     KV the engine computes: all known output tokens but the last (generating the last one ends
-    the request, so it is never fed back); 0 when no output is known.
+    the request, so it is never fed back); 0 when no output is known. ``lora_id`` is the
+    record's LoRA id (token and text logs), and ``shared_ids`` then the block identities the
+    request would have without it (what ``estimate`` compares to price splitting by adapter).
     """
 
     ids: Sequence[Hashable]
     num_blocks: int
     num_prompt_tokens: int
     num_decoded_tokens: int = 0
+    lora_id: int | str | None = None
+    shared_ids: Sequence[Hashable] | None = None
 
 
 @dataclass
@@ -274,12 +278,18 @@ class _TokenHasher:
 
         decoded = list(output[:-1])
         self._count += 1
-        cache_request = CacheRequest(f"h{self._count}", list(prompt) + decoded, cache_salt=salt,
-                                     lora_id=lora)
-        chain = self._manager.block_hashes(cache_request)
-        self._manager.free_block_hashes(cache_request)
-        ids = [hash_value_of(block_hash) for block_hash in chain]
-        return TraceRequest(ids, len(ids), len(prompt), len(decoded))
+        tokens = list(prompt) + decoded
+
+        def chain_of(lora_id: int | str | None) -> list[Hashable]:
+            cache_request = CacheRequest(f"h{self._count}", tokens, cache_salt=salt,
+                                         lora_id=lora_id)
+            chain = self._manager.block_hashes(cache_request)
+            self._manager.free_block_hashes(cache_request)
+            return [hash_value_of(block_hash) for block_hash in chain]
+
+        ids = chain_of(lora)
+        shared = chain_of(None) if lora is not None else None
+        return TraceRequest(ids, len(ids), len(prompt), len(decoded), lora, shared)
 
 
 class _TokenReader:
