@@ -85,6 +85,9 @@ def test_model_name_selects_the_adapter_and_its_cache(server: ServerProcess,
         assert again.usage.prompt_tokens_details.cached_tokens == 192
         assert again.choices[0].text == texts[model]
     assert len(set(texts.values())) == 3
+    chat = client.chat.completions.create(model="b", max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.model == "b"
     samples = server.wait_for_metrics(idle)
     assert samples["prefixserve:lora_prefix_cache_hits_total{lora_name=a}"] >= 192
     assert samples["prefixserve:lora_prefix_cache_queries_total{lora_name=b}"] >= 400
