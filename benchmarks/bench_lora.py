@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--max-loras", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--prompts-per-group", type=int, default=4)
+    parser.add_argument("--prompts-per-group", type=int, default=8)
     parser.add_argument("--prefix-tokens", type=int, default=512)
     parser.add_argument("--question-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
