@@ -86,12 +86,8 @@ def test_mixed_batch_equals_each_alone(llm: LLM) -> None:
     alone = {lora: llm.generate([prompt], GREEDY, lora=lora)[0].outputs[0].token_ids
              for lora in (None, "a", "b")}
     assert len({tuple(v) for v in alone.values()}) == 3
-    engine = llm.engine
-    ids = [engine.add_request(prompt, GREEDY, lora=lora) for lora in (None, "a", "b", "a")]
-    states = [engine.request_state(i) for i in ids]
-    while engine.has_unfinished_requests():
-        engine.step()
-    got = [s.output(delta=False).outputs[0].token_ids for s in states]
+    outs = llm.generate([prompt] * 4, GREEDY, lora=[None, "a", "b", "a"])
+    got = [o.outputs[0].token_ids for o in outs]
     assert got == [alone[None], alone["a"], alone["b"], alone["a"]]
     assert_idle(llm)
 

@@ -24,8 +24,9 @@ class LLM:
     the fields of :class:`EngineConfig`; ``enable_prefix_caching=None`` (the default) means on.
     Each output carries ``num_cached_tokens``, the prompt tokens served from the prefix cache.
     With ``enable_lora=True`` (and ``max_loras``, ``max_lora_rank``, ``lora_modules={name:
-    path}``), ``generate`` and ``chat`` take ``lora=name`` to run under a loaded adapter;
-    ``load_lora`` and ``unload_lora`` add and remove adapters.
+    path}``), ``generate`` and ``chat`` take ``lora=name`` to run under a loaded adapter (or a
+    list, one name or None per prompt, to mix adapters in one batch); ``load_lora`` and
+    ``unload_lora`` add and remove adapters.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -39,7 +40,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
-        lora: str | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion, batched, and returns
         one output per prompt in input order."""
@@ -56,7 +57,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
-        lora: str | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them and
         generates the assistant's replies."""
@@ -87,18 +88,22 @@ class LLM:
 
     def _run(self, prompts: list[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             cache_salt: str | None, lora: str | None = None) -> list[RequestOutput]:
+             cache_salt: str | None, lora: str | Sequence[str | None] | None = None,
+             ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} adapter names for {len(prompts)} prompts")
         engine = self.engine
         states: list[RequestState] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                request_id = engine.add_request(prompt, params, cache_salt=cache_salt, lora=lora)
+            for prompt, params, name in zip(prompts, params_list, loras, strict=True):
+                request_id = engine.add_request(prompt, params, cache_salt=cache_salt, lora=name)
                 states.append(engine.request_state(request_id))
             while engine.has_unfinished_requests():
                 engine.step()
