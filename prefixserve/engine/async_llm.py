@@ -24,6 +24,7 @@ from prefixserve.core import MAX_PRIORITY, Retention
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.errors import EngineDeadError
 from prefixserve.engine.llm_engine import EngineStats, LLMEngine
+from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.stat_logger import StatLogger
 from prefixserve.model.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
@@ -50,6 +51,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._stopping = False
         self._stats = self.engine.get_stats()
+        self._loras: tuple[LoRAInfo, ...] = tuple(self.engine.list_loras())
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._thread = threading.Thread(target=self._loop, name="prefixserve-engine",
                                         daemon=True)
@@ -106,6 +108,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
         retention: Retention | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (deltas) until it finishes. Raises the engine's
         ``RequestError``/``QueueFullError`` before the first output if it cannot be queued.
@@ -117,7 +120,7 @@ class AsyncLLM:
         def add() -> None:
             self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt,
                                     add_special_tokens=add_special_tokens, arrival_time=arrival,
-                                    retention=retention)
+                                    retention=retention, lora=lora)
             self._streams[request_id] = (loop, stream)
 
         await self._call(add)
@@ -176,6 +179,31 @@ class AsyncLLM:
     async def pins(self) -> dict[str, int]:
         """Every pin's id and the blocks it holds."""
         return await self._call(self.engine.pins)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine has LoRA adapter slots (``enable_lora``)."""
+        return self.engine.config.enable_lora
+
+    @property
+    def lora_adapters(self) -> tuple[LoRAInfo, ...]:
+        """The loaded adapters, as of the latest load or unload (any thread may read it)."""
+        return self._loras
+
+    async def add_lora(self, name: str, path: str) -> LoRAInfo:
+        """Loads an adapter in the engine thread (see ``LLMEngine.add_lora``)."""
+        def add() -> LoRAInfo:
+            info = self.engine.add_lora(name, path)
+            self._loras = tuple(self.engine.list_loras())
+            return info
+        return await self._call(add)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unloads an adapter in the engine thread (see ``LLMEngine.remove_lora``)."""
+        def remove() -> None:
+            self.engine.remove_lora(name)
+            self._loras = tuple(self.engine.list_loras())
+        await self._call(remove)
 
     def stats(self) -> EngineStats:
         """The latest snapshot, taken by the engine thread after each step."""

@@ -48,6 +48,10 @@ class EngineConfig:
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
     dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
     ``max_pinned_fraction`` bounds the blocks pins may hold (``pin_prefix``), a share of the pool.
+
+    ``enable_lora`` gives the model ``max_loras`` adapter slots of rank up to ``max_lora_rank``
+    (vLLM's names and defaults, 1 and 16); ``lora_modules`` maps served names to adapter paths
+    (PEFT directories or GGUF LoRA files) loaded at start (see ``engine/lora_registry.py``).
     """
 
     model: str | None = None
@@ -66,6 +70,11 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     num_threads: int | None = None
     max_pinned_fraction: float = 0.5
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
@@ -93,8 +102,16 @@ class EngineConfig:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be positive, got "
                              f"{self.max_waiting_requests}")
+        self._check_lora()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora=True")
 
     @property
     def prefix_caching(self) -> bool:

@@ -8,6 +8,7 @@ from typing import Any, cast
 from prefixserve.core import MAX_PRIORITY, Retention
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.output_processor import RequestState
 from prefixserve.model.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
@@ -23,6 +24,10 @@ class LLM:
     ``LLM(model=None)`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments are
     the fields of :class:`EngineConfig`; ``enable_prefix_caching=None`` (the default) means on.
     Each output carries ``num_cached_tokens``, the prompt tokens served from the prefix cache.
+    With ``enable_lora=True`` (and ``max_loras``, ``max_lora_rank``, ``lora_modules={name:
+    path}``), ``generate`` and ``chat`` take ``lora=name`` to run under a loaded adapter (or a
+    list, one name or None per prompt, to mix adapters in one batch); ``load_lora`` and
+    ``unload_lora`` add and remove adapters.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -37,6 +42,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
         retention: Retention | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion, batched, and returns
         one output per prompt in input order. ``retention`` (``prefixserve.core.Retention``)
@@ -46,7 +52,7 @@ class LLM:
             batch = [cast(Prompt, prompts)]  # one prompt: text, or token ids
         else:
             batch = list(cast(Sequence[Prompt], prompts))
-        return self._run(batch, sampling_params, cache_salt, retention)
+        return self._run(batch, sampling_params, cache_salt, lora, retention)
 
     def chat(
         self,
@@ -54,6 +60,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them and
         generates the assistant's replies."""
@@ -68,7 +75,7 @@ class LLM:
                 list(c), add_generation_prompt=add_generation_prompt, tokenize=True))
             for c in conversations
         ]
-        return self._run(prompts, sampling_params, cache_salt)
+        return self._run(prompts, sampling_params, cache_salt, lora)
 
     def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
         """Empties the prefix cache, also while requests run (their blocks come back uncached);
@@ -82,16 +89,25 @@ class LLM:
         ids = (engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
         engine.validate_prompt(ids, 1)
         engine.check_pin_budget(len(ids))
-        self._run([ids], SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
+        self._run([ids], SamplingParams(max_tokens=1, temperature=0.0), cache_salt, None,
                   Retention.whole_prompt(MAX_PRIORITY, 60.0))
         return engine.pin_cached_prefix(pin_id, ids, cache_salt)
 
     def unpin(self, pin_id: str) -> bool:
         return self.engine.unpin(pin_id)
 
+    def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Loads a LoRA adapter (PEFT directory or GGUF LoRA file) to use as ``lora=name``."""
+        return self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads adapter ``name`` (its cached blocks stay until the pool reuses them)."""
+        self.engine.remove_lora(name)
+
     def _run(self, prompts: list[Prompt],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             cache_salt: str | None, retention: Retention | None = None
+             cache_salt: str | None, lora: str | Sequence[str | None] | None = None,
+             retention: Retention | None = None,
              ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
@@ -99,11 +115,14 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} adapter names for {len(prompts)} prompts")
         engine = self.engine
         states: list[RequestState] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                request_id = engine.add_request(prompt, params, cache_salt=cache_salt,
+            for prompt, params, name in zip(prompts, params_list, loras, strict=True):
+                request_id = engine.add_request(prompt, params, cache_salt=cache_salt, lora=name,
                                                 retention=retention)
                 states.append(engine.request_state(request_id))
             while engine.has_unfinished_requests():

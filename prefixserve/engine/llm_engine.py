@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,6 +30,7 @@ from prefixserve.core import (
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
+from prefixserve.engine.lora_registry import LoRACacheCounts, LoRAInfo, LoRARegistry
 from prefixserve.engine.output_processor import (
     ExecutedStep,
     OutputProcessor,
@@ -43,6 +44,7 @@ from prefixserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerO
 from prefixserve.engine.structured_output import GrammarError, StructuredOutputs
 from prefixserve.model.dtypes import resolve_dtype
 from prefixserve.model.loader import load_model
+from prefixserve.model.lora import install_lora
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.sampler import Sampler, compute_prompt_logprobs, make_generator
 from prefixserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -73,6 +75,8 @@ class EngineStats:
     retained_hits: dict[int, int] | None = None
     evictions_by_priority: dict[int, int] | None = None
     expired_retentions: int = 0
+    lora_cache: dict[str, LoRACacheCounts] = field(default_factory=dict)
+    """Prefix-cache counts per loaded LoRA adapter name (the base model under ``""``)."""
 
 
 class LLMEngine:
@@ -113,6 +117,21 @@ class LLMEngine:
                                                 self.max_model_len)
         self.metrics = PrefixCachingMetrics()
         self.last_step_scheduled = False
+        self.loras: LoRARegistry | None = None
+        if config.enable_lora:
+            self._enable_lora()
+
+    def _enable_lora(self) -> None:
+        """Adapter slots in the model, the registry as the scheduler's gate, and the adapters
+        of ``lora_modules`` loaded (a ``LoRAError`` for one that cannot be used)."""
+        config = self.config
+        lora = install_lora(self.runner.model, self.model_config, config.max_loras,
+                            config.max_lora_rank)
+        self.runner.lora = lora
+        self.loras = LoRARegistry(lora, self.model_config)
+        self.scheduler.gate = self.loras
+        for name, path in (config.lora_modules or {}).items():
+            self.loras.add(name, path)
 
     # ------------------------------------------------------------------ what the engine is
     @property
@@ -157,6 +176,7 @@ class LLMEngine:
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
         retention: Retention | None = None,
+        lora: str | None = None,
     ) -> str:
         """Queues a prompt (text, or token ids used as given) and returns its request id.
 
@@ -180,6 +200,8 @@ class LLMEngine:
         grammar, params = self._compile_grammar(params)
         arrival = arrival_time or time.time()
         children = []
+        if lora is not None:
+            lora_id = self._lora_id(lora, lora_id)
         for index in range(params.n):
             seed = None if params.seed is None else (params.seed + index) % 2**64
             request = Request(
@@ -230,6 +252,55 @@ class LLMEngine:
                                code="invalid_grammar", param="structured_outputs") from None
         return grammar, dataclasses.replace(params, stop=[], stop_token_ids=[], min_tokens=0,
                                             ignore_eos=False)
+    def _lora_id(self, name: str, lora_id: int | str | None) -> str:
+        """The cache key (content id) of the adapter served as ``name``; a ``RequestError``
+        (code ``model_not_found``) for an unknown name."""
+        if lora_id is not None:
+            raise RequestError("give lora (an adapter name) or lora_id, not both",
+                               code="invalid_value", param="lora")
+        adapter = self.loras.get(name) if self.loras is not None else None
+        if adapter is None:
+            known = ", ".join(sorted(self.loras.adapters)) if self.loras else ""
+            raise RequestError(f"no LoRA adapter named {name!r} is loaded"
+                               + (f"; loaded: {known}" if known else ""),
+                               code="model_not_found", param="model")
+        return adapter.lora_id
+
+    # ------------------------------------------------------------------ adapters
+    def add_lora(self, name: str, path: str) -> LoRAInfo:
+        """Loads the adapter at ``path`` (PEFT directory or GGUF LoRA file) under ``name``;
+        ``LoRAError`` (a ``ValueError``) when it cannot be used, ``RuntimeError`` without
+        ``enable_lora``."""
+        return self._registry().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads adapter ``name``: ``KeyError`` if unknown, ``LoRAInUseError`` while a request
+        under it runs or waits."""
+        registry = self._registry()
+        in_use = {r.lora_id for r in (*self.scheduler.running, *self.scheduler.waiting)
+                  if isinstance(r.lora_id, str)}
+        registry.remove(name, in_use)
+
+    def list_loras(self) -> list[LoRAInfo]:
+        """The loaded adapters, in the order they were loaded."""
+        return self.loras.infos() if self.loras is not None else []
+
+    def lora_cache_counts(self) -> dict[str, LoRACacheCounts]:
+        """Prefix-cache counts per loaded adapter name (see ``engine/lora_registry.py``); the
+        base model's under the key ``""``."""
+        if self.loras is None:
+            return {}
+        out: dict[str, LoRACacheCounts] = {}
+        for lora_id, counts in self.loras.counts.items():
+            name = "" if lora_id is None else self.loras.name_of(lora_id)
+            if name is not None:
+                out[name] = counts
+        return out
+
+    def _registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise RuntimeError("LoRA adapters need enable_lora=True (--enable-lora)")
+        return self.loras
 
     def _check_queue_room(self, n: int) -> None:
         """The waiting queue holds at most ``max_waiting_requests`` sequences (each of the ``n``
@@ -408,6 +479,7 @@ class LLMEngine:
                                 and start < request.num_prompt_tokens),
             seq_id=request.request_id,
             extra_block_tables=request.extra_block_ids,
+            lora_slot=self.loras.slot(request.lora_id) if self.loras is not None else None,
         )
 
     def _sample(self, logits: torch.Tensor, rows: list[int],
@@ -470,4 +542,6 @@ class LLMEngine:
             retained_hits=dict(self.metrics.retained_hits),
             evictions_by_priority=dict(manager.block_pool.evictions_by_priority),
             expired_retentions=manager.block_pool.expired_retentions,
+            lora_cache={name: replace(counts)
+                        for name, counts in self.lora_cache_counts().items()},
         )

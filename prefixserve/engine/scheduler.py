@@ -25,6 +25,10 @@ Invariants:
   request alone always fits the pool, and (b) without chunked prefill a new prompt is admitted
   only if it fits one step's budget, while a resumed request (prompt plus outputs, possibly
   more than one step) is always chunked.
+* With an admission ``gate`` (LoRA adapters, ``engine/lora_registry.py``), a waiting request the
+  gate holds back (its adapter has no slot yet) keeps its place and the requests behind it go
+  on; it is admitted once the running requests that hold the slots finish, which they do as
+  above.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prefixserve.core import KVCacheBlock, KVCacheManager
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -54,6 +59,14 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+class AdmissionGate(Protocol):
+    """Decides whether a waiting request may start now, and hears of each admission."""
+
+    def may_admit(self, request: Request, running: list[Request]) -> bool: ...
+
+    def admitted(self, request: Request, num_cached: int) -> None: ...
+
+
 class Scheduler:
     """Decides which requests run in each step and how many tokens each computes."""
 
@@ -66,6 +79,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.gate: AdmissionGate | None = None
 
     def check_admissible(self, num_prompt_tokens: int) -> str | None:
         """Why a prompt of ``num_prompt_tokens`` could never be scheduled, or None if it can.
@@ -122,11 +136,15 @@ class Scheduler:
         self.running = scheduled_running + queue
 
         now = time.time()
-        while (self.waiting and budget > 0 and not out.num_preempted
+        index = 0  # past the requests the gate holds back
+        while (index < len(self.waiting) and budget > 0 and not out.num_preempted
                and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
-            # counted in the stats once, when admitted (a head that does not fit is looked up
-            # again next step)
+            request = self.waiting[index]
+            if self.gate is not None and not self.gate.may_admit(request, self.running):
+                index += 1
+                continue
+            # counted in the stats once, when admitted (a request that does not fit is looked
+            # up again next step)
             computed, num_cached = self.kv_cache_manager.get_computed_blocks(
                 request, record_stats=False)
             num_new = request.num_tokens - num_cached
@@ -140,8 +158,10 @@ class Scheduler:
                 break
             request.block_ids = []  # a new list: the runner copies a new table whole
             self._add_block_ids(request, [*computed, *new_blocks])
-            self.waiting.popleft()
+            del self.waiting[index]
             self.kv_cache_manager.record_lookup(request, computed)
+            if self.gate is not None:
+                self.gate.admitted(request, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)

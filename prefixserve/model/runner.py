@@ -13,6 +13,7 @@ from prefixserve.model.attention import AttentionMetadata, TableRows, build_meta
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
 from prefixserve.model.llama import CausalLM
+from prefixserve.model.lora import LoRAModel
 from prefixserve.model.window_attention import build_window_metadata
 
 
@@ -36,6 +37,8 @@ class SeqBatchInput:
     and full layers) needs one table per group: ``block_table`` is group 0's and
     ``extra_block_tables`` those of groups 1, 2, ... (a window group's table may hold any block,
     the null block say, before the blocks its window reaches: those are never read).
+    ``lora_slot`` (None: the base model) is the LoRA adapter slot the sequence runs under; it
+    needs a runner with ``lora`` set (see :mod:`prefixserve.model.lora`).
     """
 
     token_ids: list[int]
@@ -44,6 +47,7 @@ class SeqBatchInput:
     need_prompt_logits: bool = False
     seq_id: Hashable | None = None
     extra_block_tables: tuple[list[int], ...] = ()
+    lora_slot: int | None = None
 
 
 @dataclass
@@ -105,6 +109,8 @@ class ModelRunner:
             device=self.device,
         )
         self.block_tables = [BlockTables(num_blocks, self.device) for _ in self.layout.groups]
+        self.lora: LoRAModel | None = None
+        """The adapter slots of the model (``install_lora``), or None without LoRA."""
         self.model_seconds = 0.0
         """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
         was made: the rest of a step is the engine's own work. (Host time: on an accelerator,
@@ -163,6 +169,7 @@ class ModelRunner:
             positions += range(seq.start_pos, seq.start_pos + len(seq.token_ids))
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self._prepare_lora(seqs)
         start = time.perf_counter()
         out = self._forward(ids_t, pos_t, meta, seqs)
         self.model_seconds += time.perf_counter() - start
@@ -187,6 +194,14 @@ class ModelRunner:
                                                    group.window, self.device, self.dtype,
                                                    table_rows))
         return metas
+
+
+    def _prepare_lora(self, seqs: list[SeqBatchInput]) -> None:
+        """Tells the LoRA modules which rows run under which adapter slot in this step."""
+        if self.lora is not None:
+            self.lora.prepare([s.lora_slot for s in seqs], [len(s.token_ids) for s in seqs])
+        elif any(s.lora_slot is not None for s in seqs):
+            raise ValueError("a sequence asks for a LoRA slot, but the model has no adapters")
 
     def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, meta: list[AttentionMetadata],
                  seqs: list[SeqBatchInput]) -> ExecuteOutput:

@@ -37,6 +37,7 @@ from prefixserve.server.anthropic import AnthropicServing
 from prefixserve.server.anthropic_routes import add_anthropic_routes
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
+from prefixserve.server.lora_routes import LoRACollector, add_lora_routes
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
 from prefixserve.server.pin_routes import add_pin_routes
@@ -155,6 +156,10 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     _add_operation_routes(app, engine, metrics, keys, docs)
     add_pin_routes(app, engine, keys.admin, docs, serving.cache_salt)
     add_anthropic_routes(app, AnthropicServing(serving, engine.block_size), config, docs)
+    if engine.lora_enabled:
+        add_lora_routes(app, engine, config, keys.admin, docs)
+        metrics.registry.register(LoRACollector(engine, config.served_model_names[0],
+                                                config.metrics_prefix))
     install_openapi(app, config)
     return app
 
@@ -199,11 +204,16 @@ def _add_openai_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfi
 
     @app.get("/v1/models", response_model=ModelList, tags=["OpenAI"], responses=docs.guarded)
     async def models(api_key: ApiKey) -> ModelList:
-        """The served model, once per served name."""
+        """The served model, once per served name, then each LoRA adapter (with its base as
+        ``parent``)."""
+        base = config.served_model_names[0]
         return ModelList(data=[
             ModelCard(id=name, created=started, root=name,
                       max_model_len=serving.max_model_len)
-            for name in config.served_model_names])
+            for name in config.served_model_names] + [
+            ModelCard(id=info.name, created=started, root=info.lora_id, parent=base,
+                      max_model_len=serving.max_model_len)
+            for info in serving.engine.lora_adapters])
 
 
 def _add_operation_routes(app: FastAPI, engine: AsyncLLM, metrics: ServerMetrics,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from prefixserve.server.lora_args import add_lora_arguments
+
 DESCRIPTION = """\
 Serves MODEL (a .gguf file or an HF directory; default: SmolLM2-135M-Instruct) over an
 OpenAI-compatible HTTP API: POST /v1/completions, POST /v1/chat/completions (streamed or not),
@@ -32,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_security(parser.add_argument_group("keys and tenants"))
     _add_limits(parser.add_argument_group("limits"))
     _add_engine(parser.add_argument_group("engine"))
+    add_lora_arguments(parser.add_argument_group("LoRA adapters"))
     _add_logging(parser.add_argument_group("logging and metrics"))
     parser.set_defaults(func=run)
     return parser

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prefixserve.engine.config import EngineConfig, parse_memory
 from prefixserve.server.config import ServerConfig
+from prefixserve.server.lora_args import check_lora_names, lora_engine_options
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -55,7 +56,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     raises ValueError for invalid ones."""
     given = {name: getattr(args, name) for name in _ENGINE_OPTIONS
              if getattr(args, name) is not None}
-    return EngineConfig(model=args.model, **given)
+    return EngineConfig(model=args.model, **given, **lora_engine_options(args))
 
 
 def default_served_name(model: str | None) -> str:
@@ -76,8 +77,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("--share-cache-across-keys needs at least one --api-key")
     if args.salt_by_api_key and not api_keys:
         raise ValueError("--salt-by-api-key needs at least one --api-key")
+    names = tuple(args.served_model_name or [default_served_name(args.model)])
+    check_lora_names(args, names)
     return ServerConfig(
-        served_model_names=tuple(args.served_model_name or [default_served_name(args.model)]),
+        served_model_names=names,
         api_keys=api_keys, share_cache_across_keys=args.share_cache_across_keys,
         admin_keys=admin_keys, metrics_keys=metrics_keys, metrics_prefix=args.metrics_prefix,
         max_prompts_per_request=args.max_prompts_per_request, max_n=args.max_n,

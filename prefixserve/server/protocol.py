@@ -435,6 +435,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "prefixserve"
     root: str = Field(description="The base model's id (never a path on the server).")
+    parent: str | None = Field(default=None, description="For a LoRA adapter, the base "
+                               "model it applies to (its root is the adapter's content id).")
     max_model_len: int = Field(description="Context length in tokens (prompt plus output).")
 
 

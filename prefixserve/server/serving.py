@@ -172,6 +172,7 @@ class _Run:
     grammar_param: str = "structured_outputs"
     tools: ToolCalling | None = None
     retention: Retention | None = None
+    lora: str | None = None
 
     def event(self, kind: type[CompletionResponse] | type[ChatCompletionChunk],
               choices: list[Any], usage: Usage | None = None) -> str:
@@ -229,9 +230,11 @@ def _bad_request(exc: RequestError, param: str, grammar_param: str = "structured
                  ) -> ApiError:
     """The 400 of an engine's ``RequestError``: its code, and ``param`` (the request field that
     holds the prompt) unless the error names another field (a grammar's error names
-    ``grammar_param``, the field the constraint came from)."""
+    ``grammar_param``, the field the constraint came from). An unknown adapter (unloaded
+    meanwhile) is a 404, as an unknown model."""
     named = grammar_param if exc.param == "structured_outputs" else exc.param
-    return ApiError(400, str(exc), param=named or param, code=exc.code)
+    status = 404 if exc.code == "model_not_found" else 400
+    return ApiError(status, str(exc), param=named or param, code=exc.code)
 
 
 def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Any]:
@@ -258,14 +261,18 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ checks and inputs
     def resolve_model(self, name: str | None) -> str:
-        """The served model name to report; a 404 for a name that is not served."""
+        """The served model name to report (a served name of the base model or a LoRA
+        adapter's); a 404 for a name that is not served."""
         if name is None:
             return self.config.served_model_names[0]
-        if name not in self.config.served_model_names:
+        if name not in self.config.served_model_names and not self._is_lora(name):
             served = ", ".join(self.config.served_model_names)
             raise ApiError(404, f"the model {name!r} does not exist here; use one of: {served}",
                            param="model", code="model_not_found")
         return name
+
+    def _is_lora(self, name: str) -> bool:
+        return any(info.name == name for info in self.engine.lora_adapters)
 
     def check_fields(self, body: GenerationRequest, response: Response) -> None:
         """A 400 for a field that is not implemented and would change the result; names the
@@ -373,13 +380,14 @@ class OpenAIServing:
     # ------------------------------------------------------------------ running requests
     async def _source(self, ids: list[int], params: SamplingParams, request_id: str,
                       salt: str | None, retention: Retention | None = None,
+                      lora: str | None = None,
                       ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of one engine request, observed for the metrics; closing it aborts the
         request."""
         tracker = self.metrics.track(params.n)
         try:
             generated = self.engine.generate(ids, params, request_id, cache_salt=salt,
-                                             retention=retention)
+                                             retention=retention, lora=lora)
             async with aclosing(generated) as outputs:
                 async for output in outputs:
                     tracker.observe(output)
@@ -393,7 +401,7 @@ class OpenAIServing:
         ids_list = run.prompts.ids
         stream = MultiStream([
             self._source(ids, run.params, run.id if len(ids_list) == 1 else f"{run.id}-{i}",
-                         run.salt, run.retention)
+                         run.salt, run.retention, run.lora)
             for i, ids in enumerate(ids_list)
         ])
         try:
@@ -430,7 +438,8 @@ class OpenAIServing:
                     params=params, salt=self.cache_salt(body.cache_salt, api_key), param=param,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
                     grammar_param=grammar_param,
-                    retention=to_retention(body.retention, self.config.max_retention_duration))
+                    retention=to_retention(body.retention, self.config.max_retention_duration),
+                    lora=model if model not in self.config.served_model_names else None)
 
     @staticmethod
     async def _respond(request: Request, stream_events: bool,

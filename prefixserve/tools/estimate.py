@@ -225,13 +225,15 @@ def replay_pool(workload: Workload, capacity: int, settings: ReplaySettings,
 
 
 def replay_infinite(workload: Workload, settings: ReplaySettings,
-                    tick: ProgressTick | None = None) -> CacheResult:
+                    tick: ProgressTick | None = None,
+                    on_request: Callable[[int, PrefixCacheStats], None] | None = None,
+                    ) -> CacheResult:
     """The figures of an infinite cache: every full block computed so far stays cached.
 
     Same rules as the manager: the lookup walks from block 0 and stops at the first miss, the
     last block of a prompt that fills it exactly is never looked up (one token must be computed
     for the logits), and a request's output blocks are cached when it leaves (same load model
-    as the pools)."""
+    as the pools). ``on_request`` hears each request's stats (index, stats)."""
     start = time.perf_counter()
     result = CacheResult(None)
     tally = _Tally(result, len(workload.requests), settings)
@@ -254,8 +256,11 @@ def replay_infinite(workload: Workload, settings: ReplaySettings,
         else:
             seen.update(keys[:num_prompt_blocks])
             leaving.append(keys[num_prompt_blocks:])
-        tally.observe(index, PrefixCacheStats(requests=1, queries=num_prompt_blocks, hits=hits,
-                                              query_tokens=prompt, hit_tokens=hits * bs))
+        stats = PrefixCacheStats(requests=1, queries=num_prompt_blocks, hits=hits,
+                                 query_tokens=prompt, hit_tokens=hits * bs)
+        tally.observe(index, stats)
+        if on_request is not None:
+            on_request(index, stats)
         if tick is not None and (index + 1) % PROGRESS_EVERY == 0:
             tick(PROGRESS_EVERY)
     while leaving:
@@ -563,7 +568,12 @@ def run_estimate(args: argparse.Namespace) -> int:
     except (TraceError, ValueError, OSError) as exc:
         print(f"prefixserve estimate: error: {exc}", file=sys.stderr)
         return 2
+    from prefixserve.tools.estimate_lora import lora_figures, print_lora_report
+
+    result.lora = lora_figures(result.workload, result.settings)
     print_report(result)
+    if result.lora is not None:
+        print_lora_report(result.lora)
     if args.json:
         write_json(result, args.json)
     if args.plot:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -216,6 +217,7 @@ def to_json(estimate: Estimate) -> dict[str, Any]:
             "peak_rss_mib": estimate.peak_rss_mib,
             "worker_peak_rss_mib": estimate.worker_peak_rss_mib,
         },
+        **({"lora": [dataclasses.asdict(f) for f in estimate.lora]} if estimate.lora else {}),
     }
 
 

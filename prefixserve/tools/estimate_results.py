@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixserve.tools.trace_formats import Workload
 
@@ -91,6 +92,8 @@ class Estimate:
     peak_rss_mib: float
     worker_peak_rss_mib: float
     kv_bytes_per_token: int | None = None
+    lora: list[Any] | None = None
+    """Per-LoRA figures (``estimate_lora.LoRAFigures``) when the log names LoRA ids."""
 
     @property
     def infinite(self) -> CacheResult:

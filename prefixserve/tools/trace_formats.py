@@ -67,7 +67,9 @@ class TraceRequest:
     KV the engine computes: all known output tokens but the last (generating the last one ends
     the request, so it is never fed back); 0 when no output is known. ``time`` is the arrival in
     seconds when the trace has one (Mooncake ``timestamp``), ``retention`` a token line's own
-    ``retention`` field (the HTTP API's shape).
+    ``retention`` field (the HTTP API's shape). ``lora_id`` is the
+    record's LoRA id (token and text logs), and ``shared_ids`` then the block identities the
+    request would have without it (what ``estimate`` compares to price splitting by adapter).
     """
 
     ids: Sequence[Hashable]
@@ -76,6 +78,8 @@ class TraceRequest:
     num_decoded_tokens: int = 0
     time: float | None = None
     retention: Retention | None = None
+    lora_id: int | str | None = None
+    shared_ids: Sequence[Hashable] | None = None
 
 
 @dataclass
@@ -280,12 +284,19 @@ class _TokenHasher:
 
         decoded = list(output[:-1])
         self._count += 1
-        cache_request = CacheRequest(f"h{self._count}", list(prompt) + decoded, cache_salt=salt,
-                                     lora_id=lora)
-        chain = self._manager.block_hashes(cache_request)
-        self._manager.free_block_hashes(cache_request)
-        ids = [hash_value_of(block_hash) for block_hash in chain]
-        return TraceRequest(ids, len(ids), len(prompt), len(decoded))
+        tokens = list(prompt) + decoded
+
+        def chain_of(lora_id: int | str | None) -> list[Hashable]:
+            cache_request = CacheRequest(f"h{self._count}", tokens, cache_salt=salt,
+                                         lora_id=lora_id)
+            chain = self._manager.block_hashes(cache_request)
+            self._manager.free_block_hashes(cache_request)
+            return [hash_value_of(block_hash) for block_hash in chain]
+
+        ids = chain_of(lora)
+        shared = chain_of(None) if lora is not None else None
+        return TraceRequest(ids, len(ids), len(prompt), len(decoded), lora_id=lora,
+                            shared_ids=shared)
 
 
 class _TokenReader:
