@@ -46,9 +46,12 @@ def test_help_states_the_engine_defaults() -> None:
     serve = commands.choices["serve"]
     helps = {action.dest: action.help for action in serve._actions}
     defaults = EngineConfig()
-    for name in ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "prefix_caching_hash_algo"):
+    for name in ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         assert f"default {getattr(defaults, name)}" in helps[name], name
+    assert f"default {defaults.hash_algo}" in helps["prefix_caching_hash_algo"]
+    assert f"default {defaults.kv_disk_size}" in helps["kv_disk_size"]
+    assert f"default {defaults.kv_tier_min_prefix_tokens}" in helps["kv_tier_min_prefix_tokens"]
+    assert f"default {defaults.kv_tier_write_policy}" in helps["kv_tier_write_policy"]
 
 
 def test_defaults_leave_the_engine_defaults() -> None:

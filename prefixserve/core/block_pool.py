@@ -120,8 +120,8 @@ class BlockPool:
     rewritten. A lookup returns any one of them.
     """
 
-    __slots__ = ("blocks", "cached_block_hash_to_block", "enable_caching", "free_queue",
-                 "null_block", "num_blocks")
+    __slots__ = ("blocks", "cached_block_hash_to_block", "enable_caching", "evicted",
+                 "free_queue", "null_block", "num_blocks")
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  reserve_null_block: bool = False) -> None:
@@ -134,6 +134,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[
             Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.null_block: KVCacheBlock | None = None
+        self.evicted: list[tuple[int, Hashable]] | None = None
+        """When a list (the cache tiers' write-back sets one), ``get_new_blocks`` appends
+        ``(block id, block hash)`` of each cached block it evicts; its owner empties it."""
         if reserve_null_block:
             self.null_block = self.blocks[0]
             self.null_block.is_null = True
@@ -168,6 +171,7 @@ class BlockPool:
         if n > queue.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, only {queue.num_free_blocks} free")
         cache = self.cached_block_hash_to_block
+        evicted = self.evicted
         out: list[KVCacheBlock] = []
         append = out.append
         head = queue.head
@@ -182,6 +186,8 @@ class BlockPool:
                     del entry[block.block_id]
                     if entry:
                         cache[key] = entry
+                if evicted is not None:
+                    evicted.append((block.block_id, block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
             append(block)

@@ -22,6 +22,7 @@ attention, where blocks outside the window are neither needed on a hit nor kept 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from prefixserve.core.block_pool import BlockPool, KVCacheBlock
 from prefixserve.core.hashing import get_hash_function, hash_block_chain, hash_value_of
@@ -41,7 +42,8 @@ class KVCacheManager:
     preemption, dropped by ``free_block_hashes``) and how many of its blocks are already cached.
 
     ``use_eagle`` drops the last hit block of every lookup, for engines whose speculative-decoding
-    heads need the hidden states of the last prompt block.
+    heads need the hidden states of the last prompt block. ``hash_root``, when given, replaces
+    the algorithm's root (the parent of block 0), e.g. by one that is stable across processes.
     """
 
     sliding_window: int | None = None
@@ -57,6 +59,7 @@ class KVCacheManager:
         *,
         use_eagle: bool = False,
         log_stats: bool = True,
+        hash_root: Any = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -67,6 +70,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self._hash_function, self._hash_root = get_hash_function(hash_algo)
+        if hash_root is not None:  # a process-stable root (the cache tiers need one)
+            self._hash_root = hash_root
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching,

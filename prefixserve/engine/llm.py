@@ -67,6 +67,10 @@ class LLM:
         ]
         return self._run(prompts, sampling_params, cache_salt)
 
+    def close(self) -> None:
+        """Finishes the cache tiers' writes and stops their threads (no-op without tiers)."""
+        self.engine.close()
+
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, also while requests run (their blocks come back uncached)."""
         return self.engine.reset_prefix_cache()

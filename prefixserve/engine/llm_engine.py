@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.core import KVCacheManager, MultiModalInput, PrefixCachingMetrics
+from prefixserve.core.tiers import TierStats
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.output_processor import (
@@ -32,6 +33,14 @@ from prefixserve.engine.output_processor import (
 )
 from prefixserve.engine.request import Request
 from prefixserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from prefixserve.engine.tier_manager import (
+    KVTierManager,
+    make_tier_manager,
+    model_identity,
+    namespace_of,
+    tier_hash_root,
+)
+from prefixserve.model.config import resolve_model_path
 from prefixserve.model.dtypes import resolve_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
@@ -60,6 +69,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    kv_tiers: tuple[TierStats, ...] = ()
 
 
 class LLMEngine:
@@ -89,16 +99,31 @@ class LLMEngine:
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
+        namespace = self._tier_namespace(config)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, enable_caching=config.prefix_caching,
-            hash_algo=config.prefix_caching_hash_algo)
+            hash_algo=config.hash_algo,
+            hash_root=None if namespace is None else tier_hash_root(config, namespace))
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.tiers: KVTierManager | None = None
+        if namespace is not None:
+            self.tiers = make_tier_manager(config, namespace, self.kv_cache_manager,
+                                           self.runner.kv_cache, self.scheduler.add_request)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids,
                                                 self.max_model_len)
         self.metrics = PrefixCachingMetrics()
         self.last_step_scheduled = False
+
+    def _tier_namespace(self, config: EngineConfig) -> bytes | None:
+        """The cache tiers' key namespace (the model identity), or None without tiers."""
+        if not config.has_tiers:
+            return None
+        identity = model_identity(resolve_model_path(config.model), self.dtype, config.weights,
+                                  config.block_size, self.runner.kv_cache.shape,
+                                  config.hash_algo)
+        return namespace_of(identity)
 
     # ------------------------------------------------------------------ what the engine is
     @property
@@ -182,7 +207,10 @@ class LLMEngine:
             children.append(request)
         self.output_processor.add_request(request_id, text, children)
         for request in children:
-            self.scheduler.add_request(request)
+            if self.tiers is not None:
+                self.tiers.admit(request)
+            else:
+                self.scheduler.add_request(request)
         return request_id
 
     def _check_queue_room(self, n: int) -> None:
@@ -246,7 +274,14 @@ class LLMEngine:
         return self.output_processor.abort_request(request_id, self.scheduler.finish_request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (
+            self.tiers is not None and self.tiers.has_pending)
+
+    def close(self) -> None:
+        """Finishes the cache tiers' writes (and write-backs) and stops their threads. Call it
+        from the engine's thread, once nothing runs any more."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache, also while requests run; returns True.
@@ -263,13 +298,24 @@ class LLMEngine:
 
         ``last_step_scheduled`` says whether the step ran anything: False means no work can
         run until something changes (a request arrives or is aborted), so a loop driving the
-        engine should wait for new work rather than step again at once."""
+        engine should wait for new work rather than step again at once. (With cache tiers, a
+        step that only waits for loads in flight waits a little itself and reports True.)"""
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.apply_loads()
         scheduled = self.scheduler.schedule()
         self.metrics.observe(self.kv_cache_manager.make_prefix_cache_stats())
         self.last_step_scheduled = bool(scheduled.scheduled)
         if not scheduled.scheduled:
+            if tiers is not None and tiers.has_pending:  # loads will bring work by themselves
+                tiers.wait_for_loads()
+                self.last_step_scheduled = True
             return []
+        if tiers is not None:
+            tiers.before_execute()
         executed = self._execute(scheduled)
+        if tiers is not None:
+            tiers.after_execute(executed.requests)
         return self.output_processor.process(executed, finish=self.scheduler.finish_request)
 
     def _execute(self, scheduled: SchedulerOutput) -> ExecutedStep:
@@ -359,4 +405,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else (),
         )
