@@ -157,7 +157,9 @@ class KVTierManager:
         self._loaded = threading.Event()
         self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._queued_bytes = 0
-        self._lock = threading.Lock()
+        self._queued_writes = 0
+        self._lock = threading.Condition()
+        self._closed = False
         self._loader = threading.Thread(target=self._load_loop, name="prefixserve-tier-loader",
                                         daemon=True)
         self._writer = threading.Thread(target=self._write_loop, name="prefixserve-tier-writer",
@@ -227,17 +229,22 @@ class KVTierManager:
         if have < start:  # the pool lost blocks before these meanwhile: they would be unreachable
             return
         skip = have - start
+        # The pool's part of the prefix is held meanwhile, so that taking blocks for the loads
+        # cannot evict it (its blocks are often the least recently used ones).
+        prefix = [self.pool.get_cached_block(h) for h in hashes[:have]]
+        held = [b for b in prefix if b is not None]
+        self.pool.touch(held)
         count = min(len(payloads) - skip, self.pool.get_num_free_blocks())
-        if count <= 0:
-            return
-        blocks = self.pool.get_new_blocks(count)
+        blocks = self.pool.get_new_blocks(count) if count > 0 else []
         self.before_execute()  # write back what taking them evicted, before it is overwritten
         ids = [b.block_id for b in blocks]
         scatter_blocks(self.kv_cache, self.block_size, ids, payloads[skip:skip + count])
         self.pool.cache_full_blocks(blocks, hashes[have:have + count], 0, count)
         for block_id in ids:
             self._state[block_id] = _IN_TIER
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed([*held, *blocks]))  # tail first, as the manager frees
+        if count <= 0:
+            return
         origin, first = [], start
         for run in runs:
             last = first + len(run.payloads)
@@ -340,11 +347,12 @@ class KVTierManager:
     def _queue(self, write: _Write) -> None:
         """Hands a write to the writer thread, or drops it when its queue is full."""
         with self._lock:
-            if self._queued_bytes + write.nbytes > self.write_queue_bytes:
+            if self._queued_bytes + write.nbytes > self.write_queue_bytes or self._closed:
                 full = True
             else:
                 full = False
                 self._queued_bytes += write.nbytes
+                self._queued_writes += 1
         if full:
             self.chain.count_dropped(len(write.keys) or len(write.records or ()))
             return
@@ -365,6 +373,14 @@ class KVTierManager:
             finally:
                 with self._lock:
                     self._queued_bytes -= write.nbytes
+                    self._queued_writes -= 1
+                    self._lock.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until the writes queued so far are done; returns whether they are. (A lookup
+        does not see a block whose write is still queued: it is a miss, and computed.)"""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._queued_writes == 0, timeout)
 
     # ------------------------------------------------------------------ the end
     def stats(self) -> tuple[TierStats, ...]:
@@ -372,13 +388,17 @@ class KVTierManager:
 
     def close(self, timeout: float = 60.0) -> None:
         """Writes back what is dirty, waits (up to ``timeout``) for the writes queued, and
-        stops the threads."""
+        stops the threads. Later calls do nothing."""
+        if self._closed:
+            return
         if self.write_back:
             dirty = [b for b in self.pool.blocks
                      if b.block_hash is not None and self._state[b.block_id] == _DIRTY]
             for i in range(0, len(dirty), 64):
                 part = dirty[i:i + 64]
                 self._submit([b.block_id for b in part], [b.block_hash for b in part])
+        with self._lock:
+            self._closed = True
         self._jobs.put(None)
         self._writes.put(None)
         self._writer.join(timeout)
