@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from server_helpers import free_port
 
 REDIS_SERVER = shutil.which("redis-server")

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis_helpers import RedisServer
 
 from prefixserve.core.tiers import TierChain, decode_record, encode_record, tier_key
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.disk_tier import DiskTier
 from prefixserve.engine.redis_tier import RedisTier
-from redis_helpers import RedisServer
 
 NS = b"n" * 16
 TOKENS = [[i * 4 + j for j in range(4)] for i in range(8)]

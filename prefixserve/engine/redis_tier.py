@@ -23,6 +23,8 @@ logger = logging.getLogger("prefixserve.tiers")
 KEY_PREFIX = b"prefixserve:kv:"
 _MAX_PIPELINE_BYTES = 64 << 20
 """Largest batch of values sent in one pipeline."""
+_MGET_KEYS = 16
+"""Keys read by one ``MGET`` (16 blocks of the default model: 5.6 MiB in bfloat16)."""
 
 
 class RedisTier(KVTier):
@@ -59,10 +61,13 @@ class RedisTier(KVTier):
         return [bool(n) for n in pipe.execute()]
 
     def load_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        if not keys:
-            return []
-        values = self.client.mget([KEY_PREFIX + key for key in keys])
-        return [v if isinstance(v, bytes) else None for v in values]
+        """``MGET`` in batches of ``_MGET_KEYS`` keys, so that no call waits for a whole long
+        prefix at once (each call has the socket timeout)."""
+        out: list[bytes | None] = []
+        for i in range(0, len(keys), _MGET_KEYS):
+            values = self.client.mget([KEY_PREFIX + key for key in keys[i:i + _MGET_KEYS]])
+            out += [v if isinstance(v, bytes) else None for v in values]
+        return out
 
     def store_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         pipe = self.client.pipeline(transaction=False)

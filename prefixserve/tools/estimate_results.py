@@ -14,11 +14,13 @@ from prefixserve.tools.trace_formats import Workload
 @dataclass(frozen=True)
 class ReplaySettings:
     """``warmup_requests``: requests replayed before the figures start counting;
-    ``window``: requests in the rolling hit rate; ``concurrency``: resident requests."""
+    ``window``: requests in the rolling hit rate; ``concurrency``: resident requests;
+    ``tier_capacity``: blocks of a second cache tier below each pool (None: no tier)."""
 
     concurrency: int = 1
     warmup_requests: int = 0
     window: int = 1000
+    tier_capacity: int | None = None
 
 
 @dataclass
@@ -40,6 +42,10 @@ class CacheResult:
     seconds: float = 0.0
     distinct_blocks: int | None = None
     rolling: list[tuple[int, float]] = field(default_factory=list)
+    tier_hit_blocks: int = 0
+    tier_hit_tokens: int = 0
+    """Blocks and tokens found in the second tier past the pool's hit (``--tier-capacity``);
+    not part of ``hit_blocks`` / ``hit_tokens``, which count the pool's own."""
 
     @property
     def infinite(self) -> bool:
@@ -59,6 +65,11 @@ class CacheResult:
         (docs/DESIGN.md section 5)."""
         miss = 1.0 - self.token_hit_rate
         return 1.0 / miss if miss > 0 else math.inf
+
+    @property
+    def tier_token_hit_rate(self) -> float:
+        """Tokens from the second tier / prompt tokens."""
+        return self.tier_hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     @property
     def hit_request_share(self) -> float:
