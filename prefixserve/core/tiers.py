@@ -32,7 +32,7 @@ from array import array
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import xxhash
 
@@ -289,12 +289,3 @@ class TierChain:
 def _stored(tier: KVTier, items: Sequence[tuple[bytes, bytes]]) -> bool:
     tier.store_many(items)
     return True
-
-
-def describe(value: Any) -> str:
-    """A short text for logs of a tier setting (paths and URLs without credentials)."""
-    text = str(value)
-    if "@" in text and "://" in text:
-        scheme, rest = text.split("://", 1)
-        return f"{scheme}://{rest.split('@', 1)[1]}"
-    return text

@@ -48,7 +48,6 @@ from prefixserve.core.tiers import (
     KVTier,
     TierChain,
     TierStats,
-    describe,
     encode_record,
     tier_key,
 )
@@ -137,6 +136,8 @@ class KVTierManager:
                  kv_cache: torch.Tensor, namespace: bytes, enqueue: Callable[[Request], None],
                  *, write_back: bool = False, min_prefix_tokens: int = 256,
                  retry_after: float = 10.0, write_queue_bytes: int = 512 << 20) -> None:
+        if kv_cache_manager.sliding_window is not None:
+            raise ValueError("the KV cache tiers support full-attention models only")
         self.chain = TierChain(tiers, retry_after)
         self.kvm = kv_cache_manager
         self.pool = kv_cache_manager.block_pool
@@ -410,16 +411,6 @@ def _tokens_of(block_hash: Hashable) -> Sequence[int]:
     """The token ids of a computed block hash ``(value, tokens, extras)``."""
     assert type(block_hash) is tuple
     return block_hash[1]
-
-
-def describe_tiers(disk_dir: str | None, redis_url: str | None) -> str:
-    """The tiers' settings for a log line (a URL without its credentials)."""
-    parts = []
-    if disk_dir:
-        parts.append("disk")
-    if redis_url:
-        parts.append(f"redis {describe(redis_url)}")
-    return ", ".join(parts)
 
 
 def open_tiers(config: EngineConfig, namespace: bytes) -> list[KVTier]:
