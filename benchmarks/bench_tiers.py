@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--redis-url")
     parser.add_argument("--trace", default="../shared/traces/mooncake_conversation_trace.jsonl")
     parser.add_argument("--trace-requests", type=int, default=200)
-    parser.add_argument("--scale", type=float, default=16.0,
+    parser.add_argument("--scale", type=int, default=16,
                         help="trace scale-down (512-token trace blocks become 512/scale)")
     parser.add_argument("--pool-blocks", type=int, default=256)
     args = parser.parse_args()

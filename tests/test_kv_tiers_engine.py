@@ -5,6 +5,8 @@ eviction, the minimum prefix length, and the pool's accounting after loads
 from __future__ import annotations
 
 import random
+import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -63,3 +65,37 @@ def test_only_prompts_of_the_minimum_length_are_written(write_through: LLM) -> N
     write_through.generate(prompt(4, 300), GREEDY)
     write_through.close()  # waits for the writer
     assert engine.tiers.stats()[0].stored_blocks == 300 // 16
+
+
+def test_a_hung_tier_delays_only_the_request_it_is_looking_up() -> None:
+    """A 'Redis' that accepts connections and never answers (a real listening socket): the
+    lookup of X waits for the tier's timeout, while Y (shorter than a block, so it needs no
+    lookup) is scheduled, generates all its tokens and finishes meanwhile. Then X's lookup
+    times out, the tier is marked down, and X runs without it."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        port = hung.getsockname()[1]
+        llm = LLM(dtype="float32", num_blocks=64, kv_redis_url=f"redis://127.0.0.1:{port}/0",
+                  kv_tier_timeout=8.0, kv_tier_min_prefix_tokens=0)
+        engine = llm.engine
+        try:
+            start = time.monotonic()
+            x = engine.add_request(prompt(5, 100), GREEDY)
+            y = engine.add_request(prompt(6, 10), SamplingParams(max_tokens=4, temperature=0,
+                                                                 ignore_eos=True))
+            y_done = None
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id == y and output.finished:
+                        y_done = time.monotonic() - start
+                        assert engine.tiers is not None and x in engine.tiers.pending
+                    if output.request_id == x and output.finished:
+                        assert output.num_cached_tokens == 0
+            assert y_done is not None and y_done < 8.0
+            assert time.monotonic() - start > 7.5  # X waited for the timeout
+            stats = engine.get_stats().kv_tiers[0]
+            assert not stats.up and stats.errors >= 1
+            assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+        finally:
+            llm.close()

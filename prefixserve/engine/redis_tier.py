@@ -4,7 +4,7 @@ Keys are ``prefixserve:kv:`` followed by the tier key (model namespace and chain
 servers of the same model and hash settings find each other's blocks, and other models (or other
 users of the same Redis) never collide with them. Reads and writes are pipelined: one round trip
 per batch (``EXISTS`` per key, ``MGET``, ``SET ... EX``). Every call has a socket timeout; a
-failure raises, and the chain marks the tier down.
+failure raises at once (the client's own retries are off), and the chain marks the tier down.
 
 The memory budget is Redis' own: ``max_memory`` (when given) is applied with ``CONFIG SET
 maxmemory`` and ``maxmemory-policy allkeys-lru``, so Redis evicts the least recently used
@@ -35,12 +35,17 @@ class RedisTier(KVTier):
     def __init__(self, url: str, ttl: float, timeout: float, max_memory: int | None = None
                  ) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         if ttl <= 0:
             raise ValueError(f"the Redis tier's TTL must be positive, got {ttl}")
         self.ttl = max(1, int(ttl))
+        # No retries inside the client (its default retries ten times with backoff): a failed
+        # call fails at once, and the chain marks the tier down and tries again later.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout,
-                                           socket_connect_timeout=timeout)
+                                           socket_connect_timeout=timeout,
+                                           retry=Retry(NoBackoff(), 0))
         if max_memory is not None:
             self._apply_budget(max_memory)
 
