@@ -8,8 +8,9 @@ prompt; the table gives the median and the spread (min-max) of ``--repeats`` run
 median as a ratio to cold. The engine's own clock: arrival to first token (``RequestMetrics``).
 
 Part 2 (``--trace``): two real servers with a pool of ``--pool-blocks`` blocks, one without
-tiers and one with a disk tier and Redis, each replaying the first ``--trace-requests``
-requests of a Mooncake trace with ``prefixserve bench --dataset trace``; then ``prefixserve
+tiers and one with a disk tier and Redis, each replaying ``--trace-requests`` requests of a
+Mooncake trace (whole conversations drawn at random, so that turns come back after the small
+pool has evicted them) with ``prefixserve bench --dataset trace``; then ``prefixserve
 bench compare`` prints both runs side by side (TTFT percentiles, cached-token share).
 
 Both parts start their own ``redis-server`` (the Debian package) on a free local port unless
@@ -142,7 +143,8 @@ def part2(args: argparse.Namespace, workdir: str, redis_url: str) -> None:
         try:
             subprocess.run([sys.executable, "-m", "prefixserve", "bench", "--base-url",
                             url + "/v1", "--dataset", "trace", "--trace-path", args.trace,
-                            "--num-prompts", str(args.trace_requests), "--scale",
+                            "--num-prompts", str(args.trace_requests), "--trace-sample",
+                            "conversations", "--scale",
                             str(args.scale), "--compress-arrivals", "--max-concurrency", "4",
                             "--label", label, "--json", out, "--no-progress"], check=True)
         finally:
