@@ -170,6 +170,9 @@ def _add_tiers(tiers: argparse._ArgumentGroup) -> None:
     tiers.add_argument("--kv-tier-retry-after", type=float, metavar="SECONDS",
                        help="how long a failed tier is left alone before it is tried again "
                        "(default 10)")
+    tiers.add_argument("--kv-tier-write-queue", metavar="SIZE",
+                       help="KV bytes waiting to be written to the tiers at most; past it, "
+                       "blocks are dropped rather than waited for (default 512MiB)")
 
 
 def _add_logging(logs: argparse._ArgumentGroup) -> None:
