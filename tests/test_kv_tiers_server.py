@@ -59,7 +59,7 @@ def test_a_restart_finds_the_prompt_on_disk_and_a_corrupt_file_is_skipped(tmp_pa
     try:
         first = complete(first_server, PROMPT)
         assert cached(first) == (0, {"pool": 0, "disk": 0})
-        first_server.wait_for_metrics(lambda m: m[STORED % "disk"] >= FULL_BLOCKS)
+        first_server.wait_for_metrics(lambda m: m[STORED % "disk"] >= FULL_BLOCKS, timeout=120)
     finally:
         assert first_server.stop() == 0
     server = ServerProcess(args, tmp_path / "second.log").start()
@@ -120,7 +120,7 @@ def test_two_servers_share_blocks_through_redis_but_not_across_tenants(
         server_a.start()
         server_b.start()
         first = complete(server_a, PROMPT)
-        server_a.wait_for_metrics(lambda m: m[STORED % "redis"] >= FULL_BLOCKS)
+        server_a.wait_for_metrics(lambda m: m[STORED % "redis"] >= FULL_BLOCKS, timeout=120)
         shared = complete(server_b, PROMPT)
         total, by_tier = cached(shared)
         assert total >= 1984 and by_tier["redis"] == total, tier_metrics(server_b)
