@@ -70,3 +70,6 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens_by_tier: dict[str, int] | None = None
+    """With cache tiers: ``num_cached_tokens`` split into ``pool`` and each tier (``disk``,
+    ``redis``) the blocks were loaded from for this request; None without tiers."""

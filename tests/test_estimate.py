@@ -98,6 +98,20 @@ def test_lru_eviction_through_the_pool(tmp_path: Path) -> None:
     assert results[9].hit_tokens == results[None].hit_tokens == 24
 
 
+@pytest.mark.parametrize(("tier_blocks", "tier_tokens"), [(6, 8), (4, 0)])
+def test_a_second_tier_gives_what_the_pool_evicted(tmp_path: Path, tier_blocks: int,
+                                                   tier_tokens: int) -> None:
+    # The LRU workload in a pool of 6 with a tier below it (issue 15): the last B misses in the
+    # pool; a tier of 6 blocks still holds B's two full blocks (8 tokens), a tier of 4 has
+    # evicted them for C's (the tier is LRU too: A's re-use moved A's blocks past B's).
+    path = write_jsonl(tmp_path / "lru.jsonl", [{"token_ids": t} for _, t in LRU_WORKLOAD])
+    result = run_estimate(path, "--block-size", "4", "--capacity", "6", "--tier-capacity",
+                          str(tier_blocks))
+    six = by_capacity(result)[6]
+    assert six.hit_tokens == 16  # the pool's own hits do not change
+    assert (six.tier_hit_tokens, six.tier_hit_blocks) == (tier_tokens, tier_tokens // 4)
+
+
 def test_warmup_window_counts_only_later_requests(tmp_path: Path) -> None:
     # Warm-up 0.5 of 6 requests: only C, A, B count. Pool of 6: A hits 8; infinite: A and B.
     path = write_jsonl(tmp_path / "lru.jsonl", [{"token_ids": t} for _, t in LRU_WORKLOAD])

@@ -46,9 +46,27 @@ def test_help_states_the_engine_defaults() -> None:
     serve = commands.choices["serve"]
     helps = {action.dest: action.help for action in serve._actions}
     defaults = EngineConfig()
-    for name in ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "prefix_caching_hash_algo"):
+    for name in ("dtype", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         assert f"default {getattr(defaults, name)}" in helps[name], name
+    assert f"default {defaults.hash_algo}" in helps["prefix_caching_hash_algo"]
+    assert f"default {defaults.kv_disk_size}" in helps["kv_disk_size"]
+    assert f"default {defaults.kv_tier_min_prefix_tokens}" in helps["kv_tier_min_prefix_tokens"]
+    assert f"default {defaults.kv_tier_write_policy}" in helps["kv_tier_write_policy"]
+    assert f"default {defaults.kv_tier_write_queue}" in helps["kv_tier_write_queue"]
+
+
+def test_tier_flags_reach_the_engine_config() -> None:
+    config = engine_config(parse("--kv-disk-dir", "/d", "--kv-disk-size", "1GiB",
+                                 "--kv-redis-url", "redis://h:1/0", "--kv-redis-ttl", "60",
+                                 "--kv-tier-write-policy", "back", "--kv-tier-min-prefix-tokens",
+                                 "32", "--kv-tier-timeout", "2", "--kv-tier-retry-after", "3",
+                                 "--kv-tier-write-queue", "64MiB"))
+    assert (config.kv_disk_dir, config.kv_disk_size, config.kv_redis_url) == (
+        "/d", "1GiB", "redis://h:1/0")
+    assert (config.kv_redis_ttl, config.kv_tier_write_policy, config.kv_tier_min_prefix_tokens,
+            config.kv_tier_timeout, config.kv_tier_retry_after, config.kv_tier_write_queue) == (
+        60, "back", 32, 2, 3, "64MiB")
+    assert config.hash_algo == "sha256"
 
 
 def test_defaults_leave_the_engine_defaults() -> None:

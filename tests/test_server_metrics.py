@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from server_helpers import ServerProcess
 
+from prefixserve.core.tiers import TierStats
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from prefixserve.server.metrics import ServerMetrics
@@ -110,13 +111,14 @@ def test_every_sample_has_the_model_name_and_the_prefix(served: tuple[ServerProc
 
 
 # ----------------------------------------------------------------------- without a server
-def engine_with(**figures: float) -> AsyncLLM:
-    """An engine whose ``stats()`` holds ``figures`` (zero for the others)."""
+def engine_with(**figures: Any) -> AsyncLLM:
+    """An engine whose ``stats()`` holds ``figures`` (zero for the others, no cache tiers)."""
     names = ("num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_blocks",
              "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits",
              "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions",
              "prompt_tokens", "generation_tokens")
-    stats = SimpleNamespace(**{name: figures.get(name, 0) for name in names})
+    stats = SimpleNamespace(**{name: figures.get(name, 0) for name in names},
+                            kv_tiers=figures.get("kv_tiers", ()))
     return cast(AsyncLLM, SimpleNamespace(stats=lambda: stats))
 
 
@@ -132,6 +134,25 @@ def test_server_metrics_names_labels_and_token_counters() -> None:
     assert b"prefixserve:" not in generate_latest(registry)
     default = ServerMetrics(engine, "m").registry
     assert default.get_sample_value("prefixserve:prefix_cache_hits_total", label) == 32
+
+
+def test_tier_metrics_have_one_sample_per_tier() -> None:
+    engine = engine_with(kv_tiers=(TierStats("disk", hit_tokens=48, corrupt_blocks=1),
+                                   TierStats("redis", up=False, down_events=2)))
+    registry = ServerMetrics(engine, "m").registry
+
+    def value(name: str, tier: str) -> float | None:
+        return registry.get_sample_value(f"prefixserve:kv_tier_{name}",
+                                         {"model_name": "m", "tier": tier})
+
+    assert (value("up", "disk"), value("up", "redis")) == (1, 0)
+    assert value("hit_tokens_total", "disk") == 48
+    assert value("corrupt_blocks_total", "disk") == 1
+    assert value("down_events_total", "redis") == 2
+    assert registry.get_sample_value("prefixserve:kv_tier_up",
+                                     {"model_name": "m", "tier": "pool"}) is None
+    none = ServerMetrics(engine_with(), "m").registry
+    assert b"kv_tier" not in generate_latest(none)
 
 
 def output(tokens: int, finish: str | None, times: RequestMetrics) -> RequestOutput:

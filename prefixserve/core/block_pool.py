@@ -159,9 +159,9 @@ class BlockPool:
     """
 
     __slots__ = ("_expiry_heap", "_heap_seq", "_levels", "blocks", "cached_block_hash_to_block",
-                 "clock", "enable_caching", "evictions_by_priority", "expired_retentions",
-                 "free_queue", "null_block", "num_blocks", "num_free_retained",
-                 "retained_queues")
+                 "clock", "enable_caching", "evicted", "evictions_by_priority",
+                 "expired_retentions", "free_queue", "null_block", "num_blocks",
+                 "num_free_retained", "retained_queues")
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  reserve_null_block: bool = False, clock: Clock | None = None) -> None:
@@ -175,6 +175,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[
             Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.null_block: KVCacheBlock | None = None
+        self.evicted: list[tuple[int, Hashable]] | None = None
+        """When a list (the cache tiers' write-back sets one), ``get_new_blocks`` appends
+        ``(block id, block hash)`` of each cached block it evicts; its owner empties it."""
         if reserve_null_block:
             self.null_block = self.blocks[0]
             self.null_block.is_null = True
@@ -244,6 +247,7 @@ class BlockPool:
         block = head.next_free
         priority = block.priority
         evicted = 0
+        evicted_log = self.evicted
         for _ in range(n):
             if block.block_hash is not None:
                 key = block.hash_value
@@ -254,6 +258,8 @@ class BlockPool:
                     del entry[block.block_id]
                     if entry:
                         cache[key] = entry
+                if evicted_log is not None:
+                    evicted_log.append((block.block_id, block.block_hash))
                 block.block_hash = None
                 evicted += 1
             block.ref_cnt = 1

@@ -31,6 +31,7 @@ Rules (docs/DESIGN.md section 13):
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
 
 from prefixserve.core.block_pool import Clock, KVCacheBlock
 from prefixserve.core.hashing import hash_value_of
@@ -49,7 +50,8 @@ class HybridKVCacheManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, group_windows: Sequence[int | None],
                  enable_caching: bool = True, hash_algo: str = "builtin", *,
                  use_eagle: bool = False, log_stats: bool = True, clock: Clock | None = None,
-                 max_pinned_fraction: float = 0.5, reserved_blocks: int = 0) -> None:
+                 max_pinned_fraction: float = 0.5, reserved_blocks: int = 0,
+                 hash_root: Any = None) -> None:
         if not group_windows:
             raise ValueError("a hybrid KV cache needs at least one group")
         for window in group_windows:
@@ -61,7 +63,7 @@ class HybridKVCacheManager(KVCacheManager):
         super().__init__(num_blocks, block_size, enable_caching, hash_algo,
                          use_eagle=use_eagle, log_stats=log_stats, clock=clock,
                          max_pinned_fraction=max_pinned_fraction,
-                         reserved_blocks=reserved_blocks)
+                         reserved_blocks=reserved_blocks, hash_root=hash_root)
         self.null_block = self.block_pool.null_block
         self.num_groups = len(self.group_windows)
         self.group_blocks: dict[str, list[list[KVCacheBlock]]] = {}

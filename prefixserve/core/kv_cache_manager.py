@@ -22,6 +22,7 @@ attention, where blocks outside the window are neither needed on a hit nor kept 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from prefixserve.core.block_pool import BlockPool, Clock, KVCacheBlock
 from prefixserve.core.hashing import get_hash_function, hash_block_chain, hash_value_of
@@ -54,6 +55,8 @@ class KVCacheManager:
     reference until unpinned, within ``max_pinned_fraction`` of the pool less
     ``reserved_blocks`` (the engine reserves room for one request of its whole context, so that
     pins never make a request unschedulable). ``clock`` drives expiry (tests simulate it).
+    heads need the hidden states of the last prompt block. ``hash_root``, when given, replaces
+    the algorithm's root (the parent of block 0), e.g. by one that is stable across processes.
     """
 
     sliding_window: int | None = None
@@ -72,6 +75,7 @@ class KVCacheManager:
         clock: Clock | None = None,
         max_pinned_fraction: float = 0.5,
         reserved_blocks: int = 0,
+        hash_root: Any = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -82,6 +86,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         self._hash_function, self._hash_root = get_hash_function(hash_algo)
+        if hash_root is not None:  # a process-stable root (the cache tiers need one)
+            self._hash_root = hash_root
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         if not 0.0 <= max_pinned_fraction <= 1.0:

@@ -290,3 +290,7 @@ class AsyncLLM:
         for request_id in list(self._streams):
             engine.abort_request(request_id)
             self._deliver(request_id, EngineDeadError("the engine is shutting down"))
+        try:
+            engine.close()
+        except Exception:
+            logger.exception("closing the engine failed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
+KV_TIER_WRITE_POLICIES = ("through", "back")
 
 
 def parse_memory(value: int | str) -> int:
@@ -52,6 +54,13 @@ class EngineConfig:
     ``enable_lora`` gives the model ``max_loras`` adapter slots of rank up to ``max_lora_rank``
     (vLLM's names and defaults, 1 and 16); ``lora_modules`` maps served names to adapter paths
     (PEFT directories or GGUF LoRA files) loaded at start (see ``engine/lora_registry.py``).
+    ``prefix_caching_hash_algo`` None means builtin, or sha256 when a cache tier is configured.
+    The ``kv_disk_*``, ``kv_redis_*`` and ``kv_tier_*`` settings configure the cache tiers below
+    the pool (docs/DESIGN.md section 13): a disk directory and its size budget, a Redis URL with
+    the TTL of its values and an optional memory budget, the write policy (``through``: a block
+    is written once full and computed; ``back``: when evicted from the pool, and at shutdown),
+    the shortest prompt whose blocks are written, the timeout of one tier call, how long a
+    failed tier stays marked down, and the bytes of KV the writer thread may hold.
     """
 
     model: str | None = None
@@ -59,7 +68,7 @@ class EngineConfig:
     weights: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool | None = None
-    prefix_caching_hash_algo: str = "builtin"
+    prefix_caching_hash_algo: str | None = None
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     num_blocks: int | None = None
@@ -75,6 +84,16 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: dict[str, str] | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_size: int | str = "20GiB"
+    kv_redis_url: str | None = None
+    kv_redis_ttl: float = 86400.0
+    kv_redis_max_memory: int | str | None = None
+    kv_tier_write_policy: str = "through"
+    kv_tier_min_prefix_tokens: int = 256
+    kv_tier_timeout: float = 1.0
+    kv_tier_retry_after: float = 10.0
+    kv_tier_write_queue: int | str = "512MiB"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
@@ -83,7 +102,7 @@ class EngineConfig:
         if self.block_size not in ALLOWED_BLOCK_SIZES:
             raise ValueError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, "
                              f"got {self.block_size}")
-        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+        if self.prefix_caching_hash_algo not in (*HASH_ALGOS, None):
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
                              f"got {self.prefix_caching_hash_algo!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -105,6 +124,46 @@ class EngineConfig:
         self._check_lora()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """The cache tiers' settings (docs/DESIGN.md section 13)."""
+        if not self.has_tiers:
+            return
+        if not self.prefix_caching:
+            raise ValueError("the KV cache tiers (--kv-disk-dir, --kv-redis-url) need prefix "
+                             "caching on")
+        if self.hash_algo == "builtin" and "PYTHONHASHSEED" not in os.environ:
+            raise ValueError(
+                "a persistent or shared KV tier needs block hashes that are the same in every "
+                "process, but the builtin hash chains from a random per-process root unless "
+                "PYTHONHASHSEED is set: use --prefix-caching-hash-algo sha256 (the default with "
+                "a tier) or xxhash, or set PYTHONHASHSEED")
+        if self.kv_tier_write_policy not in KV_TIER_WRITE_POLICIES:
+            raise ValueError(f"kv_tier_write_policy must be one of {KV_TIER_WRITE_POLICIES}, "
+                             f"got {self.kv_tier_write_policy!r}")
+        for name in ("kv_redis_ttl", "kv_tier_timeout", "kv_tier_retry_after"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_tier_min_prefix_tokens < 0:
+            raise ValueError("kv_tier_min_prefix_tokens must not be negative")
+        parse_memory(self.kv_disk_size)
+        parse_memory(self.kv_tier_write_queue)
+        if self.kv_redis_max_memory is not None:
+            parse_memory(self.kv_redis_max_memory)
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether a cache tier (disk or Redis) is configured."""
+        return bool(self.kv_disk_dir or self.kv_redis_url)
+
+    @property
+    def hash_algo(self) -> str:
+        """``prefix_caching_hash_algo`` resolved: as given, else sha256 with a cache tier (a
+        hash stable across processes) and builtin without."""
+        if self.prefix_caching_hash_algo is not None:
+            return self.prefix_caching_hash_algo
+        return "sha256" if self.has_tiers else "builtin"
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

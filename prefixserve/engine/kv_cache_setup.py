@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.core import KVCacheManager
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -27,10 +27,11 @@ REPORT_TOKENS = 8000
 """The request length of the startup report of a hybrid layout."""
 
 
-def make_engine_kv_cache(model: ModelConfig, num_blocks: int, config: EngineConfig
-                         ) -> tuple[KVCacheManager, int]:
+def make_engine_kv_cache(model: ModelConfig, num_blocks: int, config: EngineConfig,
+                         hash_root: Any = None) -> tuple[KVCacheManager, int]:
     """The manager over ``num_blocks`` blocks and the longest request (tokens) it can hold
-    alone (a window group holds at most the window plus one step's chunk)."""
+    alone (a window group holds at most the window plus one step's chunk). ``hash_root``: a
+    process-stable chain root (the cache tiers need one), else the algorithm's own."""
     layout = kv_layout(model)
     bs = config.block_size
     hybrid = any(w is not None for w in layout.windows)
@@ -41,13 +42,13 @@ def make_engine_kv_cache(model: ModelConfig, num_blocks: int, config: EngineConf
     reserved = -(-max_model_len // bs)  # the pin budget leaves room for one longest request
     if not hybrid:
         return KVCacheManager(num_blocks, bs, config.prefix_caching,
-                              config.prefix_caching_hash_algo,
+                              config.hash_algo,
                               max_pinned_fraction=config.max_pinned_fraction,
-                              reserved_blocks=reserved), capacity
+                              reserved_blocks=reserved, hash_root=hash_root), capacity
     return HybridKVCacheManager(num_blocks, bs, layout.windows, config.prefix_caching,
-                                config.prefix_caching_hash_algo,
+                                config.hash_algo,
                                 max_pinned_fraction=config.max_pinned_fraction,
-                                reserved_blocks=reserved), capacity
+                                reserved_blocks=reserved, hash_root=hash_root), capacity
 
 
 def capacity_report(model: ModelConfig, num_blocks: int, block_size: int, num_tokens: int,

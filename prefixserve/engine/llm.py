@@ -77,6 +77,10 @@ class LLM:
         ]
         return self._run(prompts, sampling_params, cache_salt, lora)
 
+    def close(self) -> None:
+        """Finishes the cache tiers' writes and stops their threads (no-op without tiers)."""
+        self.engine.close()
+
     def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
         """Empties the prefix cache, also while requests run (their blocks come back uncached);
         pins are released too unless ``keep_pins``."""

@@ -27,6 +27,7 @@ from prefixserve.core import (
     PrefixCachingMetrics,
     Retention,
 )
+from prefixserve.core.tiers import TierStats
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
@@ -42,6 +43,14 @@ from prefixserve.engine.output_processor import (
 from prefixserve.engine.request import Request
 from prefixserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from prefixserve.engine.structured_output import GrammarError, StructuredOutputs
+from prefixserve.engine.tier_manager import (
+    KVTierManager,
+    make_tier_manager,
+    model_identity,
+    namespace_of,
+    tier_hash_root,
+)
+from prefixserve.model.config import resolve_model_path
 from prefixserve.model.dtypes import resolve_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.model.lora import install_lora
@@ -77,6 +86,7 @@ class EngineStats:
     expired_retentions: int = 0
     lora_cache: dict[str, LoRACacheCounts] = field(default_factory=dict)
     """Prefix-cache counts per loaded LoRA adapter name (the base model under ``""``)."""
+    kv_tiers: tuple[TierStats, ...] = ()
 
 
 class LLMEngine:
@@ -103,13 +113,19 @@ class LLMEngine:
             raise ValueError("kv_cache_memory is too small for two KV blocks")
         self.runner = ModelRunner(self.model_config, model, num_blocks, config.block_size,
                                   self.dtype, config.device)
+        namespace = self._tier_namespace(config)
         self.kv_cache_manager, capacity = make_engine_kv_cache(
-            self.model_config, num_blocks, config)
+            self.model_config, num_blocks, config,
+            hash_root=None if namespace is None else tier_hash_root(config, namespace))
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)
         log_kv_capacity(self.model_config, num_blocks, config)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.tiers: KVTierManager | None = None
+        if namespace is not None:
+            self.tiers = make_tier_manager(config, namespace, self.kv_cache_manager,
+                                           self.runner.kv_cache, self.scheduler.add_request)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
                                             self.model_config.eos_token_ids)
@@ -132,6 +148,15 @@ class LLMEngine:
         self.scheduler.gate = self.loras
         for name, path in (config.lora_modules or {}).items():
             self.loras.add(name, path)
+
+    def _tier_namespace(self, config: EngineConfig) -> bytes | None:
+        """The cache tiers' key namespace (the model identity), or None without tiers."""
+        if not config.has_tiers:
+            return None
+        identity = model_identity(resolve_model_path(config.model), self.dtype, config.weights,
+                                  config.block_size, self.runner.kv_cache.shape,
+                                  config.hash_algo)
+        return namespace_of(identity)
 
     # ------------------------------------------------------------------ what the engine is
     @property
@@ -224,7 +249,10 @@ class LLMEngine:
         for request in children:
             if grammar is not None and params.structured_outputs is not None:
                 self.structured.add(request.request_id, grammar, params.structured_outputs)
-            self.scheduler.add_request(request)
+            if self.tiers is not None:
+                self.tiers.admit(request)
+            else:
+                self.scheduler.add_request(request)
         return request_id
 
     def check_token_controls(self, params: SamplingParams) -> None:
@@ -366,7 +394,14 @@ class LLMEngine:
         return self.output_processor.abort_request(request_id, self.scheduler.finish_request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (
+            self.tiers is not None and self.tiers.has_pending)
+
+    def close(self) -> None:
+        """Finishes the cache tiers' writes (and write-backs) and stops their threads. Call it
+        from the engine's thread, once nothing runs any more."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
         """Empties the prefix cache, also while requests run; returns True.
@@ -431,13 +466,24 @@ class LLMEngine:
 
         ``last_step_scheduled`` says whether the step ran anything: False means no work can
         run until something changes (a request arrives or is aborted), so a loop driving the
-        engine should wait for new work rather than step again at once."""
+        engine should wait for new work rather than step again at once. (With cache tiers, a
+        step that only waits for loads in flight waits a little itself and reports True.)"""
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.apply_loads()
         scheduled = self.scheduler.schedule()
         self.metrics.observe(self.kv_cache_manager.make_prefix_cache_stats())
         self.last_step_scheduled = bool(scheduled.scheduled)
         if not scheduled.scheduled:
+            if tiers is not None and tiers.has_pending:  # loads will bring work by themselves
+                tiers.wait_for_loads()
+                self.last_step_scheduled = True
             return []
+        if tiers is not None:
+            tiers.before_execute()
         executed = self._execute(scheduled)
+        if tiers is not None:
+            tiers.after_execute(executed.requests)
         outputs = self.output_processor.process(executed, finish=self.scheduler.finish_request)
         if len(self.structured):
             for request in executed.requests:
@@ -544,4 +590,5 @@ class LLMEngine:
             expired_retentions=manager.block_pool.expired_retentions,
             lora_cache={name: replace(counts)
                         for name, counts in self.lora_cache_counts().items()},
+            kv_tiers=self.tiers.stats() if self.tiers is not None else (),
         )

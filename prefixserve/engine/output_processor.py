@@ -177,6 +177,7 @@ class RequestState:
             num_cached_tokens=max(first.request.num_cached_tokens, 0),
             metrics=first.request.metrics,
             prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens_by_tier=first.request.num_cached_tokens_by_tier,
         )
 
 

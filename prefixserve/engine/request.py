@@ -40,6 +40,12 @@ class Request(CacheRequest):
     step reads it without rebuilding it. ``status`` is
     ``FINISHED`` once ``Scheduler.finish_request`` has released the request, which the output
     processor asks for as soon as the sequence has a finish reason.
+
+    With cache tiers (``engine/tier_manager.py``): ``tier_origin`` lists ``(first block, end
+    block, tier)`` runs loaded from a tier for this request, ``num_cached_tokens_by_tier`` splits
+    ``num_cached_tokens`` into ``pool`` and each tier (None without tiers, or before the first
+    scheduling), and ``tier_blocks_seen`` counts the leading full blocks already offered to the
+    tiers.
     """
 
     token_ids: list[int]
@@ -57,6 +63,9 @@ class Request(CacheRequest):
     extra_block_ids: tuple[list[int], ...] = ()
     """With a hybrid KV cache: the block ids of KV cache groups 1, 2, ... (``block_ids`` are
     group 0's)."""
+    tier_origin: list[tuple[int, int, str]] = field(default_factory=list)
+    num_cached_tokens_by_tier: dict[str, int] | None = None
+    tier_blocks_seen: int = 0
 
     @property
     def is_finished(self) -> bool:

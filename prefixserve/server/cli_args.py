@@ -35,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_limits(parser.add_argument_group("limits"))
     _add_engine(parser.add_argument_group("engine"))
     add_lora_arguments(parser.add_argument_group("LoRA adapters"))
+    _add_tiers(parser.add_argument_group("KV cache tiers (below the pool: disk, Redis)"))
     _add_logging(parser.add_argument_group("logging and metrics"))
     parser.set_defaults(func=run)
     return parser
@@ -135,7 +136,8 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None, help="automatic prefix caching (default: on)")
     group.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,
-                       help="hash of the prefix-cache block keys (default builtin)")
+                       help="hash of the prefix-cache block keys (default builtin; sha256 "
+                       "when a KV tier is configured, which needs a process-stable hash)")
     group.add_argument("--block-size", type=int, choices=ALLOWED_BLOCK_SIZES,
                        help="tokens per KV cache block (default 16)")
     _add_kv_cache_size(group.add_mutually_exclusive_group())
@@ -158,6 +160,36 @@ def _add_kv_cache_size(size: argparse._MutuallyExclusiveGroup) -> None:
                       help="memory for the KV cache, e.g. 512MiB or 2GiB (default 1GiB)")
     size.add_argument("--num-blocks", type=int, metavar="N",
                       help="KV cache size in blocks (instead of --kv-cache-memory)")
+
+
+def _add_tiers(tiers: argparse._ArgumentGroup) -> None:
+    tiers.add_argument("--kv-disk-dir", metavar="DIR",
+                       help="keep KV blocks in files under DIR, found again after a restart of "
+                       "the same model and settings (default: no disk tier)")
+    tiers.add_argument("--kv-disk-size", metavar="SIZE",
+                       help="size budget of the disk tier, least recently used blocks deleted "
+                       "past it (default 20GiB)")
+    tiers.add_argument("--kv-redis-url", metavar="URL",
+                       help="share KV blocks through the Redis at URL (redis://host:port/db) "
+                       "with every server of the same model (default: no Redis tier)")
+    tiers.add_argument("--kv-redis-ttl", type=float, metavar="SECONDS",
+                       help="seconds a block stays in Redis after its write (default 86400)")
+    tiers.add_argument("--kv-redis-max-memory", metavar="SIZE",
+                       help="set Redis' maxmemory to SIZE with LRU eviction (default: leave "
+                       "Redis' own settings)")
+    tiers.add_argument("--kv-tier-write-policy", choices=("through", "back"),
+                       help="write a block to the tiers once it is full (through) or when the "
+                       "pool evicts it and at shutdown (back) (default through)")
+    tiers.add_argument("--kv-tier-min-prefix-tokens", type=int, metavar="N",
+                       help="write only the blocks of prompts of at least N tokens (default 256)")
+    tiers.add_argument("--kv-tier-timeout", type=float, metavar="SECONDS",
+                       help="timeout of one call to a remote tier (default 1)")
+    tiers.add_argument("--kv-tier-retry-after", type=float, metavar="SECONDS",
+                       help="how long a failed tier is left alone before it is tried again "
+                       "(default 10)")
+    tiers.add_argument("--kv-tier-write-queue", metavar="SIZE",
+                       help="KV bytes waiting to be written to the tiers at most; past it, "
+                       "blocks are dropped rather than waited for (default 512MiB)")
 
 
 def _add_logging(logs: argparse._ArgumentGroup) -> None:

@@ -31,7 +31,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _ENGINE_OPTIONS = ("dtype", "weights", "enable_prefix_caching", "prefix_caching_hash_algo",
                    "block_size", "kv_cache_memory", "num_blocks", "max_num_seqs",
                    "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
-                   "max_waiting_requests", "num_threads", "max_pinned_fraction")
+                   "max_waiting_requests", "num_threads", "max_pinned_fraction", "kv_disk_dir",
+                   "kv_disk_size", "kv_redis_url", "kv_redis_ttl", "kv_redis_max_memory",
+                   "kv_tier_write_policy", "kv_tier_min_prefix_tokens", "kv_tier_timeout",
+                   "kv_tier_retry_after", "kv_tier_write_queue")
 
 
 def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:

@@ -328,6 +328,10 @@ class ChatCompletionRequest(GenerationRequest):
 # ---------------------------------------------------------------------- responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+    cached_tokens_by_tier: dict[str, int] | None = Field(
+        None, description="An extension: with KV cache tiers (--kv-disk-dir, --kv-redis-url), "
+        "`cached_tokens` split by where the blocks were found: `pool` (in memory), `disk`, "
+        "`redis`; null without tiers.")
 
 
 class Usage(BaseModel):

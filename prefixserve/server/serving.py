@@ -128,6 +128,7 @@ class _Prompts:
 
     ids: list[list[int]]
     cached_tokens: list[int] = field(default_factory=list)
+    cached_by_tier: dict[int, dict[str, int]] = field(default_factory=dict)
     prompt_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -136,6 +137,8 @@ class _Prompts:
 
     def note(self, index: int, output: RequestOutput) -> None:
         self.cached_tokens[index] = output.num_cached_tokens
+        if output.num_cached_tokens_by_tier is not None:
+            self.cached_by_tier[index] = output.num_cached_tokens_by_tier
         if output.prompt_logprobs is not None:
             self.prompt_logprobs[index] = output.prompt_logprobs
 
@@ -144,7 +147,18 @@ class _Prompts:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(
-                         cached_tokens=sum(self.cached_tokens)))
+                         cached_tokens=sum(self.cached_tokens),
+                         cached_tokens_by_tier=self._by_tier()))
+
+    def _by_tier(self) -> dict[str, int] | None:
+        """The prompts' cached tokens summed per tier (None without tiers)."""
+        if not self.cached_by_tier:
+            return None
+        total: dict[str, int] = {}
+        for split in self.cached_by_tier.values():
+            for tier, tokens in split.items():
+                total[tier] = total.get(tier, 0) + tokens
+        return total
 
     def logprob_entries(self, index: int) -> list[LogprobEntry]:
         """A new list of the logprob entries of prompt ``index``'s tokens: those the engine

@@ -30,7 +30,7 @@ import re
 import resource
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -119,6 +119,7 @@ class _PoolReplay:
         self.pin_targets = most_reused_blocks(workload, settings.pin_top)
         self.pinned: set[Any] = set()
         self.pins_full = False
+        self.tier = None if settings.tier_capacity is None else _TierModel(settings.tier_capacity)
 
     def run(self, tick: ProgressTick | None) -> CacheResult:
         start = time.perf_counter()
@@ -156,6 +157,13 @@ class _PoolReplay:
         manager = self.manager
         hits, num_cached = manager.get_computed_blocks(request)
         self.tally.observe(index, manager.make_prefix_cache_stats())
+        if self.tier is not None:
+            limit = min(num_prompt_blocks, (prompt - 1) // bs)
+            found = self.tier.extend(prompt_keys, len(hits), limit)
+            if index >= self.tally.warmup:
+                self.result.tier_hit_blocks += found
+                self.result.tier_hit_tokens += found * bs
+            self.tier.store(prompt_keys)
         # The whole request (prompt and output) is allocated now; only the prompt's full blocks
         # are cached now (``request.token_ids`` covers the prompt only), the output's on leaving.
         while manager.allocate_slots(request, total - num_cached, hits) is None:
@@ -193,6 +201,8 @@ class _PoolReplay:
             request.num_computed_tokens = total - 1
             if manager.allocate_slots(request, 1) != []:
                 raise RuntimeError("decoding a request needed blocks it had not reserved")
+            if self.tier is not None:
+                self.tier.store(keys)
         manager.free(request)
         manager.free_block_hashes(request)
 
@@ -214,6 +224,36 @@ def most_reused_blocks(workload: Workload, k: int) -> set[Any]:
     ranked = sorted((key for key, c in counts.items() if c > 1),
                     key=lambda key: (-counts[key], -depth[key]))
     return set(ranked[:k])
+class _TierModel:
+    """A second cache tier of ``capacity`` blocks below a pool: an LRU set of block keys,
+    written through (every full block enters it when computed), read past the pool's hit
+    until its first miss, as the engine's tiers are (docs/DESIGN.md section 13). Blocks it
+    gives are then computed into the pool like any others (the engine loads them there)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"--tier-capacity must be at least 1 block, got {capacity}")
+        self.capacity = capacity
+        self.keys: OrderedDict[Any, None] = OrderedDict()
+
+    def extend(self, keys: Sequence[Any], start: int, limit: int) -> int:
+        """How many blocks from ``start`` (the pool's hit) up to ``limit`` the tier holds."""
+        found = 0
+        held = self.keys
+        while start + found < limit and keys[start + found] in held:
+            held.move_to_end(keys[start + found])
+            found += 1
+        return found
+
+    def store(self, keys: Sequence[Any]) -> None:
+        held = self.keys
+        for key in keys:
+            if key in held:
+                held.move_to_end(key)
+            else:
+                held[key] = None
+                if len(held) > self.capacity:
+                    held.popitem(last=False)
 
 
 def replay_pool(workload: Workload, capacity: int, settings: ReplaySettings,
@@ -537,7 +577,7 @@ def estimate(args: argparse.Namespace) -> Estimate:
                               warmup_requests=math.floor(num_requests * args.warmup_fraction),
                               window=window, group_windows=group_windows,
                               pin_top=args.pin_top, ttl=args.ttl,
-                              ttl_priority=args.ttl_priority)
+                              ttl_priority=args.ttl_priority, tier_capacity=args.tier_capacity)
     jobs = args.jobs or os.cpu_count() or 1
     if args.jobs is None and workload.num_prompt_blocks < SMALL_REPLAY_BLOCKS:
         jobs = 1

@@ -87,6 +87,10 @@ def _add_sizes(sizes: argparse._ArgumentGroup) -> None:
     sizes.add_argument("--kv-memory", metavar="SIZES",
                        help="pool sizes in bytes, e.g. 4GiB,16GiB (needs --kv-bytes-per-token "
                        "or --kv-model)")
+    sizes.add_argument("--tier-capacity", type=int, metavar="BLOCKS",
+                       help="model a second cache tier (disk, Redis) of BLOCKS blocks below "
+                       "each pool, written through and read past the pool's hit; the table "
+                       "then shows hits by tier")
     sizes.add_argument("--kv-bytes-per-token", type=int, metavar="N",
                        help="KV bytes one token takes (all layers, K and V)")
     sizes.add_argument("--kv-model", metavar="MODEL",

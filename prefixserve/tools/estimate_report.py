@@ -78,6 +78,9 @@ def build_table(estimate: Estimate) -> Table:
         headers.append("\nmemory")
     headers += ["hit rate\nblocks", "hit rate\ntokens", "tokens\nsaved", "speed-up\nbound",
                 "requests\nwith hit"]
+    tiered = estimate.settings.tier_capacity is not None
+    if tiered:
+        headers += ["tier hits\ntokens", "pool+tier\ntokens"]
     if show_too_large:
         headers.append("too\nlarge")
     for header in headers:
@@ -98,6 +101,10 @@ def build_table(estimate: Estimate) -> Table:
             "inf" if math.isinf(bound) else f"{bound:.2f}x",
             f"{result.hit_request_share:.1%}",
         ]
+        if tiered:
+            cells += (["-", "-"] if result.infinite else
+                      [f"{result.tier_token_hit_rate:.1%}",
+                       f"{result.token_hit_rate + result.tier_token_hit_rate:.1%}"])
         if show_too_large:
             cells.append(f"{result.requests_too_large:,}")
         table.add_row(*cells, style="bold" if result.infinite else None)
@@ -133,6 +140,11 @@ def print_report(estimate: Estimate, console: Console | None = None) -> None:
     console.print(build_table(estimate))
     console.print("speed-up bound: 1/(1-h), h the hit rate by tokens (prefill only).",
                   highlight=False)
+    if estimate.settings.tier_capacity is not None:
+        console.print(f"tier hits: prompt tokens found in a second tier of "
+                      f"{estimate.settings.tier_capacity:,} blocks past each pool's own hit "
+                      "(loaded, not computed; the hit rates and the bound before them are the "
+                      "pool's alone).", highlight=False)
     if any(r.requests_too_large for r in estimate.results):
         console.print("too large: requests needing more blocks than the pool holds (the "
                       "engine could not run them): counted with no hit, cache untouched.",
@@ -170,6 +182,9 @@ def _result_json(result: CacheResult, estimate: Estimate) -> dict[str, Any]:
         "prefill_tokens_saved": result.hit_tokens,
         "speedup_bound": None if math.isinf(bound) else bound,
         "hit_request_share": result.hit_request_share,
+        "tier_hit_blocks": result.tier_hit_blocks,
+        "tier_hit_tokens": result.tier_hit_tokens,
+        "tier_token_hit_rate": result.tier_token_hit_rate,
         "distinct_blocks": result.distinct_blocks,
         "replayed_blocks": result.replayed_blocks,
         "seconds": result.seconds,
@@ -206,6 +221,7 @@ def to_json(estimate: Estimate) -> dict[str, Any]:
             "pin_top": settings.pin_top,
             "ttl": settings.ttl,
             "ttl_priority": settings.ttl_priority,
+            "tier_capacity_blocks": settings.tier_capacity,
         },
         "caches": [_result_json(r, estimate) for r in estimate.results],
         "timing": {

@@ -21,7 +21,8 @@ class ReplaySettings:
     Explicit caching (docs/DESIGN.md section 13): ``pin_top`` pins the prefixes up to the K most
     reused blocks when first computed (within ``max_pinned_fraction`` of the pool); ``ttl``
     gives every request without a retention of its own a whole-prompt retention of
-    ``ttl_priority`` for ``ttl`` seconds (trace time; one second a request without times)."""
+    ``ttl_priority`` for ``ttl`` seconds (trace time; one second a request without times).
+    ``tier_capacity``: blocks of a second cache tier below each pool (None: no tier)."""
 
     concurrency: int = 1
     warmup_requests: int = 0
@@ -31,6 +32,7 @@ class ReplaySettings:
     ttl: float | None = None
     ttl_priority: int = 80
     max_pinned_fraction: float = 0.5
+    tier_capacity: int | None = None
 
 
 @dataclass
@@ -52,6 +54,10 @@ class CacheResult:
     seconds: float = 0.0
     distinct_blocks: int | None = None
     rolling: list[tuple[int, float]] = field(default_factory=list)
+    tier_hit_blocks: int = 0
+    tier_hit_tokens: int = 0
+    """Blocks and tokens found in the second tier past the pool's hit (``--tier-capacity``);
+    not part of ``hit_blocks`` / ``hit_tokens``, which count the pool's own."""
 
     @property
     def infinite(self) -> bool:
@@ -71,6 +77,11 @@ class CacheResult:
         (docs/DESIGN.md section 5)."""
         miss = 1.0 - self.token_hit_rate
         return 1.0 / miss if miss > 0 else math.inf
+
+    @property
+    def tier_token_hit_rate(self) -> float:
+        """Tokens from the second tier / prompt tokens."""
+        return self.tier_hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     @property
     def hit_request_share(self) -> float:
