@@ -10,8 +10,8 @@ the variants are interleaved, ``--repeat`` times, and the table gives the median
 request and per decode step, the spread (max-min over median), and the ratio to the baseline.
 Variants: the baseline tree; this tree without retention (the path every request takes when
 no one asks for retention); this tree with every request retained (priority 80, 300 s, with a
-simulated clock: every request expires a few hundred requests later, so the heap and the
-expired list work too).
+simulated clock: every request expires 300 requests later, so the expiry heap and the
+fall-back work too).
 
 A request is ``get_computed_blocks`` + ``allocate_slots`` (whole prompt) + ``free`` +
 ``free_block_hashes``: 1,000-token prompts, block size 16, half of each prompt shared by all, a

@@ -271,3 +271,16 @@ def test_bad_retention_values_are_refused() -> None:
         RetentionRange(duration=0)
     with pytest.raises(ValueError, match="empty"):
         RetentionRange(5, 5)
+
+
+def test_a_stale_expiry_never_demotes_a_block_retained_again_without_expiry() -> None:
+    """Found by the stateful test: a block kept for 1 s, evicted and reused for a retention
+    without expiry, must not fall back when the old expiry passes."""
+    clock = FakeClock()
+    manager = KVCacheManager(2, 2, clock=clock)
+    run_once(manager, CacheRequest("a", [0, 0], retention=keep(10, 1.0)))
+    run_once(manager, CacheRequest("b", [0, 0], retention=keep(10, None)))  # reuses its block
+    clock.now += 5.0
+    manager.block_pool.expire()
+    assert manager.block_pool.num_free_by_priority() == {DEFAULT_PRIORITY: 1, 10: 1}
+    assert manager.block_pool.expired_retentions == 0

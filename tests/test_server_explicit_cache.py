@@ -212,7 +212,7 @@ def test_protected_prompt_is_evictable_after_its_ttl(oai: openai.OpenAI,
     assert complete(oai, system) == 0
     metrics = server.wait_for_metrics(idle)
     assert metrics["prefixserve:prefix_cache_expired_retentions_total"] >= 30
-    assert metrics["prefixserve:prefix_cache_hit_blocks_by_priority_total{priority=80}"] >= 30
+    assert metrics["prefixserve:prefix_cache_priority_hits_total{priority=80}"] >= 30
 
 
 def test_bad_retention_is_a_400(oai: openai.OpenAI) -> None:

@@ -5,6 +5,7 @@ process, once per prefix, plus ``ServerMetrics`` and the bench report on their o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from server_helpers import ServerProcess
 
 from prefixserve.core.tiers import TierStats
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.engine.llm_engine import EngineStats
 from prefixserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.tools.bench.report import server_hit_rate
@@ -113,12 +115,9 @@ def test_every_sample_has_the_model_name_and_the_prefix(served: tuple[ServerProc
 # ----------------------------------------------------------------------- without a server
 def engine_with(**figures: Any) -> AsyncLLM:
     """An engine whose ``stats()`` holds ``figures`` (zero for the others, no cache tiers)."""
-    names = ("num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "num_blocks",
-             "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits",
-             "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions",
-             "prompt_tokens", "generation_tokens")
-    stats = SimpleNamespace(**{name: figures.get(name, 0) for name in names},
-                            kv_tiers=figures.get("kv_tiers", ()))
+    names = [field.name for field in dataclasses.fields(EngineStats)]
+    stats = SimpleNamespace(**{name: figures.get(name, 0) for name in names})
+    stats.kv_tiers = figures.get("kv_tiers", ())
     return cast(AsyncLLM, SimpleNamespace(stats=lambda: stats))
 
 

@@ -232,6 +232,7 @@ class BlockPool:
                 if priority != DEFAULT_PRIORITY:
                     self.num_free_retained -= k
                     for block in out[first:]:
+                        block.expiry_seq = 0
                         block.priority = DEFAULT_PRIORITY
                         block.duration = 0.0
                         block.expiry = NO_EXPIRY
@@ -290,6 +291,7 @@ class BlockPool:
         """Unlinks a free block of a retained level (a hit on it); an expired one falls back."""
         self.retained_queues[block.priority].remove(block)
         self.num_free_retained -= 1
+        block.expiry_seq = 0
         if block.expiry <= self.clock():
             self.expired_retentions += 1
             block.priority = DEFAULT_PRIORITY
@@ -364,6 +366,7 @@ class BlockPool:
             queue = self._add_level(block.priority)
         queue.append(block)
         self.num_free_retained += 1
+        block.expiry_seq = 0  # any older heap entry is stale from now on
         if block.duration != NO_EXPIRY:
             block.expiry = self.clock() + block.duration
             self._heap_seq += 1

@@ -161,6 +161,8 @@ class AnthropicPrompt:
 
 def _stop(output: Any) -> tuple[str | None, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` of a finished completion."""
+    if output is None:
+        return "end_turn", None
     if output.finish_reason == "length":
         return "max_tokens", None
     if isinstance(output.stop_reason, str):

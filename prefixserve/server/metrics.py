@@ -29,7 +29,7 @@ name                                       type       meaning
 ``generation_tokens_total``                counter    tokens generated
 ``kv_cache_num_pinned_blocks``             gauge      KV blocks held by admin pins
 ``prefix_cache_expired_retentions_total``  counter    retained blocks whose TTL ran out while free
-``prefix_cache_hit_blocks_by_priority_total`` counter hit blocks by ``priority`` level (35 is the
+``prefix_cache_priority_hits_total``       counter    hit blocks by ``priority`` level (35: the
                                                       default; ``pinned``)
 ``prefix_cache_evicted_blocks_total``      counter    cached blocks evicted, by ``priority`` level
 ``request_success_total``                  counter    finished sequences, by ``finished_reason``
@@ -170,7 +170,7 @@ class EngineCollector(Collector):
         hits[str(DEFAULT_PRIORITY)] = (stats.prefix_cache_hits - sum(hits.values())
                                        + hits.get(str(DEFAULT_PRIORITY), 0))
         for name, documentation, values in (
-                ("prefix_cache_hit_blocks_by_priority",
+                ("prefix_cache_priority_hits",
                  "Prefix cache hit blocks by retention priority level.", hits),
                 ("prefix_cache_evicted_blocks",
                  "Cached blocks evicted for reuse, by retention priority level.",
