@@ -43,7 +43,12 @@ _IGNORED = ("metadata", "user", "parallel_tool_calls", "truncation", "service_ti
 _RESPONSE_DOC: dict[str, Any] = {
     "description": "A response object as JSON; with `stream`, server-sent `response.*` events.",
     "content": {"application/json": {"schema": {"type": "object"}},
-                "text/event-stream": {"schema": {"type": "string"}}}}
+                "text/event-stream": {"schema": {
+                    "type": "object", "required": ["data"],
+                    "properties": {"event": {"type": "string", "description": "The event "
+                                             "type (`response.created`, ...)."},
+                                   "data": {"type": "string", "description": "The event as "
+                                            "JSON, with the same `type`."}}}}}}
 
 
 class _Strict(BaseModel):
