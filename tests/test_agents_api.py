@@ -82,6 +82,7 @@ def user(text: str) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- structured outputs
+@pytest.mark.slow
 def test_json_schema_valid_in_50_of_50_samples_at_temperature_1(client: openai.OpenAI) -> None:
     """Kills: the mask not applied (or applied to the wrong row) in a batch of 50."""
     response = client.chat.completions.create(

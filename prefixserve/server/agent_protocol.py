@@ -25,7 +25,7 @@ class JsonSchemaSpec(_Strict):
 
     name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
     description: str | None = None
-    schema_: dict[str, Any] | bool = Field(
+    schema_: dict[str, Any] = Field(
         default_factory=dict, alias="schema",
         description="The JSON schema the output must validate against.")
     strict: bool | None = Field(None, description="Accepted; the output always follows the "
@@ -48,8 +48,8 @@ class ResponseFormat(_Strict):
 class StructuredOutputsField(_Strict):
     """vLLM's ``structured_outputs``: exactly one constraint."""
 
-    json_: dict[str, Any] | bool | str | None = Field(None, alias="json",
-                                                      description="A JSON schema.")
+    json_: dict[str, Any] | str | None = Field(None, alias="json",
+                                               description="A JSON schema (or its text).")
     json_object: bool | None = Field(None, description="Any JSON object.")
     regex: str | None = Field(None, description="The output matches this regex.")
     choice: list[str] | None = Field(None, min_length=1, description="The output is one of "

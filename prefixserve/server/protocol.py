@@ -185,7 +185,7 @@ class GenerationRequest(_Strict):
                                                    "follows it, enforced by a grammar.")
     structured_outputs: StructuredOutputsField | None = Field(
         None, description="vLLM's form: one of json, json_object, regex, choice, grammar.")
-    guided_json: dict[str, Any] | bool | str | None = Field(None, description="Older vLLM "
+    guided_json: dict[str, Any] | str | None = Field(None, description="Older vLLM "
                                                             "name of structured_outputs.json.")
     guided_regex: Text | None = Field(None, description="structured_outputs.regex")
     guided_choice: list[Text] | None = Field(None, min_length=1,

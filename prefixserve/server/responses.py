@@ -39,6 +39,18 @@ _IGNORED = ("metadata", "user", "parallel_tool_calls", "truncation", "service_ti
             "prompt_cache_key", "safety_identifier")
 
 
+#: The 200 of ``/v1/responses``: a response object, or with ``stream`` its events.
+_RESPONSE_DOC: dict[str, Any] = {
+    "description": "A response object as JSON; with `stream`, server-sent `response.*` events.",
+    "content": {"application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {
+                    "type": "object", "required": ["data"],
+                    "properties": {"event": {"type": "string", "description": "The event "
+                                             "type (`response.created`, ...)."},
+                                   "data": {"type": "string", "description": "The event as "
+                                            "JSON, with the same `type`."}}}}}}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -221,7 +233,7 @@ def add_responses_route(app: FastAPI, serving: OpenAIServing, config: ServerConf
     else:
         ApiKey = api_key
 
-    @app.post("/v1/responses", tags=["OpenAI"], responses=docs)
+    @app.post("/v1/responses", tags=["OpenAI"], responses={200: _RESPONSE_DOC, **docs})
     async def responses(body: ResponsesRequest, request: Request, response: Response,
                         key: ApiKey) -> Any:
         """A model response to text or messages (the text-only subset of the Responses

@@ -45,7 +45,7 @@ def _from_response_format(body: GenerationRequest) -> StructuredOutputsParams | 
         return StructuredOutputsParams(json_object=True)
     assert fmt.json_schema is not None
     check_json_schema(fmt.json_schema.schema_, "response_format")
-    return StructuredOutputsParams(json=fmt.json_schema.schema_)  # type: ignore[arg-type]
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
 def _from_structured_outputs(body: GenerationRequest) -> StructuredOutputsParams | None:
