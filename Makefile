@@ -29,6 +29,9 @@ test: install
 test-fast: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests/test_core_rules.py tests/test_core_stateful.py \
+		tests/test_core_stateful_wide.py tests/test_core_sliding_window.py \
+		tests/test_core_hashing.py tests/test_core_lookup.py tests/test_core_contract.py \
+		tests/test_scheduler_rules.py \
 		tests/test_scheduler_liveness.py tests/test_layering.py tests/test_sampler.py \
 		tests/test_output_processor.py \
 		tests/test_server_cli.py

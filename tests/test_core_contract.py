@@ -10,6 +10,8 @@ from core_helpers import admit, decode, finish
 from prefixserve.core import (
     BlockPool,
     CacheRequest,
+    FreeBlockQueue,
+    KVCacheBlock,
     KVCacheManager,
     PrefixCacheStats,
     PrefixCachingMetrics,
@@ -165,3 +167,39 @@ def test_metrics_accumulate_tokens_and_keep_the_newest_period() -> None:
     big = PrefixCachingMetrics(max_recent_requests=1)
     big.observe(PrefixCacheStats(requests=5, queries=5, hits=5))
     assert big.window_requests == 5 and big.hit_rate == 1.0  # one period is always kept
+
+
+def test_free_block_queue_keeps_order_through_every_operation() -> None:
+    blocks = [KVCacheBlock(i) for i in range(4)]
+    queue = FreeBlockQueue(blocks)
+    assert [b.block_id for b in queue] == [0, 1, 2, 3] and len(queue) == 4
+    assert queue.popleft() is blocks[0] and len(queue) == 3
+    queue.remove(blocks[2])
+    queue.append(blocks[0])
+    assert [b.block_id for b in queue] == [1, 3, 0] and len(queue) == 3
+    assert queue.tail.prev_free is blocks[0] and blocks[0].next_free is queue.tail
+    assert queue.head.next_free is blocks[1] and blocks[1].prev_free is queue.head
+    for _ in range(3):
+        queue.popleft()
+    assert len(queue) == 0 and list(queue) == []
+    with pytest.raises(ValueError, match="no free block"):
+        queue.popleft()
+    empty = FreeBlockQueue([])
+    assert empty.head.next_free is empty.tail and empty.tail.prev_free is empty.head
+
+
+def test_a_new_block_and_a_new_pool_start_empty() -> None:
+    block = KVCacheBlock(7)
+    assert (block.block_id, block.ref_cnt, block.block_hash, block.hash_value) == (7, 0, None,
+                                                                                  None)
+    assert block.prev_free is block and block.next_free is block and block.is_null is False
+    assert repr(block) == "KVCacheBlock(id=7, ref_cnt=0, cached=False)"
+    pool = BlockPool(3, enable_caching=False)
+    assert (pool.num_blocks, pool.enable_caching, pool.null_block) == (3, False, None)
+    assert [b.block_id for b in pool.free_queue] == [0, 1, 2]
+    assert pool.cached_block_hash_to_block == {}
+    with pytest.raises(ValueError, match="num_blocks must be at least 1, got 0"):
+        BlockPool(0)
+    with_null = BlockPool(3, reserve_null_block=True)
+    assert with_null.null_block is with_null.blocks[0] and with_null.blocks[0].is_null
+    assert [b.block_id for b in with_null.free_queue] == [1, 2]
