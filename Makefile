@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-fast lint bench-core
+.PHONY: install run demo test test-fast lint bench-core mutation
 
 install: $(STAMP)
 
@@ -33,6 +33,9 @@ test: install
 test-fast: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests/test_core_rules.py tests/test_core_stateful.py \
+		tests/test_core_stateful_wide.py tests/test_core_sliding_window.py \
+		tests/test_core_hashing.py tests/test_core_lookup.py tests/test_core_contract.py \
+		tests/test_scheduler_rules.py \
 		tests/test_scheduler_liveness.py tests/test_layering.py tests/test_sampler.py \
 		tests/test_output_processor.py \
 		tests/test_server_cli.py
@@ -43,3 +46,12 @@ lint: install
 
 bench-core: install
 	$(PY) benchmarks/bench_core.py
+
+# Mutation testing of prefixserve/core and the scheduler against the fast deterministic tests
+# ([tool.mutmut] in pyproject.toml; not part of `test` or CI). CPU heavy: about an hour on 2
+# cores for a fresh run (results are kept in mutants/, so a rerun checks only what changed).
+# Prints the score per module and the surviving mutants; `mutmut show NAME` shows one.
+mutation: install
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(VENV)/bin/mutmut run --max-children $$(nproc)
+	$(PY) benchmarks/mutation_score.py

@@ -4,7 +4,9 @@ request whose prefill is done, as ``LLMEngine`` does)."""
 
 from __future__ import annotations
 
-from prefixserve.core import KVCacheManager
+import time
+
+from prefixserve.core import KVCacheManager, SlidingWindowKVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 from prefixserve.engine.scheduler import Scheduler
 from prefixserve.sampling_params import SamplingParams
@@ -182,3 +184,78 @@ def test_running_requests_the_budget_does_not_reach_stay_running() -> None:
     assert requests[2].status is RequestStatus.RUNNING and requests[2].block_ids
     scheduler.finish_request(requests[0])
     assert step(scheduler) == [("b", 1), ("c", 1)]
+
+
+def test_defaults_status_and_timestamps() -> None:
+    manager = KVCacheManager(16, 4)
+    scheduler = Scheduler(manager, 4, 16)
+    assert scheduler.enable_chunked_prefill is True
+    request = add(scheduler, "a", list(range(5)))
+    assert request.status is RequestStatus.WAITING and list(scheduler.waiting) == [request]
+    before = time.time()
+    step(scheduler)
+    assert before <= request.metrics.first_scheduled_time <= time.time()
+
+
+def test_preemption_counters_count_every_victim() -> None:
+    """Two victims in one step: the pool is full, a's block preempts d, then c, with nobody
+    left after it, preempts itself."""
+    scheduler = make(4, 4, budget=64)
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8, 9, 10], "d": [11, 12, 13, 14]}
+    requests = {rid: add(scheduler, rid, prompt) for rid, prompt in prompts.items()}
+    step(scheduler)  # 4 blocks used, none free; a, c and d each need a 2nd block now
+    out = scheduler.schedule()
+    assert out.num_preempted == 2 and scheduler.num_preemptions == 2
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    assert requests["c"].num_preemptions == requests["d"].num_preemptions == 1
+    assert list(scheduler.waiting) == [requests["c"], requests["d"]]
+
+
+def test_a_running_request_with_nothing_to_compute_stays_and_the_next_one_runs() -> None:
+    """The engine appends a sampled token after each step; until it does, a running request has
+    nothing to compute: it is skipped (no allocation of 0 tokens) and the requests after it are
+    still scheduled."""
+    scheduler = make(16, 4, budget=64)
+    a = add(scheduler, "a", [1, 2])
+    out = scheduler.schedule()
+    a.num_computed_tokens += out.scheduled[0].num_new_tokens  # no token appended
+    b = add(scheduler, "b", [3, 4])
+    step(scheduler)
+    assert scheduler.running == [a, b]
+    out = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 1)]
+    assert scheduler.running == [a, b]
+
+
+def test_finishing_a_waiting_or_already_finished_request() -> None:
+    scheduler = make(16, 4, budget=4)
+    a = add(scheduler, "a", list(range(8)))
+    b = add(scheduler, "b", list(range(100, 104)))
+    step(scheduler)  # a takes the whole budget; b waits
+    scheduler.finish_request(b)  # an abort while waiting
+    assert list(scheduler.waiting) == [] and b.status is RequestStatus.FINISHED
+    scheduler.finish_request(b)  # twice: nothing happens
+    scheduler.finish_request(a)
+    assert scheduler.running == [] and scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_a_hit_puts_the_cached_blocks_at_the_head_of_the_table() -> None:
+    scheduler = make(32, 4, budget=64)
+    first = add(scheduler, "a", list(range(13)))
+    step(scheduler)
+    head = first.block_ids[:3]
+    scheduler.finish_request(first)
+    second = add(scheduler, "b", list(range(13)))
+    step(scheduler)
+    assert second.num_cached_tokens == 12 and second.block_ids[:3] == head
+
+
+def test_block_ids_follow_a_sliding_window_table() -> None:
+    manager = SlidingWindowKVCacheManager(16, 4, sliding_window=4)
+    scheduler = Scheduler(manager, 4, 6)
+    a = add(scheduler, "a", list(range(10)))
+    null = manager.null_block.block_id
+    for _ in range(8):
+        step(scheduler)
+        assert a.block_ids == manager.get_block_ids(a)
+    assert a.block_ids[0] == null
