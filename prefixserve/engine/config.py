@@ -47,6 +47,9 @@ class EngineConfig:
     ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
     dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
+    ``deterministic`` runs the batch-invariant kernels: a request's output depends only on its
+    own tokens, sampling parameters and seed, not on the batch, the chunking of its prompt or
+    the prefix cache (CPU, float32 or bfloat16; see :mod:`prefixserve.model.batch_invariant`).
     """
 
     model: str | None = None
@@ -64,6 +67,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     num_threads: int | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size not in ALLOWED_BLOCK_SIZES:

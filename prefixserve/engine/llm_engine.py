@@ -85,7 +85,7 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError("kv_cache_memory is too small for two KV blocks")
         self.runner = ModelRunner(self.model_config, model, num_blocks, config.block_size,
-                                  self.dtype, config.device)
+                                  self.dtype, config.device, config.deterministic)
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings, capacity)

@@ -9,6 +9,7 @@ from itertools import accumulate
 
 import torch
 
+from prefixserve.model import batch_invariant
 from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token
 from prefixserve.model.llama import CausalLM
@@ -59,6 +60,10 @@ class ModelRunner:
     (zero-initialised). Block ids are plain ints in ``[0, num_blocks)`` chosen by the caller;
     the runner never allocates or frees blocks. Blocks may be shared between sequences, and a
     sequence may read in a step a block that another sequence of the same step writes.
+
+    ``deterministic`` switches the model to the batch-invariant kernels (in place; see
+    :mod:`prefixserve.model.batch_invariant`): a sequence's logits then do not depend on the
+    other sequences of a step, nor on how its tokens were split between steps and the cache.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        deterministic: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -76,6 +82,10 @@ class ModelRunner:
             raise ValueError(
                 f"model activations are {model.norm.weight.dtype}, the cache would be {dtype}"
             )
+        self.deterministic = deterministic
+        if deterministic:
+            _check_deterministic(dtype, torch.device(device))
+            batch_invariant.make_batch_invariant(model)
         self.config = config
         self.model = model
         self.num_blocks = num_blocks
@@ -144,6 +154,7 @@ class ModelRunner:
             self.device,
             self.dtype,
             TableRows(self.block_tables.buffer, rows),
+            self.deterministic,
         )
         token_ids: list[int] = []
         positions: list[int] = []
@@ -177,6 +188,17 @@ class ModelRunner:
             if seq.need_prompt_logits:
                 prompt_logits[i] = self.model.compute_logits(hidden[end - len(seq.token_ids):end])
         return ExecuteOutput(logits, prompt_logits)
+
+
+def _check_deterministic(dtype: torch.dtype, device: torch.device) -> None:
+    """Raises ``ValueError`` where the deterministic mode cannot run."""
+    if device.type != "cpu":
+        raise ValueError("the deterministic mode runs on CPU only")
+    if dtype not in batch_invariant.SUPPORTED_DTYPES:
+        raise ValueError(f"the deterministic mode needs float32 or bfloat16, not {dtype}")
+    error = batch_invariant.attention_kernel_error()
+    if error is not None:
+        raise ValueError(f"the deterministic attention kernel cannot be built: {error}")
 
 
 @dataclass(slots=True)

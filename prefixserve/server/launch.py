@@ -30,7 +30,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _ENGINE_OPTIONS = ("dtype", "weights", "enable_prefix_caching", "prefix_caching_hash_algo",
                    "block_size", "kv_cache_memory", "num_blocks", "max_num_seqs",
                    "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
-                   "max_waiting_requests", "num_threads")
+                   "max_waiting_requests", "num_threads", "deterministic")
 
 
 def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:
