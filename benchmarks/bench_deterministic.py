@@ -5,6 +5,7 @@ Reproduce on a quiet machine with::
 
     .venv/bin/python benchmarks/bench_deterministic.py --repeat 5
     .venv/bin/python benchmarks/bench_deterministic.py --modes packed --threads 2 --repeat 3
+    .venv/bin/python benchmarks/bench_deterministic.py --modes bf16 --row-tile 1   # tile choice
 
 For each weights mode (``bf16``: ``--weights bf16 --dtype bfloat16``; ``packed``: ``--weights
 auto``) one engine in each mode is loaded, and each measurement alternates between them, run by
@@ -15,6 +16,8 @@ run (``--repeat`` times), every request with a fresh cache salt (nothing cached)
   32-token prompt; the prompt's time, measured apart, is subtracted).
 
 It prints medians with ranges, and the deterministic/default ratio of the medians.
+``--row-tile`` overrides ``batch_invariant.ROW_TILE`` (rows per dense product in the mode) to
+compare tile sizes: a bigger tile pads a small decode step more, a smaller one makes more calls.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.model import batch_invariant
 
 MODES = {"bf16": ("bf16", "bfloat16"), "packed": ("auto", "auto")}
 _salts = itertools.count()
@@ -66,7 +70,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--row-tile", type=int)
     args = parser.parse_args()
+    if args.row_tile:
+        batch_invariant.ROW_TILE = args.row_tile
     if args.threads:
         torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -75,7 +82,8 @@ def main() -> None:
         "decode batch 1 tok/s": lambda llm: decode_speed(llm, rng, 1, args.decode_tokens),
         "decode batch 16 tok/s": lambda llm: decode_speed(llm, rng, 16, args.decode_tokens),
     }
-    table = Table(title="deterministic mode vs default (median (range))")
+    table = Table(title=f"deterministic mode (row tile {batch_invariant.ROW_TILE}) vs default "
+                  "(median (range))")
     for column in ("weights", "measure", "default", "deterministic", "ratio"):
         table.add_column(column)
     for name in args.modes.split(","):
