@@ -91,7 +91,8 @@ def make_batch_invariant(model: nn.Module) -> None:
         elif isinstance(module, QuantLinear):
             module.row_invariant = True
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", 1) is None and isinstance(embed, nn.Embedding):
+    tied = hasattr(model, "lm_head") and model.lm_head is None
+    if tied and isinstance(embed, nn.Embedding):
         head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta")
         head.weight = embed.weight
         head.__class__ = RowTiledLinear
