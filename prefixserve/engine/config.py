@@ -61,6 +61,9 @@ class EngineConfig:
     is written once full and computed; ``back``: when evicted from the pool, and at shutdown),
     the shortest prompt whose blocks are written, the timeout of one tier call, how long a
     failed tier stays marked down, and the bytes of KV the writer thread may hold.
+    ``deterministic`` runs the batch-invariant kernels: a request's output depends only on its
+    own tokens, sampling parameters and seed, not on the batch, the chunking of its prompt or
+    the prefix cache (CPU, float32 or bfloat16; see :mod:`prefixserve.model.batch_invariant`).
     """
 
     model: str | None = None
@@ -94,6 +97,7 @@ class EngineConfig:
     kv_tier_timeout: float = 1.0
     kv_tier_retry_after: float = 10.0
     kv_tier_write_queue: int | str = "512MiB"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
@@ -171,6 +175,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
+        if self.enable_lora and self.deterministic:
+            raise ValueError("the deterministic mode does not cover LoRA adapters yet "
+                             "(their low-rank products are not row-invariant)")
 
     @property
     def prefix_caching(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model import shared_prefix_attention
+from prefixserve.model.batch_invariant import KeyTables, invariant_attention
 from prefixserve.model.shared_prefix_attention import (
     SharedPrefixes,
     split_shared_prefixes,
@@ -73,12 +74,15 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step, shared by all layers."""
+    """Everything attention needs for one step, shared by all layers. With ``invariant`` set
+    (the deterministic mode) every row attends through it, and ``decode`` and ``prefills`` are
+    empty."""
 
     slot_mapping: torch.Tensor
     decode: DecodeGroup | None
     prefills: list[PrefillSeq]
     num_tokens: int
+    invariant: KeyTables | None = None
 
 
 @dataclass
@@ -100,6 +104,7 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     table_rows: TableRows | None = None,
+    deterministic: bool = False,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
@@ -107,7 +112,11 @@ def build_metadata(
     consecutive rows of the flattened batch in order. ``dtype`` is the cache's (for additive
     masks). ``table_rows``, when given, holds the same tables as ``block_tables`` (which are
     then read only at the new positions, and by the shared-prefix planning of a decode batch).
+    ``deterministic`` plans the batch-invariant attention instead (see
+    :mod:`prefixserve.model.batch_invariant`).
     """
+    if deterministic:
+        return _invariant_metadata(seq_lens, block_tables, block_size, device, table_rows)
     slots: list[int] = []
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
@@ -136,6 +145,32 @@ def build_metadata(
         decode = _decode_group(decode_rows, tables, decode_lens, row, block_size, device, dtype)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     return AttentionMetadata(slot_mapping, decode, prefills, row)
+
+
+def _invariant_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list[int]],
+                        block_size: int, device: torch.device, table_rows: TableRows | None
+                        ) -> AttentionMetadata:
+    """The metadata of a step whose every row attends by ``invariant_attention``: its slots,
+    and for each row its sequence's table and its position."""
+    slots: list[int] = []
+    table_of_row: list[int] = []
+    positions: list[int] = []
+    for i, ((start_pos, n), table) in enumerate(zip(seq_lens, block_tables, strict=True)):
+        slots += _slots(table, start_pos, start_pos + n, block_size)
+        table_of_row += [i if table_rows is None else table_rows.rows[i]] * n
+        positions += range(start_pos, start_pos + n)
+    if table_rows is not None:
+        tables = table_rows.buffer
+    else:
+        used = [(s + n - 1) // block_size + 1 for s, n in seq_lens]
+        width = max(used)
+        tables = torch.tensor([_used(t, u) + [0] * (width - u)
+                               for t, u in zip(block_tables, used, strict=True)],
+                              dtype=torch.long, device=device)
+    keys = KeyTables(tables, torch.tensor(table_of_row, dtype=torch.long, device=device),
+                     torch.tensor(positions, dtype=torch.long, device=device))
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    return AttentionMetadata(slot_mapping, None, [], len(slots), keys)
 
 
 def _slots(table: list[int], start_pos: int, end_pos: int, block_size: int) -> list[int]:
@@ -302,6 +337,8 @@ def paged_attention(
     ``[num_tokens, kv_heads, head_dim]`` (already written to ``layer_cache``). Returns
     ``[num_tokens, heads, head_dim]``.
     """
+    if meta.invariant is not None:
+        return invariant_attention(q, layer_cache, meta.invariant, block_size)
     if meta.decode is not None and meta.decode.rows is None:
         return _decode_attention(q, layer_cache, meta.decode, block_size)
     if meta.decode is None and len(meta.prefills) == 1:

@@ -179,12 +179,17 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
         self._lib = _library()
         self.activation_bits = ACTIVATION_BITS
+        self.row_invariant = False
+        """True: the integer kernel at every row count, so that a row's result does not depend
+        on how many rows the product has (the deterministic mode; see
+        :mod:`prefixserve.model.batch_invariant`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
-        y = self._small(flat) if flat.shape[0] <= SMALL_M else self._large(flat)
+        small = flat.shape[0] <= SMALL_M or self.row_invariant
+        y = self._small(flat) if small else self._large(flat)
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

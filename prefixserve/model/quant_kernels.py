@@ -70,12 +70,12 @@ def _flags() -> list[str]:
     return flags
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, source: Path = _SOURCE) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_flags(), str(_SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *_flags(), str(source), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -97,18 +97,26 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_quant16.restype = None
 
 
-def _load() -> ctypes.CDLL:
+def load_library(source: Path) -> ctypes.CDLL:
+    """Build (once per source version and CPU) and load the C file ``source`` of
+    ``kernels/``; raises OSError, RuntimeError or SubprocessError when that fails. The caller
+    declares the argument types. (Other kernel files, e.g. the batch-invariant ones, are built
+    the same way as ``quant.c``.)"""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_flags()).encode() + _cpu_signature().encode())
-    target = cache_dir() / f"quant-{key.hexdigest()[:16]}.so"
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join(_flags()).encode() + _cpu_signature().encode())
+    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         if compiler is None:
-            raise RuntimeError("no C compiler (cc or gcc) found to build the quantized kernels")
-        _build(compiler, target)
+            raise RuntimeError(f"no C compiler (cc or gcc) found to build {source.name}")
+        _build(compiler, target, source)
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the kernels share it)
 
-    lib = ctypes.CDLL(str(target))
+    return ctypes.CDLL(str(target))
+
+
+def _load() -> ctypes.CDLL:
+    lib = load_library(_SOURCE)
     _declare(lib)
     return lib
 

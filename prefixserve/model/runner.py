@@ -9,6 +9,7 @@ from itertools import accumulate
 
 import torch
 
+from prefixserve.model import batch_invariant
 from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
@@ -73,6 +74,10 @@ class ModelRunner:
     are plain ints in ``[0, num_blocks)`` chosen by the caller;
     the runner never allocates or frees blocks. Blocks may be shared between sequences, and a
     sequence may read in a step a block that another sequence of the same step writes.
+
+    ``deterministic`` switches the model to the batch-invariant kernels (in place; see
+    :mod:`prefixserve.model.batch_invariant`): a sequence's logits then do not depend on the
+    other sequences of a step, nor on how its tokens were split between steps and the cache.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        deterministic: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -90,6 +96,13 @@ class ModelRunner:
             raise ValueError(
                 f"model activations are {model.norm.weight.dtype}, the cache would be {dtype}"
             )
+        self.deterministic = deterministic
+        if deterministic:
+            _check_deterministic(dtype, torch.device(device))
+            if config.sliding_window is not None:
+                raise ValueError("the deterministic mode does not support sliding-window "
+                                 "attention yet")
+            batch_invariant.make_batch_invariant(model)
         self.config = config
         self.model = model
         self.num_blocks = num_blocks
@@ -188,7 +201,7 @@ class ModelRunner:
             table_rows = TableRows(keeper.buffer, rows)
             if group.window is None:
                 metas.append(build_metadata(seq_lens, tables, self.block_size, self.device,
-                                            self.dtype, table_rows))
+                                            self.dtype, table_rows, self.deterministic))
             else:
                 metas.append(build_window_metadata(seq_lens, tables, self.block_size,
                                                    group.window, self.device, self.dtype,
@@ -223,6 +236,17 @@ class ModelRunner:
             if seq.need_prompt_logits:
                 prompt_logits[i] = self.model.compute_logits(hidden[end - len(seq.token_ids):end])
         return ExecuteOutput(logits, prompt_logits)
+
+
+def _check_deterministic(dtype: torch.dtype, device: torch.device) -> None:
+    """Raises ``ValueError`` where the deterministic mode cannot run."""
+    if device.type != "cpu":
+        raise ValueError("the deterministic mode runs on CPU only")
+    if dtype not in batch_invariant.SUPPORTED_DTYPES:
+        raise ValueError(f"the deterministic mode needs float32 or bfloat16, not {dtype}")
+    error = batch_invariant.attention_kernel_error()
+    if error is not None:
+        raise ValueError(f"the deterministic attention kernel cannot be built: {error}")
 
 
 @dataclass(slots=True)

@@ -153,6 +153,10 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
                        "a prompt longer than --max-num-batched-tokens is refused)")
     group.add_argument("--num-threads", type=int, metavar="N",
                        help="CPU threads for the model (default: torch's)")
+    group.add_argument("--deterministic", action="store_true", default=None,
+                       help="batch-invariant kernels: a request's output depends only on its "
+                       "own tokens, sampling parameters and seed, never on the batch, the "
+                       "chunking or the prefix cache (slower; float32 or bfloat16)")
 
 
 def _add_kv_cache_size(size: argparse._MutuallyExclusiveGroup) -> None:

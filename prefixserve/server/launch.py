@@ -34,7 +34,7 @@ _ENGINE_OPTIONS = ("dtype", "weights", "enable_prefix_caching", "prefix_caching_
                    "max_waiting_requests", "num_threads", "max_pinned_fraction", "kv_disk_dir",
                    "kv_disk_size", "kv_redis_url", "kv_redis_ttl", "kv_redis_max_memory",
                    "kv_tier_write_policy", "kv_tier_min_prefix_tokens", "kv_tier_timeout",
-                   "kv_tier_retry_after", "kv_tier_write_queue")
+                   "kv_tier_retry_after", "kv_tier_write_queue", "deterministic")
 
 
 def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:
@@ -121,12 +121,13 @@ def run_server(args: argparse.Namespace) -> int:
         return 1
     api_keys = http_config.api_keys
     logger.info("serving %s as %s on http://%s:%d (%s, prefix caching %s, %d KV blocks of %d "
-                "tokens, context %d tokens%s)", model_root,
+                "tokens, context %d tokens%s%s)", model_root,
                 ", ".join(http_config.served_model_names), args.host, args.port,
                 str(engine.dtype).removeprefix("torch."),
                 "on" if config.prefix_caching else "off", engine.num_kv_blocks,
                 config.block_size, engine.max_model_len,
-                f", {len(api_keys)} API key(s)" if api_keys else "")
+                f", {len(api_keys)} API key(s)" if api_keys else "",
+                ", deterministic" if config.deterministic else "")
     app = create_app(engine, http_config)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

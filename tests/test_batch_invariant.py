@@ -1,0 +1,245 @@
+"""The deterministic mode's kernels: a row's result is bitwise the same whatever else is in the
+step (``prefixserve/model/batch_invariant.py``).
+
+Each kernel is checked at every row count 1..300 (each row of a product of M rows against the
+same row of a product of 300 rows, at varied offsets so that rows land at every place of a row
+tile), attention across the ways a prompt can be split between cache and compute, and the norm,
+rotary embedding and sampler across batch compositions. End-to-end checks with the real model
+are in ``tests/test_deterministic.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.model import batch_invariant
+from prefixserve.model.attention import build_metadata, paged_attention, write_kv
+from prefixserve.model.batch_invariant import RowTiledLinear, make_batch_invariant, tiled_linear
+from prefixserve.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from prefixserve.model.quant import QuantEmbedding, QuantLinear, pack_float
+from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0, kernels
+from prefixserve.model.sampler import Sampler, make_generator
+from prefixserve.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+MAX_ROWS = 300
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rows_unchanged(product: Callable[[torch.Tensor, int], torch.Tensor], x: torch.Tensor
+                   ) -> list[tuple[int, int]]:
+    """``(rows, offset)`` pairs where some row of ``product(x[offset : offset + rows],
+    offset)`` differs from the same row of ``product(x, 0)`` (``x`` has MAX_ROWS rows)."""
+    reference = product(x, 0)
+    bad = []
+    for rows in range(1, MAX_ROWS + 1):
+        offset = (rows * 7) % (MAX_ROWS - rows + 1)  # varied places in a row tile
+        got = product(x[offset : offset + rows], offset)
+        if not torch.equal(got, reference[offset : offset + rows]):
+            bad.append((rows, offset))
+    return bad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 576), (40, 100)])
+def test_tiled_linear_rows_do_not_depend_on_the_row_count(dtype: torch.dtype, out_features: int,
+                                                          in_features: int) -> None:
+    """Kills: a product whose kernel depends on the number of rows (plain ``F.linear`` in
+    float32 on the reference CPU: 1, 2-3 and 4+ rows are three kernels), or a tile that
+    depends on where a row sits in it."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(MAX_ROWS, in_features, generator=gen).to(dtype)
+    assert rows_unchanged(lambda rows, _: tiled_linear(rows, weight, bias), x) == []
+    torch.testing.assert_close(tiled_linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if kernels() is None:
+        pytest.skip("quantized kernels unavailable")
+    if batch_invariant.attention_kernel_error() is not None:
+        pytest.skip(f"attention kernel unavailable: {batch_invariant.attention_kernel_error()}")
+    return kernels()
+
+
+@pytest.mark.parametrize("fmt", [FMT_Q4_1, FMT_Q8_0])
+def test_quant_linear_rows_do_not_depend_on_the_row_count(lib, fmt: int) -> None:
+    """Kills: the packed path switching to expand-and-GEMM above SMALL_M rows in the
+    deterministic mode (its float GEMM rounds differently from the integer kernel)."""
+    gen = torch.Generator().manual_seed(fmt)
+    linear = QuantLinear(pack_float(torch.randn(64, 128, generator=gen).numpy(), fmt))
+    linear.row_invariant = True
+    x = torch.randn(MAX_ROWS, 128, generator=gen)
+    assert rows_unchanged(lambda rows, _: linear(rows), x) == []
+
+
+def test_make_batch_invariant_switches_every_product(lib) -> None:
+    """Kills: a linear layer left on the plain product, or a tied head without a tiled
+    product (the output head of SmolLM2 is the embedding)."""
+    model = nn.Module()
+    model.embed_tokens = nn.Embedding(50, 32)
+    model.lm_head = None
+    model.proj = nn.Linear(32, 32)
+    model.packed = QuantLinear(pack_float(torch.randn(32, 32).numpy(), FMT_Q8_0))
+    make_batch_invariant(model)
+    assert type(model.proj) is RowTiledLinear and model.packed.row_invariant
+    assert isinstance(model.lm_head, RowTiledLinear)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(model.named_parameters())  # shared, counted once
+    packed = nn.Module()
+    packed.embed_tokens = QuantEmbedding(pack_float(torch.randn(50, 32).numpy(), FMT_Q8_0),
+                                         torch.float32)
+    packed.lm_head = None
+    make_batch_invariant(packed)
+    assert packed.embed_tokens.head.row_invariant and packed.lm_head is None
+
+
+# ------------------------------------------------------------------ attention
+
+BLOCK = 16
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 36  # grouped queries; 36 is not a multiple of 8 lanes
+
+
+class Sequences:
+    """Random Q/K/V for a few sequences with their own (scattered) blocks of one cache."""
+
+    def __init__(self, lengths: list[int], dtype: torch.dtype, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        num_blocks = sum((n - 1) // BLOCK + 1 for n in lengths) + 3
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables = []
+        for n in lengths:
+            used = (n - 1) // BLOCK + 1
+            self.tables.append(order[:used])
+            order = order[used:]
+        self.q = [torch.randn(n, HEADS, HEAD_DIM, generator=gen).to(dtype) for n in lengths]
+        self.k = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for n in lengths]
+        self.v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for n in lengths]
+        self.cache = torch.randn(2, num_blocks * BLOCK, KV_HEADS, HEAD_DIM,
+                                 generator=gen).to(dtype)  # stale values in unused slots
+        self.dtype = dtype
+
+    def step(self, work: list[tuple[int, int, int]], deterministic: bool = True
+             ) -> list[torch.Tensor]:
+        """One step computing ``(seq, start, count)`` for each entry: the outputs per entry."""
+        meta = build_metadata([(s, n) for _, s, n in work],
+                              [self.tables[i] for i, _, _ in work], BLOCK, CPU, self.dtype,
+                              deterministic=deterministic)
+        q, k, v = (torch.cat([t[i][s : s + n] for i, s, n in work])
+                   for t in (self.q, self.k, self.v))
+        write_kv(self.cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, self.cache, meta, BLOCK)
+        return list(out.split([n for _, _, n in work]))
+
+
+def split_runs(lengths: list[int], dtype: torch.dtype, deterministic: bool = True
+               ) -> dict[str, torch.Tensor]:
+    """Sequence 0's attention output under each way of computing it."""
+    target = lengths[0]
+    runs = {}
+    seqs = Sequences(lengths, dtype)
+    runs["whole"] = seqs.step([(0, 0, target)], deterministic)[0]
+    seqs = Sequences(lengths, dtype)
+    first = seqs.step([(0, 0, 48)], deterministic)[0]  # a cached prefix of 3 blocks, then the rest
+    runs["cached prefix"] = torch.cat([first, seqs.step([(0, 48, target - 48)],
+                                                        deterministic)[0]])
+    seqs = Sequences(lengths, dtype)
+    chunks = [seqs.step([(0, s, min(7, target - s))], deterministic)[0]
+              for s in range(0, target, 7)]
+    runs["chunks of 7"] = torch.cat(chunks)
+    seqs = Sequences(lengths, dtype)
+    head = seqs.step([(0, 0, 30)], deterministic)[0]
+    decoded = [seqs.step([(0, p, 1)], deterministic)[0] for p in range(30, target)]
+    runs["decode"] = torch.cat([head, *decoded])
+    seqs = Sequences(lengths, dtype)  # in a batch: others prefilling and decoding with it
+    seqs.step([(1, 0, lengths[1] - 1)], deterministic)
+    mixed = seqs.step([(2, 0, lengths[2]), (0, 0, 40), (1, lengths[1] - 1, 1)], deterministic)
+    rest = seqs.step([(1, lengths[1] - 1, 1), (0, 40, target - 40)], deterministic)
+    runs["in a batch"] = torch.cat([mixed[1], rest[1]])
+    return runs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_is_bitwise_the_same_however_the_prompt_is_split(lib, dtype: torch.dtype
+                                                                   ) -> None:
+    """Kills: attention whose reduction over keys follows the step's split (the default SDPA
+    path: a cached prefix, chunks and decode steps each sum in another order), or a kernel that
+    reads another row's keys or a padded key."""
+    lengths = [101, 70, 33]
+    runs = split_runs(lengths, dtype)
+    whole = runs["whole"]
+    for name, out in runs.items():
+        assert torch.equal(out, whole), name
+    seqs = Sequences(lengths, dtype)
+    q, k, v = (t[0].float().transpose(0, 1)[None] for t in (seqs.q, seqs.k, seqs.v))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole.float(), expected[0].transpose(0, 1), atol=tolerance,
+                               rtol=tolerance)
+
+
+def test_default_attention_does_depend_on_the_split(lib) -> None:
+    """The reason for the mode, kept visible: without it the same rows come out of another
+    summation order (if torch ever makes them equal, this test says so)."""
+    runs = split_runs([101, 70, 33], torch.float32, deterministic=False)
+    assert any(not torch.equal(out, runs["whole"]) for out in runs.values())
+
+
+# ------------------------------------------------------------------ per-row ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_and_rotary_embedding_rows_do_not_depend_on_the_row_count(dtype: torch.dtype
+                                                                       ) -> None:
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    norm = norm.to(dtype)
+    x = torch.randn(MAX_ROWS, 576, generator=gen).to(dtype)
+    with torch.inference_mode():
+        assert rows_unchanged(lambda rows, _: norm(rows), x) == []
+    inv_freq = rope_inv_freq(64, 100000.0, None)
+    heads = torch.randn(MAX_ROWS, 12, 64, generator=gen).to(dtype)
+    positions = torch.randint(0, 8192, (MAX_ROWS,), generator=gen)
+
+    def rotate(rows: torch.Tensor, start: int) -> torch.Tensor:
+        cos, sin = rope_cos_sin(inv_freq, positions[start : start + len(rows)], dtype)
+        return apply_rope(rows, cos, sin)
+
+    assert rows_unchanged(rotate, heads) == []
+
+
+def test_sampler_rows_do_not_depend_on_the_batch() -> None:
+    """Seeded sampled tokens and logprobs of a row, alone and among others (the vocabulary of
+    the default model: reductions large enough to be split across threads)."""
+    vocab = 49152
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(20, vocab, generator=gen) * 4
+    target = SamplingParams(temperature=0.8, top_p=0.9, top_k=200, seed=11, logprobs=5)
+    others = [SamplingParams(temperature=t, seed=i, logprobs=2)
+              for i, t in enumerate([0.0, 1.2, 0.5] * 7)]
+
+    def sample(rows: int, at: int):
+        params = others[:rows]
+        params.insert(at, target)
+        generators = [make_generator(p.seed) if p.temperature else None for p in params]
+        out = Sampler(()).sample(logits[: rows + 1], params, generators,
+                                 [[1, 2]] * (rows + 1), [[3]] * (rows + 1))
+        assert out.logprobs is not None
+        return out.token_ids[at], out.logprobs[at]
+
+    row_logits = logits.clone()
+    alone = Sampler(()).sample(row_logits[:1], [target], [make_generator(11)], [[1, 2]], [[3]])
+    assert alone.logprobs is not None
+    for rows, at in [(1, 1), (7, 3), (19, 0)]:
+        logits[at] = row_logits[0]
+        assert sample(rows, at) == (alone.token_ids[0], alone.logprobs[0]), (rows, at)
+        logits[at] = row_logits[at]
