@@ -20,6 +20,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import final
 
 from prefixserve.core.hashing import hash_value_of
+from prefixserve.core.kv_events import KVEventPublisher
 
 
 @final
@@ -120,8 +121,8 @@ class BlockPool:
     rewritten. A lookup returns any one of them.
     """
 
-    __slots__ = ("blocks", "cached_block_hash_to_block", "enable_caching", "free_queue",
-                 "null_block", "num_blocks")
+    __slots__ = ("blocks", "cached_block_hash_to_block", "enable_caching", "event_sink",
+                 "free_queue", "null_block", "num_blocks")
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  reserve_null_block: bool = False) -> None:
@@ -134,6 +135,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[
             Hashable, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self.null_block: KVCacheBlock | None = None
+        self.event_sink: KVEventPublisher | None = None
+        """Told of every hash value entering or leaving the map (``kv_events``); None: off."""
         if reserve_null_block:
             self.null_block = self.blocks[0]
             self.null_block.is_null = True
@@ -172,6 +175,7 @@ class BlockPool:
         append = out.append
         head = queue.head
         block = head.next_free
+        sink = self.event_sink
         for _ in range(n):
             if block.block_hash is not None:
                 key = block.hash_value
@@ -182,6 +186,8 @@ class BlockPool:
                     del entry[block.block_id]
                     if entry:
                         cache[key] = entry
+                if sink is not None and key not in cache:
+                    sink.removed(key)
                 block.block_hash = None
             block.ref_cnt = 1
             append(block)
@@ -216,6 +222,8 @@ class BlockPool:
                     cache[key] = {entry.block_id: entry, block.block_id: block}
                 else:
                     entry[block.block_id] = block
+        if self.event_sink is not None:
+            self.event_sink.stored(block_hashes, start, end)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block; blocks reaching 0 join the free list **in the
@@ -250,6 +258,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.event_sink is not None:
+            self.event_sink.cleared()
         return True
 
     def get_num_free_blocks(self) -> int:
