@@ -27,7 +27,6 @@ from prefixserve.core.kv_events import (
     KVSnapshot,
 )
 
-
 PENDING = 1024
 """Batches kept per replica while it waits for a snapshot."""
 

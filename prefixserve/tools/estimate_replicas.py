@@ -64,8 +64,7 @@ def replay_replicas(workload: Workload, capacity: int, settings: ReplaySettings,
                     replicas: int, in_flight: int | None = None,
                     router: Router | None = None) -> ReplicaResult:
     """Replays ``workload`` over ``replicas`` pools of ``capacity`` blocks routed by ``routing``."""
-    if routing not in REPLICA_ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(REPLICA_ROUTINGS)}")
+    parse_routings(routing)
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
     if routing == "pooled":
@@ -120,8 +119,11 @@ def parse_routings(text: str) -> list[str]:
 
 def estimate_replicas(args: argparse.Namespace) -> tuple[Workload, list[ReplicaResult]]:
     """Reads the input and replays every (per-replica capacity, routing) pair."""
-    from prefixserve.tools.estimate import _requested_capacities, default_capacities, \
-        replay_infinite
+    from prefixserve.tools.estimate import (
+        _requested_capacities,
+        default_capacities,
+        replay_infinite,
+    )
     from prefixserve.tools.trace_formats import ReadOptions, read_workload
 
     if args.replicas < 1:
