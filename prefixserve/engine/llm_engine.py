@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.core import KVCacheManager, MultiModalInput, PrefixCachingMetrics
+from prefixserve.core.kv_events import KVEventBatch, KVEventPublisher, KVSnapshot
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.output_processor import (
@@ -255,6 +256,33 @@ class LLMEngine:
         Running requests keep their blocks (which go back to the pool uncached when freed) and
         cache the blocks they fill afterwards as usual."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ KV events
+    def enable_kv_events(self, replica_id: str, history: int = 256) -> str:
+        """Publishes the prefix cache's changes (``prefixserve.core.kv_events``, docs/DESIGN.md
+        section 13) under ``replica_id``; returns the stream's epoch."""
+        publisher = KVEventPublisher(replica_id, self.config.block_size, history)
+        self.kv_cache_manager.block_pool.event_sink = publisher
+        return publisher.epoch
+
+    def kv_events(self, after_seq: int) -> tuple[str, int, list[KVEventBatch] | None]:
+        """``(epoch, last seq, batches after after_seq)``; None for the batches when some are
+        no longer kept (take ``kv_snapshot``). Flushes what is pending first."""
+        publisher = self._kv_publisher()
+        publisher.flush()
+        return publisher.epoch, publisher.seq, publisher.batches_after(after_seq)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every cached hash value, as of the last batch (flushed now)."""
+        publisher = self._kv_publisher()
+        publisher.flush()
+        return publisher.snapshot(self.kv_cache_manager.block_pool.cached_block_hash_to_block)
+
+    def _kv_publisher(self) -> KVEventPublisher:
+        publisher = self.kv_cache_manager.block_pool.event_sink
+        if publisher is None:
+            raise RuntimeError("KV events are off: call enable_kv_events first")
+        return publisher
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:

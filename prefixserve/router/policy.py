@@ -69,8 +69,11 @@ class Router:
         if self.balance_abs < 0 or self.balance_rel < 1.0:
             raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
 
-    def route(self, request: RouteRequest, loads: Mapping[str, int]) -> RouteDecision:
-        """The replica for ``request``; ``loads`` names every replica that may be chosen."""
+    def route(self, request: RouteRequest, loads: Mapping[str, int],
+              matched: Mapping[str, int] | None = None) -> RouteDecision:
+        """The replica for ``request``; ``loads`` names every replica that may be chosen.
+        ``matched`` (leading blocks held per replica) replaces the index's own figures when a
+        caller knows more (the Ray router adds the prefixes it routed recently)."""
         if not loads:
             raise ValueError("no replica to route to")
         replicas = sorted(loads)
@@ -78,9 +81,12 @@ class Router:
             return RouteDecision(self._next(replicas), 0, "round-robin")
         if self.policy == "least-loaded":
             return RouteDecision(self._least_loaded(replicas, loads), 0, "least-loaded")
+        if matched is None:
+            matched = self.index.matched_blocks(request.hash_values) if request.hash_values \
+                else {}
         if self.policy == "session" and request.session_key is not None:
-            return self._session(request, replicas, loads)
-        return self._prefix_aware(request, replicas, loads)
+            return self._session(request, replicas, loads, matched)
+        return self._prefix_aware(request, replicas, loads, matched)
 
     def _next(self, replicas: Sequence[str]) -> str:
         choice = replicas[self._turn % len(replicas)]
@@ -103,9 +109,8 @@ class Router:
         return load - least <= self.balance_abs or load <= least * self.balance_rel
 
     def _prefix_aware(self, request: RouteRequest, replicas: Sequence[str],
-                      loads: Mapping[str, int]) -> RouteDecision:
+                      loads: Mapping[str, int], matched: Mapping[str, int]) -> RouteDecision:
         least = min(loads[r] for r in replicas)
-        matched = self.index.matched_blocks(request.hash_values) if request.hash_values else {}
         best = max(replicas, key=lambda r: (matched.get(r, 0), -loads[r]))
         depth = matched.get(best, 0)
         if depth and self.balanced(loads[best], least):
@@ -120,14 +125,14 @@ class Router:
                              "imbalanced" if depth else "least-loaded")
 
     def _session(self, request: RouteRequest, replicas: Sequence[str],
-                 loads: Mapping[str, int]) -> RouteDecision:
+                 loads: Mapping[str, int], matched: Mapping[str, int]) -> RouteDecision:
         key = request.session_key
         assert key is not None
         sticky = self._sessions.get(key)
         least = min(loads[r] for r in replicas)
         if sticky is not None and sticky in loads and self.balanced(loads[sticky], least):
             return RouteDecision(sticky, 0, "session")
-        decision = self._prefix_aware(request, replicas, loads)
+        decision = self._prefix_aware(request, replicas, loads, matched)
         self._sessions.pop(key, None)
         self._sessions[key] = decision.replica_id
         if len(self._sessions) > SESSION_LIMIT:

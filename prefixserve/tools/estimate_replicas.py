@@ -157,14 +157,15 @@ def print_replica_report(workload: Workload, results: list[ReplicaResult]) -> No
     table = Table(title=f"{len(workload.requests):,} requests over {replicas} replicas "
                   f"(blocks of {workload.block_size} tokens)", box=box.SIMPLE_HEAVY)
     for name in ("blocks each", "routing", "token hits", "block hits", "of pooled",
-                 "requests each"):
+                 "requests each (min-max)"):
         table.add_column(name, justify="left" if name == "routing" else "right",
                          no_wrap=name == "routing")
     pooled = {r.capacity_blocks: r.total.token_hit_rate for r in results if r.routing == "pooled"}
     for result in results:
         base = pooled.get(result.capacity_blocks)
         ratio = f"{result.total.token_hit_rate / base:.1%}" if base else "-"
-        shares = "-" if result.routing == "pooled" else "/".join(map(str, result.shares))
+        shares = ("-" if result.routing == "pooled"
+                  else f"{min(result.shares)}-{max(result.shares)}")
         table.add_row(f"{result.capacity_blocks:,}", result.routing,
                       f"{result.total.token_hit_rate:.2%}", f"{result.total.block_hit_rate:.2%}",
                       ratio, shares)
