@@ -122,7 +122,7 @@ class Ingress:
     async def metrics(self, request: Request, body: bytes, path: str) -> Response:
         """Every replica's ``/metrics``, merged with a ``replica`` label."""
         forwarded = _forwarded(request, body, path)
-        replicas = router_module.known_replicas()
+        replicas = await self._replicas()
         texts: list[tuple[str, str]] = []
         status = 200
         for rid in replicas:
@@ -136,6 +136,18 @@ class Ingress:
                                 headers=_response_headers(start["headers"]))
             texts.append((rid, b"".join(chunks).decode()))
         return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4")
+
+
+    async def _replicas(self) -> list[str]:
+        """The engine replicas' ids, from this process's request routers (made with the first
+        request through the handle; one is sent here if none was)."""
+        for _ in range(50):
+            replicas = router_module.known_replicas()
+            if replicas:
+                return replicas
+            await self.engine.ready.remote()
+            await asyncio.sleep(0.1)
+        return []
 
 
 def merge_metrics(texts: list[tuple[str, str]]) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 logger = logging.getLogger("prefixserve.serve_ray")
 
 APP_NAME = "prefixserve"
+ROUTER_CLASS = "prefixserve.serve_ray.request_router.PrefixCacheRequestRouter"
 ROUTING_STATS_PERIOD_S = 0.5
 """How often each replica reports its KV events to the routers (Ray Serve's routing stats)."""
 
@@ -45,7 +46,6 @@ def build_app(args: argparse.Namespace) -> Any:
 
     from prefixserve.serve_ray.ingress import Ingress
     from prefixserve.serve_ray.replica import EngineReplica
-    from prefixserve.serve_ray.request_router import PrefixCacheRequestRouter
 
     values = app_args(args)
     env = {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED") or str(int.from_bytes(
@@ -58,7 +58,8 @@ def build_app(args: argparse.Namespace) -> Any:
         "max_ongoing_requests": args.max_ongoing_requests,
         "health_check_period_s": 5.0, "health_check_timeout_s": 60.0,
         "request_router_config": RequestRouterConfig(
-            request_router_class=PrefixCacheRequestRouter,  # type: ignore[arg-type]
+            # by import path: the ingress then shares the module (and its router registry)
+            request_router_class=ROUTER_CLASS,  # type: ignore[arg-type]
             request_router_kwargs={"policy": args.routing},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,  # type: ignore[arg-type]
             request_routing_stats_timeout_s=10.0)}  # type: ignore[arg-type]
