@@ -145,6 +145,7 @@ class Ingress:
             replicas = router_module.known_replicas()
             if replicas:
                 return replicas
+
             await self.engine.ready.remote()
             await asyncio.sleep(0.1)
         return []

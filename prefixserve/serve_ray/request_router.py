@@ -20,6 +20,7 @@ on completion), the figure the balance rule compares.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -41,7 +42,9 @@ RECENT_S = 5.0
 
 _ROUTERS: list[PrefixCacheRequestRouter] = []
 """The routers made in this process (Ray Serve makes them inside handles; the ingress asks them
-which replicas run, to scrape each one's metrics). The one piece of module state here."""
+which replicas run, to scrape each one's metrics). The one piece of module state here. A router
+holds its handle's replicas, so the list lives as long as the process (one router per handle of
+the engine deployment: a few)."""
 
 
 def known_replicas() -> list[str]:
@@ -65,7 +68,9 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         self.request_replica: dict[str, str] = {}
         self.recent: dict[Hashable, tuple[str, float]] = {}
         self.seen_stats: dict[str, int] = {}
-        _ROUTERS.append(self)
+        # Ray Serve pickles this class by value, with a copy of this module's globals: register
+        # in the module itself, which the import system holds.
+        importlib.import_module(__name__)._ROUTERS.append(self)
 
     # ----------------------------------------------------------------- events
     def _absorb_stats(self, replica: RunningReplica) -> None:
