@@ -21,6 +21,10 @@ from server_helpers import ServerProcess
 from prefixserve.cli import main
 from prefixserve.tools.bench.report import read_run
 
+RAY_STARTUP_S = 360.0
+"""A Ray cluster, its Serve controller and proxy and two model loads: about 60 s on an idle
+2-core machine, several minutes on a busy one."""
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
@@ -33,7 +37,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
                              "--max-num-seqs", "4", "--num-threads", "1", "--num-blocks", "512",
                              "--max-model-len", "1024", "--log-stats-interval", "0",
                              "--ray-num-cpus", "2", "--ray-replica-cpus", "0.5"],
-                            tmp_path_factory.mktemp("ray") / "server.log").start()
+                            tmp_path_factory.mktemp("ray") / "server.log").start(RAY_STARTUP_S)
     yield process
     process.stop()
 

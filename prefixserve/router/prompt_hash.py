@@ -13,6 +13,7 @@ only for int-only chains, so routers should use ``sha256`` or ``xxhash``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -23,12 +24,18 @@ from prefixserve.core.request import CacheRequest, block_extra_keys
 class PromptHasher:
     """Block hash values of prompts for one block size and hash algorithm."""
 
-    def __init__(self, block_size: int, hash_algo: str = "sha256") -> None:
+    def __init__(self, block_size: int, hash_algo: str = "sha256",
+                 seed: str | None = None) -> None:
+        """``seed``: the replicas' ``PYTHONHASHSEED``, when this process does not share it (the
+        root is then derived from it as the replicas derive theirs)."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.hash_algo = hash_algo
         self._function, self._root = get_hash_function(hash_algo)
+        if seed is not None:
+            root = hashlib.sha256(seed.encode()).digest()
+            self._root = int.from_bytes(root, "little") if hash_algo == "builtin" else root
 
     def hash_values(self, token_ids: Sequence[int], cache_salt: str | None = None,
                     lora_id: Any = None) -> list[Hashable]:

@@ -31,9 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help="autoscale between --replicas and M replicas on ongoing requests")
     group.add_argument("--target-ongoing-requests", type=float, default=2.0, metavar="N",
                        help="ongoing requests per replica autoscaling aims at (default 2)")
-    group.add_argument("--max-ongoing-requests", type=int, default=64, metavar="N",
-                       help="requests a replica accepts at once before the router looks "
-                       "elsewhere (default 64)")
+    group.add_argument("--max-ongoing-requests", type=int, metavar="N",
+                       help="requests a replica accepts at once; the rest wait in Ray's router, "
+                       "which sends them to a live replica if one crashes (default: "
+                       "--max-num-seqs, so nothing waits inside a replica)")
     group.add_argument("--ray-replica-cpus", type=float, default=1.0, metavar="N",
                        help="Ray CPUs reserved per engine replica (default 1)")
     group.add_argument("--ray-num-cpus", type=int, metavar="N",

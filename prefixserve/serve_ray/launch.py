@@ -55,7 +55,7 @@ def build_app(args: argparse.Namespace) -> Any:
     actor = {"num_cpus": args.ray_replica_cpus, "runtime_env": {"env_vars": env}}
     engine_options: dict[str, Any] = {
         "name": "PrefixserveEngine", "ray_actor_options": actor,
-        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_ongoing_requests": args.max_ongoing_requests or args.max_num_seqs or 32,
         "health_check_period_s": 5.0, "health_check_timeout_s": 60.0,
         "request_router_config": RequestRouterConfig(
             # by import path: the ingress then shares the module (and its router registry)

@@ -34,6 +34,7 @@ from prefixserve import __version__
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
+from prefixserve.server.kv_event_routes import add_kv_event_routes
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
 from prefixserve.server.protocol import (
@@ -148,6 +149,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     docs = ErrorDocs.for_config(config)
     _add_openai_routes(app, serving, config, keys, docs)
     _add_operation_routes(app, engine, metrics, keys, docs)
+    add_kv_event_routes(app, engine, keys.admin, docs.admin)
     install_openapi(app, config)
     return app
 
