@@ -91,6 +91,7 @@ class EngineReplica:
         after = max(0, self._reported_seq - STATS_BATCHES)
         epoch, seq, batches = await self.engine.kv_events(after)
         stats: dict[str, Any] = {"replica": self.replica_id, "epoch": epoch, "seq": seq,
+                                 "report": self._reports,
                                  "batches": [b.to_wire() for b in batches or []]}
         if batches is None or self._reports % SNAPSHOT_EVERY == 0:
             stats["snapshot"] = (await self.engine.kv_snapshot()).to_wire()

@@ -67,7 +67,7 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         self.in_flight: dict[str, int] = {}
         self.request_replica: dict[str, str] = {}
         self.recent: dict[Hashable, tuple[str, float]] = {}
-        self.seen_stats: dict[str, int] = {}
+        self.seen_stats: dict[str, tuple[Any, Any]] = {}
         # Ray Serve pickles this class by value, with a copy of this module's globals: register
         # in the module itself, which the import system holds.
         importlib.import_module(__name__)._ROUTERS.append(self)
@@ -79,9 +79,10 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         if "epoch" not in stats:
             return
         rid = replica.replica_id.unique_id
-        if self.seen_stats.get(rid) == id(stats):
+        report = (stats["epoch"], stats.get("report"))
+        if self.seen_stats.get(rid) == report:
             return
-        self.seen_stats[rid] = id(stats)
+        self.seen_stats[rid] = report
         index = self.router.index
         cache = index.add_replica(rid)
         if cache.epoch != stats["epoch"] and "snapshot" in stats:

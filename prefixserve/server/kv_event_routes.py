@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Query
 
 from prefixserve.engine.async_llm import AsyncLLM
-from prefixserve.server.openapi import ResponseDocs
+from prefixserve.server.openapi import ResponseDocs, error_doc
 
 REPLICA_ID = "server"
 """The replica id a single server publishes under."""
@@ -25,7 +25,9 @@ def add_kv_event_routes(app: FastAPI, engine: AsyncLLM, admin_key: Any,
                         admin_docs: ResponseDocs) -> None:
     """Declares ``GET /kv_events`` behind ``admin_key`` (the app's admin-key parameter type)."""
 
-    @app.get("/kv_events", tags=["Operations"], responses=admin_docs)
+    responses: ResponseDocs = {400: error_doc("A query parameter is invalid."), **admin_docs}
+
+    @app.get("/kv_events", tags=["Operations"], responses=responses)
     async def kv_events(admin_key: admin_key,
                         epoch: str | None = Query(None, max_length=64),
                         after: int = Query(0, ge=0)) -> dict[str, Any]:
