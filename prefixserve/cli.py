@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from prefixserve.server import cli_args as serve_args
+from prefixserve.serve_ray import args as serve_args
 from prefixserve.tools import demo_args, estimate_args
 from prefixserve.tools.bench import args as bench_args
 

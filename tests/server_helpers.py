@@ -49,8 +49,8 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def start(self) -> ServerProcess:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
+    def start(self, timeout: float = STARTUP_TIMEOUT) -> ServerProcess:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n"
@@ -62,7 +62,7 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"the server did not come up in {STARTUP_TIMEOUT} s:\n{self.log}")
+        raise RuntimeError(f"the server did not come up in {timeout} s:\n{self.log}")
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then the exit status (SIGKILL and -9 if it does not exit in time)."""

@@ -41,9 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 #: ``package``. A new top-level module or subpackage must be added here (the test says so).
 LAYERS = {
     "core": "core",
+    "router": "router",
     "model": "model",
     "engine": "engine",
     "server": "server",
+    "serve_ray": "serve_ray",
     "tools": "tools",
     "cli": "cli",
     "__main__": "cli",
@@ -55,12 +57,16 @@ LAYERS = {
 ALLOWED: dict[str, frozenset[str]] = {
     "values": frozenset({"values"}),
     "core": frozenset({"core", "values"}),
+    "router": frozenset({"router", "core", "values"}),
     "model": frozenset({"model", "values"}),
     "engine": frozenset({"engine", "model", "core", "values"}),
-    "server": frozenset({"server", "package", "engine", "model", "core", "values"}),
-    "tools": frozenset({"tools", "package", "engine", "model", "core", "values"}),
+    "server": frozenset({"server", "package", "engine", "model", "router", "core", "values"}),
+    "serve_ray": frozenset({"serve_ray", "server", "package", "engine", "model", "router", "core",
+                            "values"}),
+    "tools": frozenset({"tools", "package", "engine", "model", "router", "core", "values"}),
     "package": frozenset({"package", "engine", "model", "core", "values"}),
-    "cli": frozenset({"cli", "server", "tools", "package", "engine", "model", "core", "values"}),
+    "cli": frozenset({"cli", "serve_ray", "server", "tools", "package", "engine", "model",
+                      "router", "core", "values"}),
 }
 
 #: Imports that break ``ALLOWED`` today and are tolerated until they are removed, as
@@ -225,6 +231,7 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
 #: Statements that load the values users import without running a model, and must stay cheap.
 TORCH_FREE = [
     "import prefixserve.core",
+    "import prefixserve.router",
     "import prefixserve; prefixserve.SamplingParams",
     "import prefixserve.sampling_params",
     "import prefixserve.outputs",

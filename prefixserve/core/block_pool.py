@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import final
 
 from prefixserve.core.hashing import hash_value_of
+from prefixserve.core.kv_events import KVEventPublisher
 from prefixserve.core.retention import DEFAULT_PRIORITY, NO_EXPIRY
 
 Clock = Callable[[], float]
@@ -159,7 +160,7 @@ class BlockPool:
     """
 
     __slots__ = ("_expiry_heap", "_heap_seq", "_levels", "blocks", "cached_block_hash_to_block",
-                 "clock", "enable_caching", "evicted", "evictions_by_priority",
+                 "clock", "enable_caching", "event_sink", "evicted", "evictions_by_priority",
                  "expired_retentions", "free_queue", "null_block", "num_blocks",
                  "num_free_retained", "retained_queues")
 
@@ -178,6 +179,8 @@ class BlockPool:
         self.evicted: list[tuple[int, Hashable]] | None = None
         """When a list (the cache tiers' write-back sets one), ``get_new_blocks`` appends
         ``(block id, block hash)`` of each cached block it evicts; its owner empties it."""
+        self.event_sink: KVEventPublisher | None = None
+        """Told of every hash value entering or leaving the map (``kv_events``); None: off."""
         if reserve_null_block:
             self.null_block = self.blocks[0]
             self.null_block.is_null = True
@@ -249,6 +252,7 @@ class BlockPool:
         priority = block.priority
         evicted = 0
         evicted_log = self.evicted
+        sink = self.event_sink
         for _ in range(n):
             if block.block_hash is not None:
                 key = block.hash_value
@@ -261,6 +265,8 @@ class BlockPool:
                         cache[key] = entry
                 if evicted_log is not None:
                     evicted_log.append((block.block_id, block.block_hash))
+                if sink is not None and key not in cache:
+                    sink.removed(key)
                 block.block_hash = None
                 evicted += 1
             block.ref_cnt = 1
@@ -325,6 +331,8 @@ class BlockPool:
                     cache[key] = {entry.block_id: entry, block.block_id: block}
                 else:
                     entry[block.block_id] = block
+        if self.event_sink is not None:
+            self.event_sink.stored(block_hashes, start, end)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each block; blocks reaching 0 join the tail of their
@@ -441,6 +449,8 @@ class BlockPool:
                 if block.ref_cnt:
                     block.priority = DEFAULT_PRIORITY
                     block.duration = 0.0
+        if self.event_sink is not None:
+            self.event_sink.cleared()  # the kept blocks are reported stored again below
         retained = [b for p, q in self._levels if p != DEFAULT_PRIORITY for b in q]
         for block in retained:
             self.retained_queues[block.priority].remove(block)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from prefixserve.core import MAX_PRIORITY, Retention
+from prefixserve.core.kv_events import KVEventBatch, KVSnapshot
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.errors import EngineDeadError
 from prefixserve.engine.llm_engine import EngineStats, LLMEngine
@@ -204,6 +205,18 @@ class AsyncLLM:
             self.engine.remove_lora(name)
             self._loras = tuple(self.engine.list_loras())
         await self._call(remove)
+
+    async def enable_kv_events(self, replica_id: str, history: int = 256) -> str:
+        """``LLMEngine.enable_kv_events``, run in the engine thread; returns the epoch."""
+        return await self._call(lambda: self.engine.enable_kv_events(replica_id, history))
+
+    async def kv_events(self, after_seq: int) -> tuple[str, int, list[KVEventBatch] | None]:
+        """``LLMEngine.kv_events``, run in the engine thread."""
+        return await self._call(lambda: self.engine.kv_events(after_seq))
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """``LLMEngine.kv_snapshot``, run in the engine thread."""
+        return await self._call(self.engine.kv_snapshot)
 
     def stats(self) -> EngineStats:
         """The latest snapshot, taken by the engine thread after each step."""

@@ -27,6 +27,7 @@ from prefixserve.core import (
     PrefixCachingMetrics,
     Retention,
 )
+from prefixserve.core.kv_events import KVEventBatch, KVEventPublisher, KVSnapshot
 from prefixserve.core.tiers import TierStats
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
@@ -458,6 +459,37 @@ class LLMEngine:
     def pins(self) -> dict[str, int]:
         """Every pin's id and the blocks it holds."""
         return {pin_id: len(blocks) for pin_id, blocks in self.kv_cache_manager.pins.items()}
+
+    # ------------------------------------------------------------------ KV events
+    def enable_kv_events(self, replica_id: str, history: int = 256) -> str:
+        """Publishes the prefix cache's changes (``prefixserve.core.kv_events``, docs/DESIGN.md
+        section 13) under ``replica_id``; returns the stream's epoch. Once on, a second call
+        changes nothing and returns the same epoch."""
+        current = self.kv_cache_manager.block_pool.event_sink
+        if current is not None:
+            return current.epoch
+        publisher = KVEventPublisher(replica_id, self.config.block_size, history)
+        self.kv_cache_manager.block_pool.event_sink = publisher
+        return publisher.epoch
+
+    def kv_events(self, after_seq: int) -> tuple[str, int, list[KVEventBatch] | None]:
+        """``(epoch, last seq, batches after after_seq)``; None for the batches when some are
+        no longer kept (take ``kv_snapshot``). Flushes what is pending first."""
+        publisher = self._kv_publisher()
+        publisher.flush()
+        return publisher.epoch, publisher.seq, publisher.batches_after(after_seq)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every cached hash value, as of the last batch (flushed now)."""
+        publisher = self._kv_publisher()
+        publisher.flush()
+        return publisher.snapshot(self.kv_cache_manager.block_pool.cached_block_hash_to_block)
+
+    def _kv_publisher(self) -> KVEventPublisher:
+        publisher = self.kv_cache_manager.block_pool.event_sink
+        if publisher is None:
+            raise RuntimeError("KV events are off: call enable_kv_events first")
+        return publisher
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:

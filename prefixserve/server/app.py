@@ -37,6 +37,7 @@ from prefixserve.server.anthropic import AnthropicServing
 from prefixserve.server.anthropic_routes import add_anthropic_routes
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
+from prefixserve.server.kv_event_routes import add_kv_event_routes
 from prefixserve.server.lora_routes import LoRACollector, add_lora_routes
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
@@ -160,6 +161,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         add_lora_routes(app, engine, config, keys.admin, docs)
         metrics.registry.register(LoRACollector(engine, config.served_model_names[0],
                                                 config.metrics_prefix))
+    add_kv_event_routes(app, engine, keys.admin, docs.admin)
     install_openapi(app, config)
     return app
 

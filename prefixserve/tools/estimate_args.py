@@ -50,6 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "KV cache sizes (default: 1%, 5%, 20% and 50% of the distinct blocks; the infinite "
         "cache is always added)"))
     _add_replay(parser.add_argument_group("replay"))
+    _add_replicas(parser.add_argument_group(
+        "replicas (with --replicas N > 1: N per-replica caches of each --capacity, routed)"))
     _add_output(parser.add_argument_group("output"))
     parser.set_defaults(func=run)
     return parser
@@ -57,6 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Run the estimate (imports the estimator)."""
+    if args.replicas > 1:
+        from prefixserve.tools.estimate_replicas import run_replica_estimate
+
+        return run_replica_estimate(args)
     from prefixserve.tools.estimate import run_estimate
 
     return run_estimate(args)
@@ -124,6 +130,20 @@ def _add_replay(replay: argparse._ArgumentGroup) -> None:
                         "of every block)")
     replay.add_argument("--skip-bad-lines", action="store_true",
                         help="count and skip unreadable lines instead of stopping at the first")
+
+
+def _add_replicas(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="simulate N replicas, each with its own cache of --capacity blocks "
+                       "(default 1: one cache, the plain estimate)")
+    group.add_argument("--routing", default="round-robin,prefix-aware,pooled",
+                       metavar="POLICIES",
+                       help="comma-separated: round-robin, prefix-aware (the deployment's "
+                       "router, fed by the replicas' KV events), pooled (one cache of N times "
+                       "the size: the upper bound); default all three")
+    group.add_argument("--in-flight", type=int, metavar="N",
+                       help="requests taken to be in flight for the router's load balance: the "
+                       "last N routed (default 8 per replica)")
 
 
 def _add_output(output: argparse._ArgumentGroup) -> None:

@@ -1,0 +1,215 @@
+"""The HTTP entry of the Ray Serve deployment: computes each request's route and forwards it.
+
+For ``POST /v1/completions`` and ``/v1/chat/completions`` the ingress renders and tokenizes the
+prompt as the replicas do (the same tokenizer, chat template and salt rules), hashes its blocks
+with ``PromptHasher`` and sends the request through the engine deployment's handle with that route;
+``PrefixCacheRequestRouter`` picks the replica. The replica answers with the single server's own
+application, so status codes, error bodies and streams are unchanged. A body the ingress cannot
+read is forwarded without a route (the replica answers it with its 4xx).
+
+``GET /metrics`` scrapes every replica (each call pinned to one replica) and merges the texts,
+adding a ``replica`` label to every sample. Other paths go to any replica. With
+``--routing-override``, a path under ``/routing/<policy>/`` is served as the rest of the path,
+routed by that policy instead of ``--routing``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from prefixserve.router import ROUTING_POLICIES, PromptHasher
+from prefixserve.serve_ray import request_router as router_module
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+OVERRIDE_PREFIX = "/routing/"
+"""With ``--routing-override``, ``/routing/<policy>/v1/...`` routes by that policy (A/B runs of
+policies on one deployment, e.g. ``prefixserve bench --base-url .../routing/round-robin/v1``)."""
+SESSION_HEADER = "x-session-id"
+"""Header naming a session for the ``session`` policy (else the body's ``user``)."""
+
+
+class _Shim:
+    """What ``OpenAIServing.chat_prompt`` and ``cache_salt`` read: the tokenizer and config."""
+
+    def __init__(self, tokenizer: Any, config: Any) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+
+
+class Ingress:
+    """The ingress deployment class (``serve.deployment`` is applied by ``app``)."""
+
+    def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
+        from prefixserve.model.tokenizer import load_tokenizer
+        from prefixserve.server.launch import server_config
+
+        namespace = argparse.Namespace(**args)
+        self.engine = engine
+        self.config = server_config(namespace)
+        self.shim = _Shim(load_tokenizer(namespace.model), self.config)
+        self.hasher = PromptHasher(namespace.block_size or 16, namespace.prefix_caching_hash_algo)
+        self.routing_override = bool(namespace.routing_override)
+
+    # ----------------------------------------------------------------- routes
+    def route_for(self, path: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
+        """The route of a generation request: hex block hashes, session key (no LoRA adapter is
+        served over HTTP yet). Empty when the body is not a request the replica would accept."""
+        from pydantic import ValidationError
+
+        from prefixserve.server.errors import ApiError
+        from prefixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+        from prefixserve.server.serving import OpenAIServing
+
+        try:
+            data = json.loads(body)
+            if path == "/v1/chat/completions":
+                chat = ChatCompletionRequest.model_validate(data)
+                ids = OpenAIServing.chat_prompt(self.shim, chat)  # type: ignore[arg-type]
+                salt = chat.cache_salt
+            else:
+                completion = CompletionRequest.model_validate(data)
+                prompt = completion.prompt
+                first = prompt[0] if isinstance(prompt, list) and prompt and \
+                    not isinstance(prompt[0], int) else prompt
+                ids = self.shim.tokenizer.encode(first) if isinstance(first, str) else \
+                    [int(t) for t in first]  # type: ignore[arg-type]
+                salt = completion.cache_salt
+        except (ValueError, ValidationError, ApiError, TypeError):
+            return {}
+        api_key = _bearer(headers.get("authorization"))
+        salt = OpenAIServing.cache_salt(self.shim, salt, api_key)  # type: ignore[arg-type]
+        hashes = self.hasher.hash_values(ids, salt)
+        session = headers.get(SESSION_HEADER) or (data.get("user") if isinstance(data, dict)
+                                                  else None)
+        return {"hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes],
+                "session": session}
+
+    def _policy_prefix(self, path: str) -> tuple[str | None, str]:
+        """``/routing/<policy>/rest`` -> (policy, ``/rest``) when ``--routing-override`` is on."""
+        if not (self.routing_override and path.startswith(OVERRIDE_PREFIX)):
+            return None, path
+        policy, _, rest = path[len(OVERRIDE_PREFIX):].partition("/")
+        return policy, "/" + rest
+
+    async def __call__(self, request: Request) -> Response:
+        body = await request.body()
+        policy, path = self._policy_prefix(request.url.path)
+        if policy is not None and policy not in ROUTING_POLICIES:
+            return Response(json.dumps({"error": {
+                "message": f"unknown routing policy {policy!r}", "type": "not_found_error",
+                "param": None, "code": "not_found"}}), status_code=404,
+                media_type="application/json")
+        if request.method == "GET" and path == "/metrics":
+            return await self.metrics(request, body, path)
+        forwarded = _forwarded(request, body, path)
+        kwargs: dict[str, Any] = {}
+        if request.method == "POST" and path in GENERATION_PATHS:
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            kwargs["route"] = {**self.route_for(path, body, headers), "policy": policy}
+        stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded, **kwargs)
+        start = await stream.__anext__()
+        return StreamingResponse(_rest(stream), status_code=start["status"],
+                                 headers=_response_headers(start["headers"]))
+
+    async def metrics(self, request: Request, body: bytes, path: str) -> Response:
+        """Every replica's ``/metrics``, merged with a ``replica`` label."""
+        forwarded = _forwarded(request, body, path)
+        replicas = await self._replicas()
+        texts: list[tuple[str, str]] = []
+        status = 200
+        for rid in replicas:
+            stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded,
+                                                                               replica=rid)
+            start = await stream.__anext__()
+            chunks = [chunk async for chunk in stream]
+            if start["status"] != 200:
+                status = start["status"]
+                return Response(b"".join(chunks), status_code=status,
+                                headers=_response_headers(start["headers"]))
+            texts.append((rid, b"".join(chunks).decode()))
+        return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4")
+
+
+    async def _replicas(self) -> list[str]:
+        """The engine replicas' ids, from this process's request routers (made with the first
+        request through the handle; one is sent here if none was)."""
+        for _ in range(50):
+            replicas = router_module.known_replicas()
+            if replicas:
+                return replicas
+
+            await self.engine.ready.remote()
+            await asyncio.sleep(0.1)
+        return []
+
+
+def merge_metrics(texts: list[tuple[str, str]]) -> str:
+    """Prometheus texts of several replicas as one: HELP/TYPE once per family, every sample
+    labelled ``replica="<id>"``."""
+    seen: set[str] = set()
+    families: dict[str, list[str]] = {}
+    order: list[str] = []
+    current = ""
+    for rid, text in texts:
+        for line in text.splitlines():
+            if line.startswith("# "):
+                parts = line.split(" ", 3)
+                current = parts[2] if len(parts) > 2 else ""
+                if current not in families:
+                    families[current] = []
+                    order.append(current)
+                if line not in seen:
+                    seen.add(line)
+                    families[current].append(line)
+            elif line.strip():
+                families.setdefault(current, []).append(_with_replica(line, rid))
+                if current not in order:
+                    order.append(current)
+    return "\n".join(line for name in order for line in families[name]) + "\n"
+
+
+def _with_replica(sample: str, rid: str) -> str:
+    label = f'replica="{rid}"'
+    name_end = min((i for i in (sample.find("{"), sample.find(" ")) if i >= 0), default=-1)
+    if name_end < 0:
+        return sample
+    if sample[name_end] == "{":
+        closing = sample[name_end + 1:name_end + 2]
+        sep = "" if closing == "}" else ","
+        return f"{sample[:name_end + 1]}{label}{sep}{sample[name_end + 1:]}"
+    return f"{sample[:name_end]}{{{label}}}{sample[name_end:]}"
+
+
+def _bearer(value: str | None) -> str | None:
+    if value and value.lower().startswith("bearer "):
+        return value[7:].strip() or None
+    return None
+
+
+def _forwarded(request: Request, body: bytes, path: str) -> dict[str, Any]:
+    return {"method": request.method, "path": path,
+            "query": request.url.query, "body": body,
+            "headers": [(k, v) for k, v in request.headers.items()
+                        if k.lower() not in ("content-length", "host")]
+            + [("host", "prefixserve")]}
+
+
+def _response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
+    return {k: v for k, v in headers if k.lower() != "content-length"}
+
+
+async def _rest(stream: Any) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise

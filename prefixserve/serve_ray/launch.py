@@ -1,0 +1,129 @@
+"""``prefixserve serve --replicas N``: start (or join) a Ray cluster and deploy the replicas.
+
+The application is two deployments: ``PrefixserveIngress`` (one replica, Ray Serve's HTTP proxy
+in front) and ``PrefixserveEngine`` (N replicas of ``EngineReplica``, with
+``PrefixCacheRequestRouter`` as its request router). Every process of the application gets the
+same ``PYTHONHASHSEED`` (the caller's, or a random one drawn here), so the hash root
+``NONE_HASH`` is the same in the router and the replicas and stays secret to the deployment.
+The hash algorithm defaults to ``sha256`` here (``builtin`` values are not meant to leave a
+process).
+
+Ray Serve restarts a replica whose health check fails or whose process dies; its router state is
+cleared when its new epoch arrives. ``--max-replicas M`` (> N) turns on Ray Serve autoscaling
+between N and M replicas on ongoing requests per replica (``--target-ongoing-requests``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+logger = logging.getLogger("prefixserve.serve_ray")
+
+APP_NAME = "prefixserve"
+ROUTER_CLASS = "prefixserve.serve_ray.request_router.PrefixCacheRequestRouter"
+ROUTING_STATS_PERIOD_S = 0.5
+"""How often each replica reports its KV events to the routers (Ray Serve's routing stats)."""
+
+
+def app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the deployments rebuild their configs from (plain, picklable values)."""
+    values = {k: v for k, v in vars(args).items() if k != "func"}
+    if values.get("prefix_caching_hash_algo") in (None, "builtin"):
+        values["prefix_caching_hash_algo"] = "sha256"
+    return values
+
+
+def build_app(args: argparse.Namespace) -> Any:
+    """The Ray Serve application (bound deployments) for ``args``."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from prefixserve.serve_ray.ingress import Ingress
+    from prefixserve.serve_ray.replica import EngineReplica
+
+    values = app_args(args)
+    env = {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED") or str(int.from_bytes(
+        os.urandom(4), "little"))}
+    if args.num_threads:
+        env["OMP_NUM_THREADS"] = str(args.num_threads)
+    actor = {"num_cpus": args.ray_replica_cpus, "runtime_env": {"env_vars": env}}
+    engine_options: dict[str, Any] = {
+        "name": "PrefixserveEngine", "ray_actor_options": actor,
+        "max_ongoing_requests": args.max_ongoing_requests or args.max_num_seqs or 32,
+        "health_check_period_s": 5.0, "health_check_timeout_s": 60.0,
+        "request_router_config": RequestRouterConfig(
+            # by import path: the ingress then shares the module (and its router registry)
+            request_router_class=ROUTER_CLASS,  # type: ignore[arg-type]
+            request_router_kwargs={"policy": args.routing},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,  # type: ignore[arg-type]
+            request_routing_stats_timeout_s=10.0)}  # type: ignore[arg-type]
+    if args.max_replicas and args.max_replicas > args.replicas:
+        engine_options["autoscaling_config"] = {
+            "min_replicas": args.replicas, "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests}
+    else:
+        engine_options["num_replicas"] = args.replicas
+    deployment: Any = serve.deployment
+    engine = deployment(EngineReplica, **engine_options).bind(values)
+    ingress = deployment(Ingress, name="PrefixserveIngress", max_ongoing_requests=1000,
+                               ray_actor_options={"num_cpus": 0,
+                                                  "runtime_env": {"env_vars": env}})
+    return ingress.bind(engine, values)
+
+
+def start(args: argparse.Namespace) -> None:
+    """Starts or joins Ray, starts Serve's HTTP proxy on ``--host``/``--port`` and deploys the
+    application; returns once every replica is up."""
+    import ray
+    from ray import serve
+
+    if args.ray_address:
+        ray.init(address=args.ray_address, namespace=APP_NAME, log_to_driver=False)
+    else:
+        ray.init(num_cpus=args.ray_num_cpus or max(2, args.replicas + 1),
+                 object_store_memory=args.ray_object_store_memory, include_dashboard=False,
+                 namespace=APP_NAME, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+
+
+def run_ray_server(args: argparse.Namespace) -> int:
+    """Runs until SIGINT/SIGTERM, then deletes the application (and stops a Ray it started)."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.routing not in ("round-robin", "least-loaded", "prefix-aware", "session"):
+        print(f"prefixserve serve: error: unknown --routing {args.routing!r}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        start(args)
+    except Exception as exc:
+        print(f"prefixserve serve: cannot start on Ray: {exc}", file=sys.stderr)
+        _shutdown(args)
+        return 1
+    logger.info("serving %d replica(s) on http://%s:%d, routing %s", args.replicas, args.host,
+                args.port, args.routing)
+    stop.wait()
+    _shutdown(args)
+    return 0
+
+
+def _shutdown(args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(APP_NAME)
+        if not args.ray_address:
+            serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,153 @@
+"""The Ray Serve request router of the engine deployment: prefixserve's ``Router`` inside Ray.
+
+Ray Serve calls ``choose_replicas`` for each request sent through a handle of the engine
+deployment, in the process that holds the handle (the ingress). The request carries its route in
+the ``route`` keyword argument: the prompt's block hash values as hex (``PromptHasher``), the
+session key, the LoRA adapter and, where the ingress allows it, a policy for this request only
+(the others share the same index); a ``replica`` keyword pins a request to one replica (the
+ingress uses it to scrape each replica's ``/metrics``).
+
+The router's ``CacheIndex`` is fed from each replica's ``routing_stats`` (``EngineReplica.
+record_routing_stats``): batches are applied in sequence order, a gap marks the replica stale
+until a report brings a snapshot, and a new epoch (a restarted replica) clears it. Because the
+stats arrive only every ``request_routing_stats_period_s``, the router also remembers for a few
+seconds which replica it sent each prefix to (``RECENT_S``), as SGLang's router inserts a routed
+prompt into its tree at once; a prefix is taken to be cached where either says so.
+
+Loads are the requests this router has in flight on each replica (counted on routing, released
+on completion), the figure the balance rule compares.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from prefixserve.core.kv_events import KVEventBatch, KVSnapshot, decode_hash
+from prefixserve.router import ROUTING_POLICIES, Router, RouteRequest
+
+RECENT_S = 5.0
+"""Seconds a routed prefix is remembered without events confirming it."""
+
+_ROUTERS: list[PrefixCacheRequestRouter] = []
+"""The routers made in this process (Ray Serve makes them inside handles; the ingress asks them
+which replicas run, to scrape each one's metrics). The one piece of module state here. A router
+holds its handle's replicas, so the list lives as long as the process (one router per handle of
+the engine deployment: a few)."""
+
+
+def known_replicas() -> list[str]:
+    """Ids of the engine replicas the routers of this process know."""
+    ids: set[str] = set()
+    for router in _ROUTERS:
+        ids.update(r.unique_id for r in router.curr_replicas)
+    return sorted(ids)
+
+
+class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
+    """Routes by ``prefixserve.router.Router`` (policy from ``request_router_kwargs``)."""
+
+    def initialize_state(self, policy: str = "prefix-aware", balance_abs: int = 4,
+                         balance_rel: float = 1.5, **_: Any) -> None:
+        self.router = Router(policy, balance_abs=balance_abs, balance_rel=balance_rel)
+        self.by_policy = {name: Router(name, self.router.index, balance_abs, balance_rel)
+                          for name in ROUTING_POLICIES if name != policy}
+        self.by_policy[policy] = self.router
+        self.in_flight: dict[str, int] = {}
+        self.request_replica: dict[str, str] = {}
+        self.recent: dict[Hashable, tuple[str, float]] = {}
+        self.seen_stats: dict[str, tuple[Any, Any]] = {}
+        # Ray Serve pickles this class by value, with a copy of this module's globals: register
+        # in the module itself, which the import system holds.
+        importlib.import_module(__name__)._ROUTERS.append(self)
+
+    # ----------------------------------------------------------------- events
+    def _absorb_stats(self, replica: RunningReplica) -> None:
+        """Applies what the replica's latest routing stats add to the index."""
+        stats = replica.routing_stats or {}
+        if "epoch" not in stats:
+            return
+        rid = replica.replica_id.unique_id
+        report = (stats["epoch"], stats.get("report"))
+        if self.seen_stats.get(rid) == report:
+            return
+        self.seen_stats[rid] = report
+        index = self.router.index
+        cache = index.add_replica(rid)
+        if cache.epoch != stats["epoch"] and "snapshot" in stats:
+            index.resync(KVSnapshot.from_wire(stats["snapshot"]))
+        for wire in stats.get("batches", ()):
+            index.apply(KVEventBatch.from_wire(wire))
+        if index.needs_resync(rid) and "snapshot" in stats:
+            index.resync(KVSnapshot.from_wire(stats["snapshot"]))
+
+    def _matched(self, hashes: Sequence[Hashable], replicas: list[str]) -> dict[str, int]:
+        """Leading blocks per replica, by events or by recent routing (the longer)."""
+        matched = {r: m for r, m in self.router.index.matched_blocks(hashes).items()
+                   if r in replicas}
+        now = time.monotonic()
+        for depth in range(len(hashes), 0, -1):
+            entry = self.recent.get(hashes[depth - 1])
+            if entry is not None and now - entry[1] < RECENT_S and entry[0] in replicas:
+                matched[entry[0]] = max(matched.get(entry[0], 0), depth)
+                break
+        return matched
+
+    # ----------------------------------------------------------------- routing
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None,
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        pinned = kwargs.get("replica")
+        if pinned is not None:
+            return [[by_id[pinned]]] if pinned in by_id else []
+        for replica in candidate_replicas:
+            self._absorb_stats(replica)
+        for rid in list(self.router.index.replicas):
+            if rid not in by_id and rid not in self.in_flight:
+                self.router.index.remove_replica(rid)
+        route = kwargs.get("route") or {}
+        hashes = [decode_hash(h) for h in route.get("hashes", ())]
+        request = RouteRequest(hashes, route.get("session"), route.get("lora"))
+        loads = {rid: self.in_flight.get(rid, 0) for rid in by_id}
+        matched = self._matched(hashes, list(by_id)) if hashes else {}
+        router = self.by_policy.get(route.get("policy") or "", self.router)
+        decision = router.route(request, loads, matched)
+        chosen = decision.replica_id
+        if hashes:
+            now = time.monotonic()
+            for value in hashes:
+                self.recent[value] = (chosen, now)
+            if len(self.recent) > 200_000:
+                self.recent.clear()
+        rest = [r for rid, r in by_id.items() if rid != chosen]
+        rest.sort(key=lambda r: loads[r.replica_id.unique_id])
+        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        rid = replica_id.unique_id
+        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        self.request_replica[pending_request.metadata.internal_request_id] = rid
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self.request_replica.pop(internal_request_id, replica_id.unique_id)
+        left = self.in_flight.get(rid, 0) - 1
+        if left > 0:
+            self.in_flight[rid] = left
+        else:
+            self.in_flight.pop(rid, None)

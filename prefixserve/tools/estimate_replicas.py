@@ -1,0 +1,196 @@
+"""``prefixserve estimate --replicas N``: the hit rate of N replicas under a routing policy.
+
+Each replica is a ``_PoolReplay`` of the given capacity (the engine's own ``KVCacheManager``);
+requests are replayed in file order and each goes to the replica a policy picks:
+
+* ``round-robin``: replicas in turn (``prefixserve.router.Router``, policy ``round-robin``);
+* ``prefix-aware``: the router of the Ray deployment (``Router``, policy ``prefix-aware``), fed
+  with the replicas' own KV events (``prefixserve.core.kv_events``: each simulated pool publishes
+  what it stores and evicts, and the router's ``CacheIndex`` applies the batches), so the
+  simulation exercises the same events and rule as a deployment;
+* ``pooled``: one pool of N times the capacity, the upper bound of any routing: a cache shared by
+  all replicas (Mooncake's pooled KV store).
+
+Load model for the router's balance rule: the last ``in_flight`` routed requests are taken to be
+the ones in flight, so a replica's load is how many of them it got. The load-balance threshold
+is the router's (``balance_abs``, ``balance_rel``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+from prefixserve.core.hashing import hash_value_of
+from prefixserve.core.kv_events import KVEventPublisher
+from prefixserve.router import Router, RouteRequest
+from prefixserve.tools.estimate import _PoolReplay, replay_pool
+from prefixserve.tools.estimate_results import CacheResult, ReplaySettings
+from prefixserve.tools.trace_formats import Workload
+
+REPLICA_ROUTINGS = ("round-robin", "prefix-aware", "pooled")
+
+
+@dataclass
+class ReplicaResult:
+    """The figures of one policy: the replicas' results summed (``total``) and, per replica, the
+    requests it served (``shares``)."""
+
+    routing: str
+    replicas: int
+    capacity_blocks: int
+    total: CacheResult
+    shares: list[int]
+
+
+def _sum_results(capacity: int, parts: list[CacheResult]) -> CacheResult:
+    total = CacheResult(capacity)
+    for part in parts:
+        total.requests += part.requests
+        total.requests_with_hit += part.requests_with_hit
+        total.requests_too_large += part.requests_too_large
+        total.query_blocks += part.query_blocks
+        total.hit_blocks += part.hit_blocks
+        total.query_tokens += part.query_tokens
+        total.hit_tokens += part.hit_tokens
+        total.replayed_blocks += part.replayed_blocks
+        total.seconds += part.seconds
+    return total
+
+
+def replay_replicas(workload: Workload, capacity: int, settings: ReplaySettings, routing: str,
+                    replicas: int, in_flight: int | None = None,
+                    router: Router | None = None) -> ReplicaResult:
+    """Replays ``workload`` over ``replicas`` pools of ``capacity`` blocks routed by ``routing``."""
+    parse_routings(routing)
+    if replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {replicas}")
+    if routing == "pooled":
+        result = replay_pool(workload, capacity * replicas, settings)
+        return ReplicaResult(routing, replicas, capacity, result, [result.requests])
+    ids = [f"replica-{i}" for i in range(replicas)]
+    pools = [_PoolReplay(workload, capacity, settings) for _ in ids]
+    if router is None:
+        router = Router(routing)
+    publishers = [KVEventPublisher(rid, workload.block_size) for rid in ids]
+    for pool, publisher in zip(pools, publishers, strict=True):
+        pool.manager.block_pool.event_sink = publisher
+    recent: deque[str] = deque()
+    window = in_flight if in_flight is not None else 8 * replicas
+    loads = dict.fromkeys(ids, 0)
+    served = dict.fromkeys(ids, 0)
+    for index, request in enumerate(workload.requests):
+        keys = workload.block_keys(request)
+        route = RouteRequest([hash_value_of(k) for k in keys])
+        replica = router.route(route, loads).replica_id
+        where = ids.index(replica)
+        pools[where]._arrive(index, request)
+        served[replica] += 1
+        recent.append(replica)
+        loads[replica] += 1
+        if len(recent) > window:
+            loads[recent.popleft()] -= 1
+        batch = publishers[where].flush()
+        if batch is not None:
+            router.index.apply(batch)
+    for pool in pools:
+        while pool.resident:
+            pool._leave()
+    total = _sum_results(capacity, [pool.result for pool in pools])
+    return ReplicaResult(routing, replicas, capacity, total, [served[rid] for rid in ids])
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def parse_routings(text: str) -> list[str]:
+    """``round-robin,prefix-aware`` -> the routings, each checked."""
+    routings = [item.strip() for item in text.split(",") if item.strip()]
+    for routing in routings:
+        if routing not in REPLICA_ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r}; choose from "
+                             f"{', '.join(REPLICA_ROUTINGS)}")
+    if not routings:
+        raise ValueError("--routing names no policy")
+    return routings
+
+
+def estimate_replicas(args: argparse.Namespace) -> tuple[Workload, list[ReplicaResult]]:
+    """Reads the input and replays every (per-replica capacity, routing) pair."""
+    from prefixserve.tools.estimate import (
+        _requested_capacities,
+        default_capacities,
+        replay_infinite,
+    )
+    from prefixserve.tools.trace_formats import ReadOptions, read_workload
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.in_flight is not None and args.in_flight < 1:
+        raise ValueError(f"--in-flight must be at least 1, got {args.in_flight}")
+    routings = parse_routings(args.routing)
+    options = ReadOptions(format=args.format, block_size=args.block_size,
+                          trace_block_size=args.trace_block_size, chain=args.chain,
+                          tokenizer=args.tokenizer, skip_bad_lines=args.skip_bad_lines)
+    workload = read_workload(args.input, options)
+    settings = ReplaySettings(concurrency=args.concurrency,
+                              warmup_requests=int(len(workload.requests) * args.warmup_fraction),
+                              window=max(1, len(workload.requests) // 20))
+    capacities = _requested_capacities(args, None)
+    if not capacities:
+        distinct = replay_infinite(workload, settings).distinct_blocks or 1
+        capacities = sorted({max(1, c // args.replicas) for c in default_capacities(distinct)})
+    results = [replay_replicas(workload, capacity, settings, routing, args.replicas,
+                               args.in_flight)
+               for capacity in capacities for routing in routings]
+    return workload, results
+
+
+def print_replica_report(workload: Workload, results: list[ReplicaResult]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    replicas = results[0].replicas
+    table = Table(title=f"{len(workload.requests):,} requests over {replicas} replicas "
+                  f"(blocks of {workload.block_size} tokens)", box=box.SIMPLE_HEAVY)
+    for name in ("blocks each", "routing", "token hits", "block hits", "of pooled",
+                 "requests each (min-max)"):
+        table.add_column(name, justify="left" if name == "routing" else "right",
+                         no_wrap=name == "routing")
+    pooled = {r.capacity_blocks: r.total.token_hit_rate for r in results if r.routing == "pooled"}
+    for result in results:
+        base = pooled.get(result.capacity_blocks)
+        ratio = f"{result.total.token_hit_rate / base:.1%}" if base else "-"
+        shares = ("-" if result.routing == "pooled"
+                  else f"{min(result.shares)}-{max(result.shares)}")
+        table.add_row(f"{result.capacity_blocks:,}", result.routing,
+                      f"{result.total.token_hit_rate:.2%}", f"{result.total.block_hit_rate:.2%}",
+                      ratio, shares)
+    Console().print(table)
+
+
+def run_replica_estimate(args: argparse.Namespace) -> int:
+    """``prefixserve estimate --replicas N``: prints the table (and ``--json``); 0, or 2 with the
+    reason when the input or an option is unusable."""
+    import json
+
+    from prefixserve.tools.trace_formats import TraceError
+
+    try:
+        workload, results = estimate_replicas(args)
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"prefixserve estimate: error: {exc}", file=sys.stderr)
+        return 2
+    print_replica_report(workload, results)
+    if args.json:
+        rows = [{"routing": r.routing, "replicas": r.replicas,
+                 "capacity_blocks_per_replica": r.capacity_blocks,
+                 "token_hit_rate": r.total.token_hit_rate,
+                 "block_hit_rate": r.total.block_hit_rate, "requests": r.total.requests,
+                 "requests_per_replica": r.shares} for r in results]
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"input": args.input, "results": rows}, out, indent=2)
+    return 0

@@ -1,0 +1,77 @@
+"""``GET /kv_events`` on a real server: a router outside it follows the cache by pulling events,
+hashes prompts to the values the server publishes, and resyncs from the snapshot."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_helpers import ServerProcess
+
+from prefixserve.core.kv_events import BlockStored, KVEventBatch, KVSnapshot
+from prefixserve.router import CacheIndex, PromptHasher
+
+SEED = "17017"
+ADMIN = {"Authorization": "Bearer root-key"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    saved = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = SEED
+    try:
+        process = ServerProcess(["--num-blocks", "64", "--max-model-len", "512",
+                                 "--prefix-caching-hash-algo", "sha256", "--admin-key",
+                                 "root-key", "--log-stats-interval", "0"],
+                                tmp_path_factory.mktemp("kv-events") / "server.log")
+    finally:
+        if saved is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = saved
+    yield process.start()
+    process.stop()
+
+
+def _pull(server: ServerProcess, index: CacheIndex, epoch: str | None, after: int) -> dict:
+    params: dict[str, str | int] = {"after": after}
+    if epoch is not None:
+        params["epoch"] = epoch
+    body = httpx.get(server.url + "/kv_events", params=params, headers=ADMIN, timeout=30).json()
+    if "snapshot" in body:
+        index.resync(KVSnapshot.from_wire(body["snapshot"]))
+    for wire in body["batches"]:
+        assert index.apply(KVEventBatch.from_wire(wire))
+    return body
+
+
+def test_an_outside_router_follows_the_cache(server: ServerProcess) -> None:
+    """(Planted: hashing with another root than the server's gives no match; this fails.)"""
+    index = CacheIndex()
+    first = _pull(server, index, None, 0)
+    assert "snapshot" in first and first["snapshot"]["blocks"] == []
+    prompt = list(range(100, 150))  # 3 full blocks of 16
+    response = httpx.post(server.url + "/v1/completions", timeout=60,
+                          json={"prompt": prompt, "max_tokens": 1, "cache_salt": "t1"})
+    assert response.status_code == 200
+    second = _pull(server, index, first["epoch"], first["seq"])
+    assert "snapshot" not in second and second["batches"]
+    stored = [e for b in second["batches"] for e in KVEventBatch.from_wire(b).events
+              if isinstance(e, BlockStored)]
+    assert stored and stored[0].parent_block_hash is None
+    hashes = PromptHasher(16, "sha256", seed=SEED).hash_values(prompt, "t1")
+    assert index.matched_blocks(hashes) == {"server": 3}
+    assert index.matched_blocks(PromptHasher(16, "sha256").hash_values(prompt))["server"] == 0
+    # a consumer that lost its place (an old sequence number of a wrong epoch) gets a snapshot
+    again = _pull(server, CacheIndex(), "stale-epoch", 0)
+    assert set(again["snapshot"]["blocks"]) >= {h.hex() for h in hashes}
+
+
+def test_kv_events_are_an_admin_action(server: ServerProcess) -> None:
+    response = httpx.get(server.url + "/kv_events", timeout=30)
+    assert response.status_code == 401
+    assert "admin key" in response.json()["error"]["message"]
+    bad = httpx.get(server.url + "/kv_events", params={"after": -1}, headers=ADMIN, timeout=30)
+    assert bad.status_code == 400
