@@ -1,6 +1,6 @@
 """KV cache events: what a replica's prefix cache gained and lost, for routers outside it.
 
-A ``BlockPool`` with an ``event_sink`` reports three kinds of change (docs/DESIGN.md section 13):
+A ``BlockPool`` with an ``event_sink`` reports three kinds of change (docs/DESIGN.md section 19):
 
 * ``BlockStored``: full blocks were registered in the map, in chain order. ``block_hashes`` are
   their hash values (``hash_value_of``), ``parent_block_hash`` the hash value of the block before
@@ -81,7 +81,7 @@ class KVEventBatch:
     events: tuple[KVEvent, ...]
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON-ready form (hash values as hex strings or ints; section 13.2)."""
+        """The JSON-ready form (hash values as hex strings or ints; section 19.2)."""
         return {"replica": self.replica_id, "epoch": self.epoch, "seq": self.seq,
                 "ts": self.timestamp, "events": [_event_to_wire(e) for e in self.events]}
 

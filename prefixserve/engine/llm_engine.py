@@ -463,7 +463,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ KV events
     def enable_kv_events(self, replica_id: str, history: int = 256) -> str:
         """Publishes the prefix cache's changes (``prefixserve.core.kv_events``, docs/DESIGN.md
-        section 13) under ``replica_id``; returns the stream's epoch. Once on, a second call
+        section 19) under ``replica_id``; returns the stream's epoch. Once on, a second call
         changes nothing and returns the same epoch."""
         current = self.kv_cache_manager.block_pool.event_sink
         if current is not None:
