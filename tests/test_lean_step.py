@@ -193,7 +193,7 @@ def test_the_bare_argmax_path_equals_the_general_path() -> None:
              SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0, min_tokens=1)]
     outputs: list[list[int]] = [[], [5], [], [5]]
     got = sampler.sample(logits, cases, [None] * 4, [[1, 2]] * 4, outputs)
-    want = sampler._sample(logits, cases, [None] * 4, [[1, 2]] * 4, outputs)
+    want = sampler._sample(logits, cases, [None] * 4, [[1, 2]] * 4, outputs, {})
     assert got.token_ids == want.token_ids
     assert got.token_ids[0] == 0 and got.token_ids[1] != 0 and got.token_ids[3] == 0
     assert got.logprobs[0] is None and got.logprobs[2] is not None

@@ -35,7 +35,7 @@ from typing import Any
 
 from prefixserve.core.block_pool import Clock, KVCacheBlock
 from prefixserve.core.hashing import hash_value_of
-from prefixserve.core.kv_cache_manager import KVCacheManager
+from prefixserve.core.kv_cache_manager import KVCacheManager, window_cache_hit
 from prefixserve.core.request import CacheRequest
 
 
@@ -125,19 +125,7 @@ class HybridKVCacheManager(KVCacheManager):
         if needed is None:
             return self._find_longest_cache_hit(keys, max_blocks)
         assert self.null_block is not None
-        pool = self.block_pool
-        computed: list[KVCacheBlock] = [self.null_block] * max_blocks
-        run = 0
-        for i in range(max_blocks - 1, -1, -1):
-            block = pool.get_cached_block(keys[i])
-            if block is None:
-                run = 0
-                continue
-            computed[i] = block
-            run += 1
-            if run >= needed:
-                return computed[: i + run]
-        return computed[:run]
+        return window_cache_hit(self.block_pool, self.null_block, keys, max_blocks, needed)
 
     # ----------------------------------------------------------------- allocation
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,

@@ -437,19 +437,7 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         one more cached block is required, since the caller drops the last one: the hit that
         remains must still have its whole window cached."""
         needed = -(-(self.sliding_window - 1) // self.block_size) + self.use_eagle
-        pool = self.block_pool
-        computed: list[KVCacheBlock] = [self.null_block] * max_blocks
-        run = 0
-        for i in range(max_blocks - 1, -1, -1):
-            block = pool.get_cached_block(hashes[i])
-            if block is None:
-                run = 0
-                continue
-            computed[i] = block
-            run += 1
-            if run >= needed:
-                return computed[: i + run]
-        return computed[:run]
+        return window_cache_hit(self.block_pool, self.null_block, hashes, max_blocks, needed)
 
     def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
         return max(0, (num_computed_tokens - self.sliding_window + 1) // self.block_size)
@@ -490,3 +478,23 @@ def make_kv_cache_manager(
     return SlidingWindowKVCacheManager(num_blocks, block_size, enable_caching, hash_algo,
                                        sliding_window=sliding_window, use_eagle=use_eagle,
                                        log_stats=log_stats)
+
+
+def window_cache_hit(pool: BlockPool, null_block: KVCacheBlock, hashes: Sequence[Hashable],
+                     max_blocks: int, needed: int) -> list[KVCacheBlock]:
+    """The longest prefix of at most ``max_blocks`` blocks whose last ``needed`` blocks are all
+    cached (searched from the end), its earlier blocks as ``null_block``; a shorter run of cached
+    blocks from block 0 when no such window exists. The one window lookup of the sliding-window
+    and hybrid managers."""
+    computed: list[KVCacheBlock] = [null_block] * max_blocks
+    run = 0
+    for i in range(max_blocks - 1, -1, -1):
+        block = pool.get_cached_block(hashes[i])
+        if block is None:
+            run = 0
+            continue
+        computed[i] = block
+        run += 1
+        if run >= needed:
+            return computed[: i + run]
+    return computed[:run]
