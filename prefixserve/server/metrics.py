@@ -179,6 +179,7 @@ class EngineCollector(Collector):
                                          labels=[MODEL_NAME_LABEL, "priority"])
             for level, value in sorted(values.items()):
                 family.add_metric([self.model_name, level], value)
+            yield family
         if stats.kv_tiers:
             yield from self._tier_families(stats.kv_tiers)
 
