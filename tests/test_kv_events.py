@@ -4,8 +4,10 @@ router hashes prompts to the very values the replicas publish."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import struct
 
 from core_helpers import admit, finish, run_once
 
@@ -185,6 +187,44 @@ def test_router_hashes_prompts_to_the_published_values() -> None:
     hasher = PromptHasher(BS, "xxhash")
     assert tuple(hasher.hash_values(tokens, "t1", 3)) == stored.block_hashes  # type: ignore[union-attr]
     assert hasher.hash_values(tokens)[0] not in stored.block_hashes  # type: ignore[union-attr]
+
+
+def _documented_encode(value: object) -> bytes:
+    """``encode`` as docs/KV_EVENTS.md gives it (the kinds a served request uses)."""
+    if value is None:
+        return b"N"
+    if isinstance(value, str):
+        raw = value.encode()
+        return b"s" + struct.pack("<I", len(raw)) + raw
+    assert isinstance(value, tuple)
+    return b"t" + struct.pack("<I", len(value)) + b"".join(_documented_encode(v) for v in value)
+
+
+def _documented_chain(seed: str, tokens: list[int], block_size: int, salt: str | None,
+                      lora: str | None) -> list[bytes]:
+    """A prompt's values computed from docs/KV_EVENTS.md alone (hashlib and struct only)."""
+    parent = hashlib.sha256(seed.encode()).digest()
+    values = []
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size:(i + 1) * block_size]
+        keys = ((("lora", lora),) if lora else ()) + ((("salt", salt),) if salt and i == 0
+                                                       else ())
+        data = (parent + struct.pack("<I", block_size) + struct.pack(f"<{len(block)}q", *block)
+                + _documented_encode(keys or None))
+        parent = hashlib.sha256(data).digest()
+        values.append(parent)
+    return values
+
+
+def test_the_documented_hashing_gives_the_published_values() -> None:
+    """An outside router that follows docs/KV_EVENTS.md gets the router's (hence the replicas')
+    values, with and without adapter and salt (planted: a wrong order of the extra keys or a
+    u64 token count in the doc's recipe fails this)."""
+    tokens = [(i * 7919) % 49000 for i in range(37)]
+    hasher = PromptHasher(16, "sha256", seed="1234")
+    for salt, lora in ((None, None), ("tenant", None), (None, "lora-ab12"), ("t", "lora-ab12")):
+        assert _documented_chain("1234", tokens, 16, salt, lora) == \
+            hasher.hash_values(tokens, salt, lora)
 
 
 def _two_replicas() -> tuple[Router, dict[str, KVCacheManager], PromptHasher]:

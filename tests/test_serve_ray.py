@@ -1,22 +1,37 @@
 """``prefixserve serve --replicas 2`` on a local Ray cluster (one cluster for the module): the
 cache-aware router keeps a shared prefix's traffic together, round-robin splits it; ``/metrics``
-merges the replicas with a ``replica`` label.
+merges the replicas with a ``replica`` label; LoRA traffic routes by the adapter's chain;
+autoscaling adds a replica the router routes to and removes one it forgets; a replica killed
+while requests wait fails none of the waiting ones and is forgotten by the router.
 
 The single server's cached share on this traffic is the perfect cache's, which ``prefixserve
 bench`` reports beside every run (``perfect_cache``): one request at a time, a server whose cache
 holds the whole run serves exactly that (``test_bench.test_end_to_end_shared_prefix_and_multi_
 turn`` asserts it), so the comparison needs no third server.
+
+The cluster tests run in file order and share the cluster: the autoscaling and crash tests come
+last (they change the replica set) and share one load generator.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
-from collections.abc import Iterator
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from lora_helpers import write_peft_adapter
 from server_helpers import ServerProcess
+from test_lora_engine import default_config
 
 from prefixserve.cli import main
 from prefixserve.tools.bench.report import read_run
@@ -25,17 +40,34 @@ RAY_STARTUP_S = 360.0
 """A Ray cluster, its Serve controller and proxy and two model loads: 80-150 s measured on a
 2-core machine shared with other work (the whole module: 100-160 s)."""
 
+REPLICA_START_S = 300.0
+"""Time for Ray to start one more replica (a worker process and a model load) on that machine."""
+
+ADMIN = {"Authorization": "Bearer ray-admin"}
+MAX_NUM_SEQS = 4
+MAX_REPLICAS = 3
+AUTOSCALING = {"upscale_delay_s": 0.5, "downscale_delay_s": 2.0, "metrics_interval_s": 0.5,
+               "look_back_period_s": 1.0}
+"""Ray's delays are 30 s up and 600 s down by default: tiny ones keep the test short."""
+
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
 ]
+slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    adapter = write_peft_adapter(tmp_path_factory.mktemp("ray-adapters") / "a", default_config(),
+                                 seed=21)
     process = ServerProcess(["--replicas", "2", "--routing-override", "--dtype", "float32",
-                             "--max-num-seqs", "4", "--num-threads", "1", "--num-blocks", "512",
-                             "--max-model-len", "1024", "--log-stats-interval", "0",
+                             "--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", "1",
+                             "--num-blocks", "512", "--max-model-len", "1024",
+                             "--log-stats-interval", "0", "--served-model-name", "smol",
+                             "--lora-modules", f"a={adapter}", "--max-lora-rank", "8",
+                             "--admin-key", "ray-admin",
+                             "--max-replicas", str(MAX_REPLICAS), "--autoscaling-config",
+                             json.dumps(AUTOSCALING),
                              "--ray-num-cpus", "2", "--ray-replica-cpus", "0.5"],
                             tmp_path_factory.mktemp("ray") / "server.log").start(RAY_STARTUP_S)
     yield process
@@ -50,6 +82,7 @@ def _bench(url: str, out: Path, salt: str) -> dict:
     return read_run(str(out))
 
 
+@slow
 def test_prefix_aware_keeps_the_single_servers_cached_share(cluster: ServerProcess,
                                                             tmp_path: Path) -> None:
     """Prefix-aware within 5 points of the single server; round-robin visibly less (ordered
@@ -65,6 +98,7 @@ def test_prefix_aware_keeps_the_single_servers_cached_share(cluster: ServerProce
     assert rr["summary"]["cached_share"] <= single - 0.15
 
 
+@slow
 def test_metrics_are_merged_with_a_replica_label(cluster: ServerProcess) -> None:
     text = httpx.get(cluster.url + "/metrics", timeout=60).text
     lines = [line for line in text.splitlines()
@@ -74,9 +108,232 @@ def test_metrics_are_merged_with_a_replica_label(cluster: ServerProcess) -> None
     assert text.count("# TYPE prefixserve:kv_cache_num_blocks ") == 1
 
 
+@slow
 def test_bad_requests_get_the_single_servers_errors(cluster: ServerProcess) -> None:
     response = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1},
                           timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
     assert httpx.get(cluster.url + "/routing/nope/v1/models", timeout=60).status_code == 404
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+def _complete(url: str, model: str, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
+    response = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@slow
+def test_lora_traffic_routes_by_the_adapters_chain(cluster: ServerProcess) -> None:
+    """A request for an adapter is hashed with the adapter's content id, as the replica hashes
+    its blocks: once the router's short memory of its own decisions has expired, the events
+    alone send a second request of the same adapter prefix to the replica holding it.
+    (Planted: the ingress hashing adapter prompts without the adapter id sends the second
+    requests to the emptiest replica, and the cache hits fail.)"""
+    prefixes = [[200 + 97 * g + (i * 7919) % 20000 for i in range(48)] for g in range(4)]
+    for prefix in prefixes:
+        _complete(cluster.url, "a", [*prefix, 11, 12])
+    from prefixserve.serve_ray.request_router import RECENT_S
+
+    time.sleep(RECENT_S + 1.0)
+    for prefix in prefixes:
+        usage = _complete(cluster.url, "a", [*prefix, 13, 14])["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 48, usage
+
+
+@slow
+def test_lora_adapters_loaded_through_the_ingress_reach_every_replica(
+        cluster: ServerProcess, tmp_path: Path) -> None:
+    """Loading an adapter is sent to every replica, so requests for it succeed on each (sent
+    in turn; planted: forwarding the load to one replica gets the other's requests a 404)."""
+    path = write_peft_adapter(tmp_path / "b", default_config(), seed=22, rank=2)
+    response = httpx.post(cluster.url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
+                          json={"lora_name": "b", "lora_path": str(path)})
+    assert response.status_code == 200, response.text
+    for g in range(4):
+        _complete(cluster.url + "/routing/round-robin", "b", [300 + 31 * g + i for i in range(8)])
+    response = httpx.post(cluster.url + "/v1/unload_lora_adapter", headers=ADMIN, timeout=120,
+                          json={"lora_name": "b"})
+    assert response.status_code == 200, response.text
+    assert httpx.get(cluster.url + "/router/replicas", timeout=60).status_code == 401
+
+
+# --------------------------------------------------------------------------- the replica set
+def _state(cluster: ServerProcess) -> dict[str, Any]:
+    response = httpx.get(cluster.url + "/router/replicas", headers=ADMIN, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float, cluster: ServerProcess) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} in {timeout} s: {_state(cluster)}")
+        time.sleep(0.2)
+
+
+@dataclass
+class Outcome:
+    """One streamed completion as the client saw it."""
+
+    sent: float
+    started: float | None = None
+    """When the response headers came: a replica had taken the request."""
+    finished: float | None = None
+    complete: bool = False
+    error: str | None = None
+
+
+class Load:
+    """``workers`` threads each sending streamed completions one after another (distinct
+    prompts, ``max_tokens`` past the end of text), recording each ``Outcome``."""
+
+    def __init__(self, url: str, workers: int, max_tokens: int = 24) -> None:
+        self.url = url
+        self.max_tokens = max_tokens
+        self.outcomes: list[Outcome] = []
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._work, args=(w,), daemon=True)
+                        for w in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def _work(self, worker: int) -> None:
+        with httpx.Client(timeout=600) as client:
+            n = 0
+            while not self.stopping.is_set():
+                n += 1
+                self._one(client, [400 + 13 * worker + 7 * n + i for i in range(24)])
+
+    def _one(self, client: httpx.Client, prompt: list[int]) -> None:
+        outcome = Outcome(sent=time.monotonic())
+        with self.lock:
+            self.outcomes.append(outcome)
+        body = {"model": "smol", "prompt": prompt, "max_tokens": self.max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with client.stream("POST", self.url + "/v1/completions", json=body) as response:
+                outcome.started = time.monotonic()
+                lines = [line for line in response.iter_lines() if line]
+            outcome.complete = response.status_code == 200 and lines[-1] == "data: [DONE]" \
+                and '"finish_reason":"length"' in lines[-2].replace(" ", "")
+            if not outcome.complete:
+                outcome.error = f"{response.status_code}: {lines[-3:]}"
+        except Exception as exc:  # a broken stream: the replica died
+            outcome.error = repr(exc)
+        outcome.finished = time.monotonic()
+
+    def running(self) -> tuple[int, int]:
+        """(started and unfinished, waiting for a replica)."""
+        with self.lock:
+            current = [o for o in self.outcomes if o.finished is None]
+        started = sum(o.started is not None for o in current)
+        return started, len(current) - started
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(600)
+
+
+@pytest.fixture(scope="module")
+def load(cluster: ServerProcess) -> Iterator[Load]:
+    """More streams than 3 full replicas take: 4 always wait in the ingress's router."""
+    generator = Load(cluster.url, workers=MAX_REPLICAS * MAX_NUM_SEQS + 4)
+    yield generator
+    generator.stop()
+
+
+@slow
+def test_autoscaling_adds_a_replica_the_router_routes_to(cluster: ServerProcess,
+                                                        load: Load) -> None:
+    """Under load Ray Serve starts a third replica; the router learns it (its KV events arrive)
+    and routes to it. (Planted: a router that keeps its first replica set never indexes the
+    new replica, and the wait fails.)"""
+    before = {r["id"] for r in _state(cluster)["replicas"]}
+    assert len(before) == 2
+
+    def third_serving() -> bool:
+        state = _state(cluster)
+        new = [r for r in state["replicas"] if r["id"] not in before]
+        return bool(new) and new[0]["id"] in state["indexed"] and new[0]["cached_blocks"] > 0
+
+    _wait("third replica serving", third_serving, REPLICA_START_S, cluster)
+
+
+@slow
+def test_a_killed_replica_fails_no_waiting_request_and_is_forgotten(cluster: ServerProcess,
+                                                                    load: Load) -> None:
+    """With every slot of the 3 replicas busy and requests waiting, one replica's process is
+    killed (SIGKILL): only requests it had taken may fail; every request still waiting then
+    completes on the others; the router drops the dead replica and its cache state.
+    (Planted: a router that keeps routing to the dead replica, or keeps its index entry.)"""
+    _wait("full replicas with waiting requests",
+          lambda: load.running() == (MAX_REPLICAS * MAX_NUM_SEQS, 4)
+          and len(_state(cluster)["replicas"]) == MAX_REPLICAS, REPLICA_START_S, cluster)
+    victim = _state(cluster)["replicas"][0]
+    load.stopping.set()  # the waiting requests stay; no new ones
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    load.stop()
+    waiting = [o for o in load.outcomes if o.sent < killed_at
+               and (o.started is None or o.started > killed_at)]
+    assert len(waiting) >= 4
+    assert all(o.complete for o in waiting), [o.error for o in waiting if not o.complete]
+    failed = [o for o in load.outcomes if not o.complete]
+    assert len(failed) <= MAX_NUM_SEQS and all(o.started and o.started < killed_at
+                                               for o in failed)
+    _wait("dead replica forgotten", lambda: victim["id"] not in _state(cluster)["indexed"]
+          and victim["id"] in _state(cluster)["removed"], 60, cluster)
+    assert victim["id"] not in {r["id"] for r in _state(cluster)["replicas"]}
+
+
+@slow
+def test_idle_replicas_are_removed_and_forgotten(cluster: ServerProcess, load: Load) -> None:
+    """Without load Ray Serve scales back to --replicas (2); the router's index holds exactly
+    the live replicas (planted: a router that never drops removed replicas fails this)."""
+    load.stop()
+
+    def back_to_two() -> bool:
+        state = _state(cluster)
+        live = sorted(r["id"] for r in state["replicas"])
+        return len(live) == 2 and state["indexed"] == live
+
+    _wait("scale-down to 2 replicas", back_to_two, REPLICA_START_S, cluster)
+    assert _state(cluster)["removed"]
+
+
+# --------------------------------------------------------------------------- flags (fast)
+def _args(*argv: str) -> argparse.Namespace:
+    from prefixserve.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_autoscaling_flags_become_ray_serves_config() -> None:
+    """The flags make a config Ray Serve accepts; --autoscaling-config adds Ray's settings."""
+    from ray.serve.config import AutoscalingConfig
+
+    from prefixserve.serve_ray.launch import autoscaling_config
+
+    assert autoscaling_config(_args("--replicas", "2")) is None
+    config = autoscaling_config(_args("--replicas", "2", "--min-replicas", "1",
+                                      "--max-replicas", "4", "--target-ongoing-requests", "3",
+                                      "--autoscaling-config", '{"upscale_delay_s": 5}'))
+    assert config == {"upscale_delay_s": 5, "min_replicas": 1, "initial_replicas": 2,
+                      "max_replicas": 4, "target_ongoing_requests": 3.0}
+    AutoscalingConfig(**config)
+
+
+@pytest.mark.parametrize("argv", [("--replicas", "0"),
+                                  ("--replicas", "3", "--max-replicas", "2"),
+                                  ("--replicas", "2", "--min-replicas", "3", "--max-replicas", "4"),
+                                  ("--replicas", "2", "--min-replicas", "1")])
+def test_bad_replica_ranges_are_refused(argv: tuple[str, ...],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", *argv]) == 2
+    assert "replicas" in capsys.readouterr().err

@@ -5,6 +5,8 @@ imports Ray."""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from prefixserve.server import cli_args as serve_args
 
@@ -28,9 +30,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help="also serve the API under /routing/<policy>/ routed by that policy "
                        "(to compare policies on one deployment; off by default)")
     group.add_argument("--max-replicas", type=int, metavar="M",
-                       help="autoscale between --replicas and M replicas on ongoing requests")
+                       help="autoscale up to M replicas on ongoing requests per replica (Ray "
+                       "Serve autoscaling; --replicas is the number started with)")
+    group.add_argument("--min-replicas", type=int, metavar="N",
+                       help="with --max-replicas: the fewest replicas autoscaling keeps "
+                       "(default --replicas; at least 1)")
     group.add_argument("--target-ongoing-requests", type=float, default=2.0, metavar="N",
                        help="ongoing requests per replica autoscaling aims at (default 2)")
+    group.add_argument("--autoscaling-config", type=_json_object, metavar="JSON",
+                       help="more Ray Serve autoscaling settings as a JSON object, e.g. "
+                       "'{\"upscale_delay_s\": 10, \"downscale_delay_s\": 120}' (Ray's "
+                       "defaults: 30 and 600 s); the flags above take precedence")
     group.add_argument("--max-ongoing-requests", type=int, metavar="N",
                        help="requests a replica accepts at once; the rest wait in Ray's router, "
                        "which sends them to a live replica if one crashes (default: "
@@ -46,9 +56,35 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def replica_range_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with --replicas/--min-replicas/--max-replicas (None when nothing)."""
     if args.replicas < 1:
-        print("prefixserve serve: error: --replicas must be at least 1", flush=True)
+        return "--replicas must be at least 1"
+    if args.max_replicas is None:
+        if args.min_replicas is not None or args.autoscaling_config:
+            return "--min-replicas and --autoscaling-config need --max-replicas"
+        return None
+    low = args.replicas if args.min_replicas is None else args.min_replicas
+    if not 1 <= low <= args.replicas <= args.max_replicas:
+        return ("autoscaling needs 1 <= --min-replicas <= --replicas <= --max-replicas, got "
+                f"{low}, {args.replicas}, {args.max_replicas}")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    error = replica_range_error(args)
+    if error:
+        print(f"prefixserve serve: error: {error}", file=sys.stderr, flush=True)
         return 2
     if args.replicas == 1 and not args.ray_address and not args.max_replicas:
         return serve_args.run(args)

@@ -5,10 +5,15 @@ prompt as the replicas do (the same tokenizer, chat template and salt rules), ha
 with ``PromptHasher`` and sends the request through the engine deployment's handle with that route;
 ``PrefixCacheRequestRouter`` picks the replica. The replica answers with the single server's own
 application, so status codes, error bodies and streams are unchanged. A body the ingress cannot
-read is forwarded without a route (the replica answers it with its 4xx).
+read is forwarded without a route (the replica answers it with its 4xx). A request whose
+``model`` names a LoRA adapter is hashed with the adapter's content id (the replicas report
+their adapters in their routing stats), so its route matches the blocks the replica caches.
 
 ``GET /metrics`` scrapes every replica (each call pinned to one replica) and merges the texts,
-adding a ``replica`` label to every sample. Other paths go to any replica. With
+adding a ``replica`` label to every sample. ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` go to every replica. ``GET /router/replicas`` (an admin action) is
+answered here: the replicas the router knows, with their pid, requests in flight, event stream
+position and indexed blocks, and the ids it removed. Other paths go to any replica. With
 ``--routing-override``, a path under ``/routing/<policy>/`` is served as the rest of the path,
 routed by that policy instead of ``--routing``.
 """
@@ -17,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
+from fastapi.security import HTTPAuthorizationCredentials
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -32,6 +39,10 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OVERRIDE_PREFIX = "/routing/"
 """With ``--routing-override``, ``/routing/<policy>/v1/...`` routes by that policy (A/B runs of
 policies on one deployment, e.g. ``prefixserve bench --base-url .../routing/round-robin/v1``)."""
+ROUTER_STATE_PATH = "/router/replicas"
+"""What the router knows of each replica (an admin action; see ``router_state``)."""
+LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""Sent to every replica, so that each serves the same adapters."""
 SESSION_HEADER = "x-session-id"
 """Header naming a session for the ``session`` policy (else the body's ``user``)."""
 
@@ -49,6 +60,7 @@ class Ingress:
 
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
         from prefixserve.model.tokenizer import load_tokenizer
+        from prefixserve.server.app import KeyParameters
         from prefixserve.server.launch import server_config
 
         namespace = argparse.Namespace(**args)
@@ -57,11 +69,15 @@ class Ingress:
         self.shim = _Shim(load_tokenizer(namespace.model), self.config)
         self.hasher = PromptHasher(namespace.block_size or 16, namespace.prefix_caching_hash_algo)
         self.routing_override = bool(namespace.routing_override)
+        self.admin_check = get_args(KeyParameters.for_config(self.config).admin)[1].dependency
 
     # ----------------------------------------------------------------- routes
-    def route_for(self, path: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
-        """The route of a generation request: hex block hashes, session key (no LoRA adapter is
-        served over HTTP yet). Empty when the body is not a request the replica would accept."""
+    def route_for(self, path: str, body: bytes, headers: dict[str, str],
+                  loras: dict[str, str] | None = None) -> dict[str, Any]:
+        """The route of a generation request: hex block hashes, session key and, for a request
+        whose ``model`` names a LoRA adapter of ``loras`` (name -> content id), the adapter's
+        id, which is in its blocks' hashes as the replica computes them. Empty when the body is
+        not a request the replica would accept."""
         from pydantic import ValidationError
 
         from prefixserve.server.errors import ApiError
@@ -86,11 +102,28 @@ class Ingress:
             return {}
         api_key = _bearer(headers.get("authorization"))
         salt = OpenAIServing.cache_salt(self.shim, salt, api_key)  # type: ignore[arg-type]
-        hashes = self.hasher.hash_values(ids, salt)
+        model = data.get("model") if isinstance(data, dict) else None
+        lora = (loras or {}).get(model) if isinstance(model, str) else None
+        hashes = self.hasher.hash_values(ids, salt, lora)
         session = headers.get(SESSION_HEADER) or (data.get("user") if isinstance(data, dict)
                                                   else None)
         return {"hashes": [h.hex() if isinstance(h, bytes) else h for h in hashes],
-                "session": session}
+                "session": session, "lora": lora}
+
+    async def lora_ids(self, body: bytes) -> dict[str, str]:
+        """The adapters the replicas serve (name -> content id) when ``body`` names a model
+        that is not the base model; empty otherwise. From the replicas' routing stats, or asked
+        of a replica when those do not know the name yet."""
+        try:
+            model = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            return {}
+        if not isinstance(model, str) or model in self.config.served_model_names:
+            return {}
+        loras = router_module.known_loras()
+        if model not in loras:
+            loras = {**loras, **await self.engine.lora_ids.remote()}
+        return loras
 
     def _policy_prefix(self, path: str) -> tuple[str | None, str]:
         """``/routing/<policy>/rest`` -> (policy, ``/rest``) when ``--routing-override`` is on."""
@@ -109,11 +142,16 @@ class Ingress:
                 media_type="application/json")
         if request.method == "GET" and path == "/metrics":
             return await self.metrics(request, body, path)
+        if request.method == "GET" and path == ROUTER_STATE_PATH:
+            return await self.router_state(request)
+        if request.method == "POST" and path in LORA_ADMIN_PATHS:
+            return await self.on_every_replica(request, body, path)
         forwarded = _forwarded(request, body, path)
         kwargs: dict[str, Any] = {}
         if request.method == "POST" and path in GENERATION_PATHS:
             headers = {k.lower(): v for k, v in request.headers.items()}
-            kwargs["route"] = {**self.route_for(path, body, headers), "policy": policy}
+            loras = await self.lora_ids(body)
+            kwargs["route"] = {**self.route_for(path, body, headers, loras), "policy": policy}
         stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded, **kwargs)
         start = await stream.__anext__()
         return StreamingResponse(_rest(stream), status_code=start["status"],
@@ -137,6 +175,39 @@ class Ingress:
             texts.append((rid, b"".join(chunks).decode()))
         return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4")
 
+
+    async def router_state(self, request: Request) -> Response:
+        """``GET /router/replicas`` (an admin action): the replicas as the router sees them."""
+        from prefixserve.server.errors import ApiError, error_response
+
+        try:
+            # the server's own admin check (a FastAPI dependency: no parameter when open)
+            given = (_credentials(request.headers.get("authorization")),) \
+                if inspect.signature(self.admin_check).parameters else ()
+            await self.admin_check(*given)
+        except ApiError as error:
+            return error_response(error)
+        await self._replicas()
+        states = router_module.routers_state()
+        return Response(json.dumps(states[0] if len(states) == 1 else {"routers": states}),
+                        media_type="application/json")
+
+    async def on_every_replica(self, request: Request, body: bytes, path: str) -> Response:
+        """A LoRA load/unload sent to every replica (each keeps its own adapters), answered
+        with the first error, else the last answer. A replica started later (autoscaling, a
+        restart) has only the ``--lora-modules`` adapters."""
+        forwarded = _forwarded(request, body, path)
+        answer = Response(status_code=503)
+        for rid in await self._replicas():
+            stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded,
+                                                                               replica=rid)
+            start = await stream.__anext__()
+            chunks = [chunk async for chunk in stream]
+            answer = Response(b"".join(chunks), status_code=start["status"],
+                              headers=_response_headers(start["headers"]))
+            if start["status"] >= 400:
+                break
+        return answer
 
     async def _replicas(self) -> list[str]:
         """The engine replicas' ids, from this process's request routers (made with the first
@@ -186,6 +257,11 @@ def _with_replica(sample: str, rid: str) -> str:
         sep = "" if closing == "}" else ","
         return f"{sample[:name_end + 1]}{label}{sep}{sample[name_end + 1:]}"
     return f"{sample[:name_end]}{{{label}}}{sample[name_end:]}"
+
+
+def _credentials(value: str | None) -> HTTPAuthorizationCredentials | None:
+    token = _bearer(value)
+    return HTTPAuthorizationCredentials(scheme="Bearer", credentials=token) if token else None
 
 
 def _bearer(value: str | None) -> str | None:

@@ -8,9 +8,10 @@ same ``PYTHONHASHSEED`` (the caller's, or a random one drawn here), so the hash 
 The hash algorithm defaults to ``sha256`` here (``builtin`` values are not meant to leave a
 process).
 
-Ray Serve restarts a replica whose health check fails or whose process dies; its router state is
-cleared when its new epoch arrives. ``--max-replicas M`` (> N) turns on Ray Serve autoscaling
-between N and M replicas on ongoing requests per replica (``--target-ongoing-requests``).
+Ray Serve replaces a replica whose health check fails or whose process dies (a new replica id;
+the router forgets the old one and its cache state). ``--max-replicas M`` turns on Ray Serve
+autoscaling between ``--min-replicas`` (default N) and M replicas on ongoing requests per replica
+(``--target-ongoing-requests``; more of Ray's settings with ``--autoscaling-config``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def autoscaling_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Ray Serve's ``autoscaling_config`` of the engine deployment (None without
+    ``--max-replicas``): ``--autoscaling-config`` overlaid with the replica flags, starting
+    with ``--replicas``. Ray validates it (an unknown or invalid field fails the start)."""
+    if args.max_replicas is None:
+        return None
+    config = dict(getattr(args, "autoscaling_config", None) or {})
+    minimum = args.replicas if args.min_replicas is None else args.min_replicas
+    config.update(min_replicas=minimum, initial_replicas=args.replicas,
+                  max_replicas=args.max_replicas,
+                  target_ongoing_requests=args.target_ongoing_requests)
+    return config
+
+
 def build_app(args: argparse.Namespace) -> Any:
     """The Ray Serve application (bound deployments) for ``args``."""
     from ray import serve
@@ -63,10 +78,9 @@ def build_app(args: argparse.Namespace) -> Any:
             request_router_kwargs={"policy": args.routing},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,  # type: ignore[arg-type]
             request_routing_stats_timeout_s=10.0)}  # type: ignore[arg-type]
-    if args.max_replicas and args.max_replicas > args.replicas:
-        engine_options["autoscaling_config"] = {
-            "min_replicas": args.replicas, "max_replicas": args.max_replicas,
-            "target_ongoing_requests": args.target_ongoing_requests}
+    autoscaling = autoscaling_config(args)
+    if autoscaling is not None:
+        engine_options["autoscaling_config"] = autoscaling
     else:
         engine_options["num_replicas"] = args.replicas
     deployment: Any = serve.deployment
@@ -83,15 +97,32 @@ def start(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
+    app = build_app(args)  # an invalid autoscaling config fails here, before Ray starts
     if args.ray_address:
         ray.init(address=args.ray_address, namespace=APP_NAME, log_to_driver=False)
     else:
-        ray.init(num_cpus=args.ray_num_cpus or max(2, args.replicas + 1),
-                 object_store_memory=args.ray_object_store_memory, include_dashboard=False,
-                 namespace=APP_NAME, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+        _start_local_ray(args)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def _start_local_ray(args: argparse.Namespace) -> None:
+    """A private local Ray cluster. Ray gives its node 30 s to register, which a loaded machine
+    can exceed: one more try then (after stopping what the first one started)."""
+    import ray
+
+    cpus = args.ray_num_cpus or max(2, (args.max_replicas or args.replicas) + 1)
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=cpus, object_store_memory=args.ray_object_store_memory,
+                     include_dashboard=False, namespace=APP_NAME, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+            return
+        except Exception as exc:
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            logger.warning("Ray did not start in time; trying once more")
+            ray.shutdown()
 
 
 def run_ray_server(args: argparse.Namespace) -> int:
@@ -121,6 +152,8 @@ def _shutdown(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
+    if not ray.is_initialized():  # Ray never started: nothing to delete (and no reconnect)
+        return
     try:
         serve.delete(APP_NAME)
         if not args.ray_address:

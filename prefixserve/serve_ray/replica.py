@@ -8,9 +8,11 @@ first ``{"status", "headers"}``, then body chunks (bytes).
 
 ``record_routing_stats`` is Ray Serve's periodic call (``request_routing_stats_period_s``): its
 result reaches every request router of the deployment as ``RunningReplica.routing_stats``. It
-carries this replica's KV event stream (docs/DESIGN.md section 19.5): the epoch, the last sequence
+carries this replica's KV event stream (docs/DESIGN.md section 19.6): the epoch, the last sequence
 number, the batches kept since ``STATS_BATCHES`` reports ago and, every ``SNAPSHOT_EVERY``
-reports, a snapshot for routers that found a gap.
+reports, a snapshot for routers that found a gap; also the process id (operators' view, ``GET
+/router/replicas``) and the LoRA adapters served (name -> content id, which the ingress folds
+into the prompt's block hashes as the core does).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class EngineReplica:
         self._reported_seq = 0
 
     async def ready(self) -> str:
+        """This replica's id, once its KV events are on."""
         if not self.epoch:
             self.epoch = await self.engine.enable_kv_events(self.replica_id, history=1024)
         return self.replica_id
@@ -85,13 +88,18 @@ class EngineReplica:
             if not task.done():
                 task.cancel()
 
+    async def lora_ids(self) -> dict[str, str]:
+        """The adapters served: name -> content id."""
+        return {a.name: a.lora_id for a in self.engine.lora_adapters}
+
     async def record_routing_stats(self) -> dict[str, Any]:
         """This replica's KV event stream for the request routers (see the module docstring)."""
         await self.ready()
         after = max(0, self._reported_seq - STATS_BATCHES)
         epoch, seq, batches = await self.engine.kv_events(after)
         stats: dict[str, Any] = {"replica": self.replica_id, "epoch": epoch, "seq": seq,
-                                 "report": self._reports,
+                                 "report": self._reports, "pid": os.getpid(),
+                                 "loras": await self.lora_ids(),
                                  "batches": [b.to_wire() for b in batches or []]}
         if batches is None or self._reports % SNAPSHOT_EVERY == 0:
             stats["snapshot"] = (await self.engine.kv_snapshot()).to_wire()

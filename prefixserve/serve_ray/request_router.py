@@ -47,12 +47,30 @@ holds its handle's replicas, so the list lives as long as the process (one route
 the engine deployment: a few)."""
 
 
+REMOVED_KEPT = 32
+"""Ids of removed replicas a router lists in its state (the latest)."""
+
+
 def known_replicas() -> list[str]:
     """Ids of the engine replicas the routers of this process know."""
     ids: set[str] = set()
     for router in _ROUTERS:
         ids.update(r.unique_id for r in router.curr_replicas)
     return sorted(ids)
+
+
+def known_loras() -> dict[str, str]:
+    """LoRA adapter name -> content id, as the replicas last reported them."""
+    names: dict[str, str] = {}
+    for router in _ROUTERS:
+        for loras in router.loras.values():
+            names.update(loras)
+    return names
+
+
+def routers_state() -> list[dict[str, Any]]:
+    """What each router of this process knows (``GET /router/replicas``)."""
+    return [router.state() for router in _ROUTERS]
 
 
 class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
@@ -68,9 +86,54 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         self.request_replica: dict[str, str] = {}
         self.recent: dict[Hashable, tuple[str, float]] = {}
         self.seen_stats: dict[str, tuple[Any, Any]] = {}
+        self.pids: dict[str, int] = {}
+        self.loras: dict[str, dict[str, str]] = {}
+        self.removed: list[str] = []
         # Ray Serve pickles this class by value, with a copy of this module's globals: register
         # in the module itself, which the import system holds.
         importlib.import_module(__name__)._ROUTERS.append(self)
+
+    # ----------------------------------------------------------------- membership
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray Serve's new replica set (scaled, replaced): new ones join the index empty (their
+        events fill them), gone ones are forgotten with all their cache state."""
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for rid in live:
+            self.router.index.add_replica(rid)
+        for rid in [r for r in self.router.index.replicas if r not in live]:
+            self._forget(rid)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A replica whose process died: its cache died with it."""
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def _forget(self, rid: str) -> None:
+        """Drops every trace of replica ``rid`` (index, stats, adapters; ``recent`` entries
+        pointing at it are ignored, as routing only considers live replicas)."""
+        if rid in self.router.index.replicas:
+            self.removed = [*self.removed, rid][-REMOVED_KEPT:]
+        self.router.index.remove_replica(rid)
+        for table in (self.seen_stats, self.pids, self.loras, self.in_flight):
+            table.pop(rid, None)
+
+    def state(self) -> dict[str, Any]:
+        """The replicas as this router sees them: live ones (with what the index holds of each)
+        and the latest removed ids."""
+        index = self.router.index
+        replicas = []
+        for replica in sorted(self.curr_replicas, key=lambda r: r.unique_id):
+            rid = replica.unique_id
+            cache = index.replicas.get(rid)
+            replicas.append({
+                "id": rid, "pid": self.pids.get(rid), "in_flight": self.in_flight.get(rid, 0),
+                "epoch": cache.epoch if cache else None, "seq": cache.seq if cache else 0,
+                "stale": bool(cache and cache.stale),
+                "cached_blocks": len(cache.blocks) if cache else 0})
+        return {"policy": self.router.policy, "replicas": replicas,
+                "indexed": sorted(index.replicas), "removed": list(self.removed),
+                "gaps": index.gaps, "restarts": index.restarts}
 
     # ----------------------------------------------------------------- events
     def _absorb_stats(self, replica: RunningReplica) -> None:
@@ -83,6 +146,8 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         if self.seen_stats.get(rid) == report:
             return
         self.seen_stats[rid] = report
+        self.pids[rid] = stats.get("pid", 0)
+        self.loras[rid] = dict(stats.get("loras") or {})
         index = self.router.index
         cache = index.add_replica(rid)
         if cache.epoch != stats["epoch"] and "snapshot" in stats:
@@ -117,9 +182,6 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
             return [[by_id[pinned]]] if pinned in by_id else []
         for replica in candidate_replicas:
             self._absorb_stats(replica)
-        for rid in list(self.router.index.replicas):
-            if rid not in by_id and rid not in self.in_flight:
-                self.router.index.remove_replica(rid)
         route = kwargs.get("route") or {}
         hashes = [decode_hash(h) for h in route.get("hashes", ())]
         request = RouteRequest(hashes, route.get("session"), route.get("lora"))
