@@ -242,69 +242,82 @@ class Load:
 
 @pytest.fixture(scope="module")
 def load(cluster: ServerProcess) -> Iterator[Load]:
-    """More streams than 3 full replicas take: 4 always wait in the ingress's router."""
+    """Streams for 3 full replicas and 4 more: with 2 replicas, 8 always wait in the ingress's
+    router, which is also what makes Ray Serve scale up."""
     generator = Load(cluster.url, workers=MAX_REPLICAS * MAX_NUM_SEQS + 4)
     yield generator
     generator.stop()
 
 
-@slow
-def test_autoscaling_adds_a_replica_the_router_routes_to(cluster: ServerProcess,
-                                                        load: Load) -> None:
-    """Under load Ray Serve starts a third replica; the router learns it (its KV events arrive)
-    and routes to it. (Planted: a router that keeps its first replica set never indexes the
-    new replica, and the wait fails.)"""
-    before = {r["id"] for r in _state(cluster)["replicas"]}
-    assert len(before) == 2
-
-    def third_serving() -> bool:
-        state = _state(cluster)
-        new = [r for r in state["replicas"] if r["id"] not in before]
-        return bool(new) and new[0]["id"] in state["indexed"] and new[0]["cached_blocks"] > 0
-
-    _wait("third replica serving", third_serving, REPLICA_START_S, cluster)
+def _live(cluster: ServerProcess) -> list[dict[str, Any]]:
+    return _state(cluster)["replicas"]
 
 
 @slow
 def test_a_killed_replica_fails_no_waiting_request_and_is_forgotten(cluster: ServerProcess,
                                                                     load: Load) -> None:
-    """With every slot of the 3 replicas busy and requests waiting, one replica's process is
+    """With every slot of the 2 replicas busy and requests waiting, one replica's process is
     killed (SIGKILL): only requests it had taken may fail; every request still waiting then
-    completes on the others; the router drops the dead replica and its cache state.
+    completes on a live replica; the router drops the dead replica and its cache state.
     (Planted: a router that keeps routing to the dead replica, or keeps its index entry.)"""
-    _wait("full replicas with waiting requests",
-          lambda: load.running() == (MAX_REPLICAS * MAX_NUM_SEQS, 4)
-          and len(_state(cluster)["replicas"]) == MAX_REPLICAS, REPLICA_START_S, cluster)
-    victim = _state(cluster)["replicas"][0]
-    load.stopping.set()  # the waiting requests stay; no new ones
+    live = _live(cluster)
+    assert len(live) == 2 and all(r["pid"] for r in live)
+    _wait("2 full replicas and waiting requests",
+          lambda: load.running()[0] == 2 * MAX_NUM_SEQS and load.running()[1] >= 4,
+          REPLICA_START_S, cluster)
+    victim = live[0]
     killed_at = time.monotonic()
     os.kill(victim["pid"], signal.SIGKILL)
-    load.stop()
+    _wait("dead replica forgotten", lambda: victim["id"] not in _state(cluster)["indexed"]
+          and victim["id"] in _state(cluster)["removed"], 60, cluster)
     waiting = [o for o in load.outcomes if o.sent < killed_at
                and (o.started is None or o.started > killed_at)]
     assert len(waiting) >= 4
+    _wait("waiting requests done", lambda: all(o.finished for o in waiting), REPLICA_START_S,
+          cluster)
     assert all(o.complete for o in waiting), [o.error for o in waiting if not o.complete]
-    failed = [o for o in load.outcomes if not o.complete]
-    assert len(failed) <= MAX_NUM_SEQS and all(o.started and o.started < killed_at
-                                               for o in failed)
-    _wait("dead replica forgotten", lambda: victim["id"] not in _state(cluster)["indexed"]
-          and victim["id"] in _state(cluster)["removed"], 60, cluster)
-    assert victim["id"] not in {r["id"] for r in _state(cluster)["replicas"]}
+    failed = [o for o in load.outcomes if o.finished and not o.complete]
+    assert len(failed) <= MAX_NUM_SEQS, [o.error for o in failed]
+    assert all(o.started is not None and o.started < killed_at for o in failed)
+    assert victim["id"] not in {r["id"] for r in _live(cluster)}
+
+
+@slow
+def test_ray_restarts_and_autoscaling_adds_replicas_the_router_routes_to(
+        cluster: ServerProcess, load: Load) -> None:
+    """Under the same load Ray Serve replaces the dead replica and scales up to --max-replicas
+    (3: more than --replicas, so autoscaling did it); the router learns each new replica (its
+    KV events arrive) and routes to it. (Planted: a router that keeps its first replica set
+    never indexes the new ones, and the wait fails.) Then every request so far has completed
+    but those the dead replica had taken."""
+    first = set(_state(cluster)["indexed"]) | set(_state(cluster)["removed"])
+
+    def three_serving() -> bool:
+        state = _state(cluster)
+        new = [r for r in state["replicas"] if r["id"] not in first]
+        return len(state["replicas"]) == MAX_REPLICAS and len(new) == 2 and all(
+            r["id"] in state["indexed"] and r["cached_blocks"] > 0 for r in new)
+
+    _wait("3 replicas serving, 2 of them new", three_serving, REPLICA_START_S, cluster)
+    load.stop()
+    assert sum(not o.complete for o in load.outcomes) <= MAX_NUM_SEQS
 
 
 @slow
 def test_idle_replicas_are_removed_and_forgotten(cluster: ServerProcess, load: Load) -> None:
-    """Without load Ray Serve scales back to --replicas (2); the router's index holds exactly
-    the live replicas (planted: a router that never drops removed replicas fails this)."""
+    """Without load Ray Serve scales back to --replicas (2); the router forgets the removed
+    replica: its index holds exactly the live replicas (planted: a router that never drops
+    removed replicas fails this)."""
     load.stop()
+    removed_before = set(_state(cluster)["removed"])
 
     def back_to_two() -> bool:
         state = _state(cluster)
         live = sorted(r["id"] for r in state["replicas"])
-        return len(live) == 2 and state["indexed"] == live
+        return len(live) == 2 and state["indexed"] == live \
+            and bool(set(state["removed"]) - removed_before)
 
     _wait("scale-down to 2 replicas", back_to_two, REPLICA_START_S, cluster)
-    assert _state(cluster)["removed"]
 
 
 # --------------------------------------------------------------------------- flags (fast)

@@ -1,19 +1,24 @@
 """``GET /kv_events`` on a real server: a router outside it follows the cache by pulling events,
-hashes prompts to the values the server publishes, and resyncs from the snapshot."""
+hashes prompts to the values the server publishes, and resyncs from the snapshot; the same
+batches pushed over ZMQ PUB (``--kv-events-zmq``) to a real SUB socket."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_helpers import ServerProcess
+import zmq
+from server_helpers import ServerProcess, free_port
 
 from prefixserve.core.kv_events import BlockStored, KVEventBatch, KVSnapshot
 from prefixserve.router import CacheIndex, PromptHasher
 
 SEED = "17017"
+ZMQ_ENDPOINT = f"tcp://127.0.0.1:{free_port()}"
 ADMIN = {"Authorization": "Bearer root-key"}
 
 
@@ -24,7 +29,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     try:
         process = ServerProcess(["--num-blocks", "64", "--max-model-len", "512",
                                  "--prefix-caching-hash-algo", "sha256", "--admin-key",
-                                 "root-key", "--log-stats-interval", "0"],
+                                 "root-key", "--log-stats-interval", "0",
+                                 "--kv-events-zmq", ZMQ_ENDPOINT],
                                 tmp_path_factory.mktemp("kv-events") / "server.log")
     finally:
         if saved is None:
@@ -75,3 +81,32 @@ def test_kv_events_are_an_admin_action(server: ServerProcess) -> None:
     assert "admin key" in response.json()["error"]["message"]
     bad = httpx.get(server.url + "/kv_events", params={"after": -1}, headers=ADMIN, timeout=30)
     assert bad.status_code == 400
+
+
+def test_events_are_pushed_over_zmq(server: ServerProcess) -> None:
+    """Each batch arrives as [topic, seq as 8 bytes big-endian, JSON]; a subscriber that joined
+    late finds a gap, resyncs from ``GET /kv_events`` and then follows the cache, as
+    docs/KV_EVENTS.md says. (Planted: not publishing, or a seq frame that differs from the
+    batch's, fails this.)"""
+    from prefixserve.server.kv_event_zmq import TOPIC
+
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    socket.connect(ZMQ_ENDPOINT)
+    try:
+        time.sleep(0.5)  # ZMQ's slow joiner: the subscription must reach the server first
+        prompt = list(range(300, 350))
+        assert httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 1, "cache_salt": "zmq"}).status_code == 200
+        hashes = PromptHasher(16, "sha256", seed=SEED).hash_values(prompt, "zmq")
+        index = CacheIndex()
+        deadline = time.monotonic() + 30
+        while index.matched_blocks(hashes).get("server", 0) < 3:
+            assert socket.poll(max(1, int(1000 * (deadline - time.monotonic())))), "no batch"
+            topic, seq, payload = socket.recv_multipart()
+            wire = json.loads(payload)
+            assert topic == TOPIC and int.from_bytes(seq, "big") == wire["seq"]
+            if not index.apply(KVEventBatch.from_wire(wire)):  # joined late: a gap
+                _pull(server, index, None, 0)
+    finally:
+        socket.close(linger=0)

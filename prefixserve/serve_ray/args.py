@@ -70,6 +70,10 @@ def replica_range_error(args: argparse.Namespace) -> str | None:
     """What is wrong with --replicas/--min-replicas/--max-replicas (None when nothing)."""
     if args.replicas < 1:
         return "--replicas must be at least 1"
+    if getattr(args, "kv_events_zmq", None) and (args.replicas > 1 or args.max_replicas
+                                                 or args.ray_address):
+        return ("--kv-events-zmq is for a single server; on Ray the replicas' events reach "
+                "the router through Ray")
     if args.max_replicas is None:
         if args.min_replicas is not None or args.autoscaling_config:
             return "--min-replicas and --autoscaling-config need --max-replicas"

@@ -38,6 +38,7 @@ from prefixserve.server.anthropic_routes import add_anthropic_routes
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.kv_event_routes import add_kv_event_routes
+from prefixserve.server.kv_event_zmq import install_kv_event_publisher
 from prefixserve.server.lora_routes import LoRACollector, add_lora_routes
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
@@ -162,6 +163,8 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         metrics.registry.register(LoRACollector(engine, config.served_model_names[0],
                                                 config.metrics_prefix))
     add_kv_event_routes(app, engine, keys.admin, docs.admin)
+    if config.kv_events_zmq:
+        install_kv_event_publisher(app, engine, config.kv_events_zmq)
     install_openapi(app, config)
     return app
 

@@ -209,3 +209,6 @@ def _add_logging(logs: argparse._ArgumentGroup) -> None:
     logs.add_argument("--metrics-prefix", choices=("prefixserve", "vllm"), default="prefixserve",
                       help="prefix of the /metrics names: prefixserve:... (default) or vllm:... "
                       "so that vLLM's Grafana dashboards and autoscaling rules work unchanged")
+    logs.add_argument("--kv-events-zmq", metavar="ENDPOINT",
+                      help="publish the prefix cache's KV events on a ZMQ PUB socket bound to "
+                      "ENDPOINT, e.g. tcp://*:5557 (needs pyzmq; see docs/KV_EVENTS.md)")

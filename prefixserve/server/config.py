@@ -56,6 +56,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     max_retention_duration: float = DEFAULT_MAX_RETENTION_DURATION
+    kv_events_zmq: str | None = None
+    """A ZMQ endpoint the server publishes its KV events on (``kv_event_zmq``); None: off."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

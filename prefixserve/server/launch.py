@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prefixserve.engine.config import EngineConfig, parse_memory
 from prefixserve.server.config import ServerConfig
+from prefixserve.server.kv_event_zmq import check_endpoint
 from prefixserve.server.lora_args import check_lora_names, lora_engine_options
 
 logger = logging.getLogger("prefixserve.server")
@@ -80,6 +81,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("--share-cache-across-keys needs at least one --api-key")
     if args.salt_by_api_key and not api_keys:
         raise ValueError("--salt-by-api-key needs at least one --api-key")
+    if getattr(args, "kv_events_zmq", None):
+        check_endpoint(args.kv_events_zmq)
     names = tuple(args.served_model_name or [default_served_name(args.model)])
     check_lora_names(args, names)
     return ServerConfig(
@@ -92,7 +95,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         request_read_timeout=args.request_read_timeout,
         allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()),
         max_stored_responses=getattr(args, "max_stored_responses", 1024),
-        max_retention_duration=args.max_retention_duration)
+        max_retention_duration=args.max_retention_duration,
+        kv_events_zmq=getattr(args, "kv_events_zmq", None))
 
 
 def run_server(args: argparse.Namespace) -> int:
