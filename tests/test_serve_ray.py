@@ -36,9 +36,9 @@ from test_lora_engine import default_config
 from prefixserve.cli import main
 from prefixserve.tools.bench.report import read_run
 
-RAY_STARTUP_S = 360.0
+RAY_STARTUP_S = 600.0
 """A Ray cluster, its Serve controller and proxy and two model loads: 80-150 s measured on a
-2-core machine shared with other work (the whole module: 100-160 s)."""
+2-core machine shared with other work, 130-200 s at a load average of 15-20, over 360 s at 22."""
 
 REPLICA_START_S = 300.0
 """Time for Ray to start one more replica (a worker process and a model load) on that machine."""
@@ -357,3 +357,30 @@ def test_bad_replica_ranges_are_refused(argv: tuple[str, ...],
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2
     assert "replicas" in capsys.readouterr().err
+
+
+def test_the_ingress_hashes_adapter_requests_with_the_adapters_id() -> None:
+    """The ingress's route of a request for an adapter is the chain a replica computes for it
+    (``PromptHasher`` with the adapter's content id, which test_kv_events checks against the
+    published values); the base model's requests get the plain chain. (Planted: hashing
+    without the adapter id fails this.)"""
+    from prefixserve.router import PromptHasher
+    from prefixserve.serve_ray.ingress import Ingress
+    from prefixserve.serve_ray.launch import app_args
+
+    args = _args("--replicas", "2", "--served-model-name", "smol")
+    ingress = Ingress(None, app_args(args))  # type: ignore[arg-type]
+    prompt = list(range(100, 140))
+    hasher = PromptHasher(16, "sha256")
+
+    def route(model: str) -> dict[str, Any]:
+        body = json.dumps({"model": model, "prompt": prompt, "cache_salt": "s"}).encode()
+        return ingress.route_for("/v1/completions", body, {}, {"a": "lora-0123"})
+
+    def chain(lora: str | None) -> list[str]:
+        return [bytes(h).hex() for h in hasher.hash_values(prompt, "s", lora)]  # type: ignore[call-overload]
+
+    assert route("a")["lora"] == "lora-0123"
+    assert route("a")["hashes"] == chain("lora-0123")
+    assert route("smol")["hashes"] == chain(None)
+    assert route("smol")["lora"] is None
