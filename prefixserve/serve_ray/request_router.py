@@ -16,6 +16,11 @@ prompt into its tree at once; a prefix is taken to be cached where either says s
 
 Loads are the requests this router has in flight on each replica (counted on routing, released
 on completion), the figure the balance rule compares.
+
+The index follows Ray Serve's replica set: ``update_replicas`` (every scale-up, scale-down or
+replacement) adds new replicas empty and forgets gone ones, ``on_replica_actor_died`` forgets a
+dead one at once; forgetting drops everything known of the replica, so no cache state of a
+removed or crashed replica survives. ``state`` is the view ``GET /router/replicas`` shows.
 """
 
 from __future__ import annotations
