@@ -352,7 +352,8 @@ def test_autoscaling_flags_become_ray_serves_config() -> None:
 @pytest.mark.parametrize("argv", [("--replicas", "0"),
                                   ("--replicas", "3", "--max-replicas", "2"),
                                   ("--replicas", "2", "--min-replicas", "3", "--max-replicas", "4"),
-                                  ("--replicas", "2", "--min-replicas", "1")])
+                                  ("--replicas", "2", "--min-replicas", "1"),
+                                  ("--replicas", "2", "--kv-events-zmq", "tcp://*:5557")])
 def test_bad_replica_ranges_are_refused(argv: tuple[str, ...],
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2

@@ -110,3 +110,12 @@ def test_events_are_pushed_over_zmq(server: ServerProcess) -> None:
                 _pull(server, index, None, 0)
     finally:
         socket.close(linger=0)
+
+
+def test_a_bad_zmq_endpoint_is_refused() -> None:
+    from prefixserve.cli import build_parser
+    from prefixserve.server.launch import server_config
+
+    args = build_parser().parse_args(["serve", "--kv-events-zmq", "localhost:5557"])
+    with pytest.raises(ValueError, match="ZMQ endpoint"):
+        server_config(args)
