@@ -268,3 +268,119 @@ def test_pin_over_budget_is_a_400_and_leaks_nothing(server: ServerProcess) -> No
     assert both.status_code == 400
     server.wait_for_metrics(idle)
     assert admin(server, "GET", "/v1/pins").json()["num_pinned_blocks"] == 0
+
+
+# ---------------------------------------------------------------------- tools with cache_control
+def tool(name: str, description: str, cached: bool = False) -> dict:
+    schema = {"type": "object", "properties": {"city": {"type": "string",
+                                                        "enum": ["Paris", "Rome"]}},
+              "required": ["city"]}
+    out: dict = {"name": name, "description": description, "input_schema": schema}
+    if cached:
+        out["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+    return out
+
+
+def priority_hits(server: ServerProcess) -> float:
+    return server.metrics().get("prefixserve:prefix_cache_priority_hits_total{priority=80}", 0.0)
+
+
+def test_turn_two_reads_the_cached_tool_manifest(claude: anthropic.Anthropic,
+                                                 server: ServerProcess) -> None:
+    """Turn one forces a call (``tool_choice: tool``) and writes the manifest under the
+    breakpoint on the last tool; turn two sends the call back with its ``tool_result`` and
+    reads the manifest's blocks from the cache, at the breakpoint's priority. Kills: tools'
+    cache_control ignored (no creation tokens, no priority-80 hits), tool_use/tool_result
+    blocks refused or rendered differently on turn two (the manifest prefix is lost)."""
+    tools = [tool("get_weather", words(60)), tool("get_time", words(80), cached=True)]
+    messages: list = [{"role": "user", "content": "Weather in Paris?"}]
+    first = claude.messages.create(model=MODEL, max_tokens=60, tools=tools, messages=messages,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    call = first.content[-1]
+    assert call.type == "tool_use" and call.name == "get_weather"
+    assert call.id.startswith("toolu_") and call.input["city"] in ("Paris", "Rome")
+    created = first.usage.cache_creation_input_tokens
+    assert created >= 160 and first.usage.cache_read_input_tokens < created
+    before = priority_hits(server)
+    messages += [{"role": "assistant", "content": first.content},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                               "content": "18 C, sunny"}]}]
+    second = claude.messages.create(model=MODEL, max_tokens=2, tools=tools, messages=messages,
+                                    tool_choice={"type": "none"})
+    assert second.usage.cache_read_input_tokens >= created + first.usage.cache_read_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0
+    assert priority_hits(server) - before >= created // BLOCK_SIZE
+    assert second.content[0].type == "text"
+    server.wait_for_metrics(idle)
+
+
+def test_a_tool_breakpoint_ends_at_its_own_tool(claude: anthropic.Anthropic) -> None:
+    """A breakpoint on the first of two tools covers the manifest up to that tool, one on the
+    second the second's ~120 tokens too. Kills: a tool breakpoint placed at the end of the
+    manifest (or of the prompt) whichever tool it is on."""
+    def created(cached_index: int) -> int:
+        tools = [tool("a", words(30), cached_index == 0), tool("b", words(120),
+                                                                cached_index == 1)]
+        reply = claude.messages.create(model=MODEL, max_tokens=1, tools=tools,
+                                       messages=[{"role": "user", "content": "hi"}])
+        return reply.usage.cache_creation_input_tokens + reply.usage.cache_read_input_tokens
+
+    on_first, on_second = created(0), created(1)
+    assert on_first >= 3 * BLOCK_SIZE
+    assert on_second - on_first >= 90
+
+
+def test_streamed_tool_use_parses_in_the_sdk(claude: anthropic.Anthropic,
+                                             server: ServerProcess) -> None:
+    tools = [tool("get_weather", "Weather of a city.")]
+    with claude.messages.stream(model=MODEL, max_tokens=60, tools=tools,
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                messages=[{"role": "user", "content": "Rome?"}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.stop_reason == "tool_use"
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather"
+    assert uses[0].input["city"] in ("Paris", "Rome")
+    server.wait_for_metrics(idle)
+
+
+_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                          "name": "get_weather", "input": {"city": "Rome"}}]}
+_CONTROL = {"type": "ephemeral"}
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
+    ({"messages": [{"role": "user", "content": "x"}, _USE, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": "18 C"}]}]},
+     "tool_use_id 'toolu_2'"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "", "cache_control": _CONTROL}]}]}, "empty text block"),
+    ({"tools": [{**tool("a", "x"), "cache_control": _CONTROL},
+                {**tool("b", "y"), "cache_control": _CONTROL}],
+      "system": [{"type": "text", "text": f"s{i}", "cache_control": _CONTROL} for i in (1, 2)],
+      "messages": [{"role": "user", "content": [
+          {"type": "text", "text": "x", "cache_control": _CONTROL}]}]},
+     "this one has 5 (tools 2, system 2, messages 1)"),
+    ({"tools": None, "messages": [{"role": "user", "content": "x"}, _USE, {
+        "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]},
+     "must define tools"),
+    ({"tools": [{"name": "a", "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
+])
+def test_bad_tool_input_is_a_400_naming_the_problem(claude: anthropic.Anthropic,
+                                                    server: ServerProcess, kwargs: dict,
+                                                    needle: str) -> None:
+    request: dict = {"tools": [tool("get_weather", "Weather of a city.")],
+                     "messages": [{"role": "user", "content": "x"}], **kwargs}
+    if request["tools"] is None:
+        del request["tools"]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, max_tokens=2, **request)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert needle in body["error"]["message"], body
+    server.wait_for_metrics(idle)
