@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.core import Retention, RetentionRange
+from prefixserve.core.retention import CACHE_CONTROL_PRIORITY
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server.anthropic_protocol import (
@@ -62,9 +63,6 @@ from prefixserve.server.streams import (
     run_unless_disconnected,
 )
 from prefixserve.server.tool_calls import ToolCalling, ToolCallStream
-
-CACHE_CONTROL_PRIORITY = 80
-"""The retention priority of a ``cache_control`` breakpoint (the default is 35)."""
 
 _PATH = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",

@@ -9,12 +9,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixserve.core.retention import CACHE_CONTROL_TTLS
 from prefixserve.server.agent_protocol import FUNCTION_NAME_PATTERN
 
 MAX_BREAKPOINTS = 4
 """Anthropic allows at most four ``cache_control`` breakpoints per request."""
 
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+TTL_SECONDS = CACHE_CONTROL_TTLS
 
 
 class _Model(BaseModel):
