@@ -51,6 +51,13 @@ def test_pin_top_keeps_the_most_reused_prefix(tmp_path: Path) -> None:
     assert pool_hits(run(workload(tmp_path / "w.jsonl"), "--pin-top", "4")) == 9 * 4
 
 
+def test_one_pin_target_pins_the_whole_prefix_up_to_it(tmp_path: Path) -> None:
+    """The four shared blocks tie (ten requests each); the tie goes to the deepest, which
+    stands for the prefix up to it. Kills: pinning only a run of targets from the first block
+    (nothing pinned here, no hit)."""
+    assert pool_hits(run(workload(tmp_path / "w.jsonl"), "--pin-top", "1")) == 9 * 4
+
+
 def test_pin_top_picks_the_most_reused_blocks(tmp_path: Path) -> None:
     loaded = read_workload(str(workload(tmp_path / "w.jsonl")),
                            ReadOptions(format="tokens", block_size=4))
