@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import anthropic
 import httpx
@@ -23,7 +24,8 @@ MODEL = "smol"
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # 1,024 tokens; the 512-token context leaves a pin budget of 32 blocks
 MAX_MODEL_LEN = 512
-SYSTEM_TOKENS = 488  # 30 full blocks, almost half the pool
+SYSTEM_TOKENS = 248  # 15 full blocks, almost a quarter of the pool
+PIN_TOKENS = 200  # 12 full blocks
 FLOOD = (4, 272)  # 4 unique prompts of 17 blocks: more than the whole pool
 
 
@@ -195,29 +197,70 @@ def flood(oai: openai.OpenAI) -> None:
         complete(oai, unique_ids(length))
 
 
-@pytest.mark.parametrize("protected", [False, True])
-def test_flood_evicts_unprotected_system_prompt_keeps_protected(
-        oai: openai.OpenAI, server: ServerProcess, protected: bool) -> None:
+def admin(server: ServerProcess, method: str, path: str, **kwargs: object) -> httpx.Response:
+    return httpx.request(method, server.url + path, timeout=120,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kwargs)
+
+
+@dataclass
+class Flooded:
+    """What one flood left of prompts sent before it: cached tokens of each on its return."""
+
+    unprotected: int
+    protected: int
+    expired: int
+    pinned: int
+    metrics: dict[str, float]
+
+
+@pytest.fixture(scope="module")
+def flooded(oai: openai.OpenAI, server: ServerProcess) -> Flooded:
+    """One flood for four prompts sent before it, the same way but for what protects them:
+    nothing (LRU alone), a retention, a retention whose short TTL ran out before the flood, a
+    pin (set, then kept through ``/reset_prefix_cache?keep_pins=true``). 15 + 15 protected or
+    pinned blocks leave 34 for the flood's 68."""
+    pinned = unique_ids(PIN_TOKENS)
+    tenant = httpx.post(server.url + "/v1/pins", json={"prompt_token_ids": pinned},
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+    assert tenant.status_code == 403
+    pin = admin(server, "POST", "/v1/pins",
+                json={"id": "manual", "prompt_token_ids": pinned, "for_api_key": API_KEY})
+    assert pin.status_code == 200, pin.text
+    assert pin.json() == {"id": "manual", "num_blocks": 12, "num_tokens": PIN_TOKENS}
+    assert admin(server, "POST", "/reset_prefix_cache?keep_pins=true").status_code == 200
+    unprotected, protected, expiring = (unique_ids(SYSTEM_TOKENS) for _ in range(3))
+    assert complete(oai, unprotected) == 0
+    assert complete(oai, protected, retention={"priority": 80, "duration": 600}) == 0
+    assert complete(oai, expiring, retention={"priority": 80, "duration": 1.0}) == 0
+    time.sleep(1.2)
+    flood(oai)
+    return Flooded(complete(oai, unprotected), complete(oai, protected),
+                   complete(oai, expiring), complete(oai, pinned),
+                   server.metrics())  # not idle: the pin holds its blocks
+
+
+def test_flood_evicts_unprotected_system_prompt_keeps_protected(flooded: Flooded) -> None:
     """The same flood both ways: LRU alone loses the system prompt, retention keeps it all."""
-    system = unique_ids(SYSTEM_TOKENS)
-    extra = {"retention": {"priority": 80, "duration": 600}} if protected else {}
-    assert complete(oai, system, **extra) == 0
-    flood(oai)
-    cached = complete(oai, system)
-    assert cached == (SYSTEM_TOKENS - SYSTEM_TOKENS % BLOCK_SIZE if protected else 0)
+    assert flooded.unprotected == 0
+    assert flooded.protected == SYSTEM_TOKENS - SYSTEM_TOKENS % BLOCK_SIZE
+    assert flooded.metrics["prefixserve:prefix_cache_priority_hits_total{priority=80}"] >= 15
+
+
+def test_protected_prompt_is_evictable_after_its_ttl(flooded: Flooded) -> None:
+    assert flooded.expired == 0
+    assert flooded.metrics["prefixserve:prefix_cache_expired_retentions_total"] >= 15
+
+
+def test_pins_survive_floods_and_resets_with_keep_pins(flooded: Flooded,
+                                                       server: ServerProcess) -> None:
+    assert flooded.pinned == PIN_TOKENS // BLOCK_SIZE * BLOCK_SIZE
+    listed = admin(server, "GET", "/v1/pins").json()
+    assert [p["id"] for p in listed["data"]] == ["manual"] and listed["num_pinned_blocks"] == 12
+    assert server.metrics()["prefixserve:kv_cache_num_pinned_blocks"] == 12
+    assert admin(server, "POST", "/reset_prefix_cache").status_code == 200
+    assert admin(server, "GET", "/v1/pins").json()["data"] == []
+    assert admin(server, "DELETE", "/v1/pins/manual").status_code == 404
     server.wait_for_metrics(idle)
-
-
-def test_protected_prompt_is_evictable_after_its_ttl(oai: openai.OpenAI,
-                                                     server: ServerProcess) -> None:
-    system = unique_ids(SYSTEM_TOKENS)
-    complete(oai, system, retention={"priority": 80, "duration": 1.5})
-    time.sleep(2.0)
-    flood(oai)
-    assert complete(oai, system) == 0
-    metrics = server.wait_for_metrics(idle)
-    assert metrics["prefixserve:prefix_cache_expired_retentions_total"] >= 30
-    assert metrics["prefixserve:prefix_cache_priority_hits_total{priority=80}"] >= 30
 
 
 def test_bad_retention_is_a_400(oai: openai.OpenAI) -> None:
@@ -226,33 +269,6 @@ def test_bad_retention_is_a_400(oai: openai.OpenAI) -> None:
                               ({"priority": 80}, "duration")):
         with pytest.raises(openai.BadRequestError, match=needle):
             complete(oai, [1, 2, 3], retention=retention)
-
-
-def admin(server: ServerProcess, method: str, path: str, **kwargs: object) -> httpx.Response:
-    return httpx.request(method, server.url + path, timeout=120,
-                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kwargs)
-
-
-def test_pins_survive_floods_and_resets_with_keep_pins(oai: openai.OpenAI,
-                                                       server: ServerProcess) -> None:
-    ids = unique_ids(200)  # 12 full blocks
-    tenant = httpx.post(server.url + "/v1/pins", json={"prompt_token_ids": ids},
-                        headers={"Authorization": f"Bearer {API_KEY}"})
-    assert tenant.status_code == 403
-    pin = admin(server, "POST", "/v1/pins",
-                json={"id": "manual", "prompt_token_ids": ids, "for_api_key": API_KEY})
-    assert pin.status_code == 200, pin.text
-    assert pin.json() == {"id": "manual", "num_blocks": 12, "num_tokens": 200}
-    listed = admin(server, "GET", "/v1/pins").json()
-    assert [p["id"] for p in listed["data"]] == ["manual"] and listed["num_pinned_blocks"] == 12
-    assert admin(server, "POST", "/reset_prefix_cache?keep_pins=true").status_code == 200
-    flood(oai)
-    assert complete(oai, ids) == 192
-    assert server.metrics()["prefixserve:kv_cache_num_pinned_blocks"] == 12
-    assert admin(server, "POST", "/reset_prefix_cache").status_code == 200
-    assert admin(server, "GET", "/v1/pins").json()["data"] == []
-    assert admin(server, "DELETE", "/v1/pins/manual").status_code == 404
-    server.wait_for_metrics(idle)
 
 
 def test_pin_over_budget_is_a_400_and_leaks_nothing(server: ServerProcess) -> None:
