@@ -49,6 +49,8 @@ from prefixserve.server.tool_calls import ToolCalling
 
 SENTINEL = "\ue000\ue001"  # private-use characters: marks a breakpoint while rendering
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_WRONG_ROLE = {("assistant", "tool_result"): "a tool_result block belongs in a user message",
+               ("user", "tool_use"): "a tool_use block belongs in an assistant message"}
 
 
 @dataclass
@@ -134,25 +136,26 @@ def conversation(system: Sequence[TextBlock], turns: Sequence[tuple[str, list[Co
     out = [Turn("system", _text(system, mark))] if system else []
     known: set[str] = set()
     for i, (role, blocks) in enumerate(turns):
+        for j, block in enumerate(blocks):
+            wrong = _WRONG_ROLE.get((role, block.type))
+            if wrong is not None:
+                raise ApiError(400, f"messages.{i}.content.{j}: {wrong}")
         if role == "assistant":
-            out.append(_assistant(i, blocks, mark, known))
+            out.append(_assistant(blocks, mark, known))
         else:
             out.extend(_user(i, blocks, mark, known))
     return out
 
 
-def _assistant(index: int, blocks: list[ContentBlock], mark: object, known: set[str]) -> Turn:
+def _assistant(blocks: list[ContentBlock], mark: object, known: set[str]) -> Turn:
     texts: list[TextBlock] = []
     calls: list[ResponseToolCall] = []
-    for j, block in enumerate(blocks):
-        if isinstance(block, ToolResultBlock):
-            raise ApiError(400, f"messages.{index}.content.{j}: a tool_result block belongs in "
-                           "a user message")
+    for block in blocks:
         if isinstance(block, ToolUseBlock):
             known.add(block.id)
             calls.append(ResponseToolCall(id=block.id, function=ResponseFunctionCall(
                 name=block.name, arguments=json.dumps(block.input, ensure_ascii=False))))
-        else:
+        elif isinstance(block, TextBlock):
             texts.append(block)
     return Turn("assistant", _text(texts, mark), tool_calls=calls or None)
 
@@ -161,12 +164,11 @@ def _user(index: int, blocks: list[ContentBlock], mark: object, known: set[str])
     out: list[Turn] = []
     texts: list[TextBlock] = []
     for j, block in enumerate(blocks):
-        if isinstance(block, ToolUseBlock):
-            raise ApiError(400, f"messages.{index}.content.{j}: a tool_use block belongs in an "
-                           "assistant message")
         if isinstance(block, TextBlock):
             texts.append(block)
             continue
+        if not isinstance(block, ToolResultBlock):
+            continue  # a tool_use: refused by conversation()
         if block.tool_use_id not in known:
             raise ApiError(400, f"messages.{index}.content.{j}: tool_result answers "
                            f"tool_use_id {block.tool_use_id!r}, which no earlier tool_use "
