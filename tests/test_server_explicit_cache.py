@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import anthropic
 import httpx
@@ -23,7 +24,8 @@ MODEL = "smol"
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # 1,024 tokens; the 512-token context leaves a pin budget of 32 blocks
 MAX_MODEL_LEN = 512
-SYSTEM_TOKENS = 488  # 30 full blocks, almost half the pool
+SYSTEM_TOKENS = 248  # 15 full blocks, almost a quarter of the pool
+PIN_TOKENS = 200  # 12 full blocks
 FLOOD = (4, 272)  # 4 unique prompts of 17 blocks: more than the whole pool
 
 
@@ -195,29 +197,70 @@ def flood(oai: openai.OpenAI) -> None:
         complete(oai, unique_ids(length))
 
 
-@pytest.mark.parametrize("protected", [False, True])
-def test_flood_evicts_unprotected_system_prompt_keeps_protected(
-        oai: openai.OpenAI, server: ServerProcess, protected: bool) -> None:
+def admin(server: ServerProcess, method: str, path: str, **kwargs: object) -> httpx.Response:
+    return httpx.request(method, server.url + path, timeout=120,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kwargs)
+
+
+@dataclass
+class Flooded:
+    """What one flood left of prompts sent before it: cached tokens of each on its return."""
+
+    unprotected: int
+    protected: int
+    expired: int
+    pinned: int
+    metrics: dict[str, float]
+
+
+@pytest.fixture(scope="module")
+def flooded(oai: openai.OpenAI, server: ServerProcess) -> Flooded:
+    """One flood for four prompts sent before it, the same way but for what protects them:
+    nothing (LRU alone), a retention, a retention whose short TTL ran out before the flood, a
+    pin (set, then kept through ``/reset_prefix_cache?keep_pins=true``). 15 + 15 protected or
+    pinned blocks leave 34 for the flood's 68."""
+    pinned = unique_ids(PIN_TOKENS)
+    tenant = httpx.post(server.url + "/v1/pins", json={"prompt_token_ids": pinned},
+                        headers={"Authorization": f"Bearer {API_KEY}"})
+    assert tenant.status_code == 403
+    pin = admin(server, "POST", "/v1/pins",
+                json={"id": "manual", "prompt_token_ids": pinned, "for_api_key": API_KEY})
+    assert pin.status_code == 200, pin.text
+    assert pin.json() == {"id": "manual", "num_blocks": 12, "num_tokens": PIN_TOKENS}
+    assert admin(server, "POST", "/reset_prefix_cache?keep_pins=true").status_code == 200
+    unprotected, protected, expiring = (unique_ids(SYSTEM_TOKENS) for _ in range(3))
+    assert complete(oai, unprotected) == 0
+    assert complete(oai, protected, retention={"priority": 80, "duration": 600}) == 0
+    assert complete(oai, expiring, retention={"priority": 80, "duration": 1.0}) == 0
+    time.sleep(1.2)
+    flood(oai)
+    return Flooded(complete(oai, unprotected), complete(oai, protected),
+                   complete(oai, expiring), complete(oai, pinned),
+                   server.metrics())  # not idle: the pin holds its blocks
+
+
+def test_flood_evicts_unprotected_system_prompt_keeps_protected(flooded: Flooded) -> None:
     """The same flood both ways: LRU alone loses the system prompt, retention keeps it all."""
-    system = unique_ids(SYSTEM_TOKENS)
-    extra = {"retention": {"priority": 80, "duration": 600}} if protected else {}
-    assert complete(oai, system, **extra) == 0
-    flood(oai)
-    cached = complete(oai, system)
-    assert cached == (SYSTEM_TOKENS - SYSTEM_TOKENS % BLOCK_SIZE if protected else 0)
+    assert flooded.unprotected == 0
+    assert flooded.protected == SYSTEM_TOKENS - SYSTEM_TOKENS % BLOCK_SIZE
+    assert flooded.metrics["prefixserve:prefix_cache_priority_hits_total{priority=80}"] >= 15
+
+
+def test_protected_prompt_is_evictable_after_its_ttl(flooded: Flooded) -> None:
+    assert flooded.expired == 0
+    assert flooded.metrics["prefixserve:prefix_cache_expired_retentions_total"] >= 15
+
+
+def test_pins_survive_floods_and_resets_with_keep_pins(flooded: Flooded,
+                                                       server: ServerProcess) -> None:
+    assert flooded.pinned == PIN_TOKENS // BLOCK_SIZE * BLOCK_SIZE
+    listed = admin(server, "GET", "/v1/pins").json()
+    assert [p["id"] for p in listed["data"]] == ["manual"] and listed["num_pinned_blocks"] == 12
+    assert server.metrics()["prefixserve:kv_cache_num_pinned_blocks"] == 12
+    assert admin(server, "POST", "/reset_prefix_cache").status_code == 200
+    assert admin(server, "GET", "/v1/pins").json()["data"] == []
+    assert admin(server, "DELETE", "/v1/pins/manual").status_code == 404
     server.wait_for_metrics(idle)
-
-
-def test_protected_prompt_is_evictable_after_its_ttl(oai: openai.OpenAI,
-                                                     server: ServerProcess) -> None:
-    system = unique_ids(SYSTEM_TOKENS)
-    complete(oai, system, retention={"priority": 80, "duration": 1.5})
-    time.sleep(2.0)
-    flood(oai)
-    assert complete(oai, system) == 0
-    metrics = server.wait_for_metrics(idle)
-    assert metrics["prefixserve:prefix_cache_expired_retentions_total"] >= 30
-    assert metrics["prefixserve:prefix_cache_priority_hits_total{priority=80}"] >= 30
 
 
 def test_bad_retention_is_a_400(oai: openai.OpenAI) -> None:
@@ -226,33 +269,6 @@ def test_bad_retention_is_a_400(oai: openai.OpenAI) -> None:
                               ({"priority": 80}, "duration")):
         with pytest.raises(openai.BadRequestError, match=needle):
             complete(oai, [1, 2, 3], retention=retention)
-
-
-def admin(server: ServerProcess, method: str, path: str, **kwargs: object) -> httpx.Response:
-    return httpx.request(method, server.url + path, timeout=120,
-                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kwargs)
-
-
-def test_pins_survive_floods_and_resets_with_keep_pins(oai: openai.OpenAI,
-                                                       server: ServerProcess) -> None:
-    ids = unique_ids(200)  # 12 full blocks
-    tenant = httpx.post(server.url + "/v1/pins", json={"prompt_token_ids": ids},
-                        headers={"Authorization": f"Bearer {API_KEY}"})
-    assert tenant.status_code == 403
-    pin = admin(server, "POST", "/v1/pins",
-                json={"id": "manual", "prompt_token_ids": ids, "for_api_key": API_KEY})
-    assert pin.status_code == 200, pin.text
-    assert pin.json() == {"id": "manual", "num_blocks": 12, "num_tokens": 200}
-    listed = admin(server, "GET", "/v1/pins").json()
-    assert [p["id"] for p in listed["data"]] == ["manual"] and listed["num_pinned_blocks"] == 12
-    assert admin(server, "POST", "/reset_prefix_cache?keep_pins=true").status_code == 200
-    flood(oai)
-    assert complete(oai, ids) == 192
-    assert server.metrics()["prefixserve:kv_cache_num_pinned_blocks"] == 12
-    assert admin(server, "POST", "/reset_prefix_cache").status_code == 200
-    assert admin(server, "GET", "/v1/pins").json()["data"] == []
-    assert admin(server, "DELETE", "/v1/pins/manual").status_code == 404
-    server.wait_for_metrics(idle)
 
 
 def test_pin_over_budget_is_a_400_and_leaks_nothing(server: ServerProcess) -> None:
@@ -268,3 +284,119 @@ def test_pin_over_budget_is_a_400_and_leaks_nothing(server: ServerProcess) -> No
     assert both.status_code == 400
     server.wait_for_metrics(idle)
     assert admin(server, "GET", "/v1/pins").json()["num_pinned_blocks"] == 0
+
+
+# ---------------------------------------------------------------------- tools with cache_control
+def tool(name: str, description: str, cached: bool = False) -> dict:
+    schema = {"type": "object", "properties": {"city": {"type": "string",
+                                                        "enum": ["Paris", "Rome"]}},
+              "required": ["city"]}
+    out: dict = {"name": name, "description": description, "input_schema": schema}
+    if cached:
+        out["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+    return out
+
+
+def priority_hits(server: ServerProcess) -> float:
+    return server.metrics().get("prefixserve:prefix_cache_priority_hits_total{priority=80}", 0.0)
+
+
+def test_turn_two_reads_the_cached_tool_manifest(claude: anthropic.Anthropic,
+                                                 server: ServerProcess) -> None:
+    """Turn one forces a call (``tool_choice: tool``) and writes the manifest under the
+    breakpoint on the last tool; turn two sends the call back with its ``tool_result`` and
+    reads the manifest's blocks from the cache, at the breakpoint's priority. Kills: tools'
+    cache_control ignored (no creation tokens, no priority-80 hits), tool_use/tool_result
+    blocks refused or rendered differently on turn two (the manifest prefix is lost)."""
+    tools = [tool("get_weather", words(60)), tool("get_time", words(80), cached=True)]
+    messages: list = [{"role": "user", "content": "Weather in Paris?"}]
+    first = claude.messages.create(model=MODEL, max_tokens=60, tools=tools, messages=messages,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    call = first.content[-1]
+    assert call.type == "tool_use" and call.name == "get_weather"
+    assert call.id.startswith("toolu_") and call.input["city"] in ("Paris", "Rome")
+    created = first.usage.cache_creation_input_tokens
+    assert created >= 160 and first.usage.cache_read_input_tokens < created
+    before = priority_hits(server)
+    messages += [{"role": "assistant", "content": first.content},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                               "content": "18 C, sunny"}]}]
+    second = claude.messages.create(model=MODEL, max_tokens=2, tools=tools, messages=messages,
+                                    tool_choice={"type": "none"})
+    assert second.usage.cache_read_input_tokens >= created + first.usage.cache_read_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0
+    assert priority_hits(server) - before >= created // BLOCK_SIZE
+    assert second.content[0].type == "text"
+    server.wait_for_metrics(idle)
+
+
+def test_a_tool_breakpoint_ends_at_its_own_tool(claude: anthropic.Anthropic) -> None:
+    """A breakpoint on the first of two tools covers the manifest up to that tool, one on the
+    second the second's ~120 tokens too. Kills: a tool breakpoint placed at the end of the
+    manifest (or of the prompt) whichever tool it is on."""
+    def created(cached_index: int) -> int:
+        tools = [tool("a", words(30), cached_index == 0), tool("b", words(120),
+                                                                cached_index == 1)]
+        reply = claude.messages.create(model=MODEL, max_tokens=1, tools=tools,
+                                       messages=[{"role": "user", "content": "hi"}])
+        return reply.usage.cache_creation_input_tokens + reply.usage.cache_read_input_tokens
+
+    on_first, on_second = created(0), created(1)
+    assert on_first >= 3 * BLOCK_SIZE
+    assert on_second - on_first >= 90
+
+
+def test_streamed_tool_use_parses_in_the_sdk(claude: anthropic.Anthropic,
+                                             server: ServerProcess) -> None:
+    tools = [tool("get_weather", "Weather of a city.")]
+    with claude.messages.stream(model=MODEL, max_tokens=60, tools=tools,
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                messages=[{"role": "user", "content": "Rome?"}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.stop_reason == "tool_use"
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather"
+    assert uses[0].input["city"] in ("Paris", "Rome")
+    server.wait_for_metrics(idle)
+
+
+_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                          "name": "get_weather", "input": {"city": "Rome"}}]}
+_CONTROL = {"type": "ephemeral"}
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
+    ({"messages": [{"role": "user", "content": "x"}, _USE, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": "18 C"}]}]},
+     "tool_use_id 'toolu_2'"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "", "cache_control": _CONTROL}]}]}, "empty text block"),
+    ({"tools": [{**tool("a", "x"), "cache_control": _CONTROL},
+                {**tool("b", "y"), "cache_control": _CONTROL}],
+      "system": [{"type": "text", "text": f"s{i}", "cache_control": _CONTROL} for i in (1, 2)],
+      "messages": [{"role": "user", "content": [
+          {"type": "text", "text": "x", "cache_control": _CONTROL}]}]},
+     "this one has 5 (tools 2, system 2, messages 1)"),
+    ({"tools": None, "messages": [{"role": "user", "content": "x"}, _USE, {
+        "role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]},
+     "must define tools"),
+    ({"tools": [{"name": "a", "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
+])
+def test_bad_tool_input_is_a_400_naming_the_problem(claude: anthropic.Anthropic,
+                                                    server: ServerProcess, kwargs: dict,
+                                                    needle: str) -> None:
+    request: dict = {"tools": [tool("get_weather", "Weather of a city.")],
+                     "messages": [{"role": "user", "content": "x"}], **kwargs}
+    if request["tools"] is None:
+        del request["tools"]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, max_tokens=2, **request)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert needle in body["error"]["message"], body
+    server.wait_for_metrics(idle)

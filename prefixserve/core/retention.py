@@ -34,6 +34,13 @@ holds a reference, so a pinned block is never in a free list at all."""
 
 NO_EXPIRY = float("inf")
 
+CACHE_CONTROL_PRIORITY = 80
+"""The priority of an Anthropic ``cache_control`` breakpoint (the server's and the
+estimator's)."""
+
+CACHE_CONTROL_TTLS = {"5m": 300.0, "1h": 3600.0}
+"""The ``cache_control`` TTLs, in seconds ("5m" is the default)."""
+
 
 class PinBudgetError(ValueError):
     """A pin would take more blocks than the pin budget (``max_pinned_fraction`` of the pool)."""

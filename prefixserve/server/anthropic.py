@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.core import Retention, RetentionRange
+from prefixserve.core.retention import CACHE_CONTROL_PRIORITY
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server.anthropic_protocol import (
@@ -39,7 +40,19 @@ from prefixserve.server.anthropic_protocol import (
     MessagesRequest,
     TextBlock,
     TextOut,
+    Tool,
+    ToolResultBlock,
+    ToolUseBlock,
+    ToolUseOut,
     Usage,
+)
+from prefixserve.server.anthropic_tools import (
+    SENTINEL,
+    conversation,
+    tool_calling,
+    tool_cut,
+    tool_use_blocks,
+    with_tools_ending_at,
 )
 from prefixserve.server.errors import ApiError, AsciiJSONResponse
 from prefixserve.server.serving import OpenAIServing, _Prompts, _Run
@@ -49,94 +62,119 @@ from prefixserve.server.streams import (
     MultiStream,
     run_unless_disconnected,
 )
+from prefixserve.server.tool_calls import ToolCalling, ToolCallStream
 
-CACHE_CONTROL_PRIORITY = 80
-"""The retention priority of a ``cache_control`` breakpoint (the default is 35)."""
-
-_SENTINEL = "\ue000\ue001"  # private-use characters: marks a breakpoint while rendering
 _PATH = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error", 529: "overloaded_error"}
 
 
-def _blocks(content: str | list[TextBlock] | None) -> list[TextBlock]:
+def _blocks(content: str | list[Any] | None) -> list[Any]:
     if content is None:
         return []
     if isinstance(content, str):
         return [TextBlock(type="text", text=content)]
-    return content
+    return list(content)
 
 
 class AnthropicPrompt:
-    """The token ids of a request's conversation and the token count up to each breakpoint."""
+    """The token ids of a request's conversation (tools included) and the token count up to
+    each breakpoint."""
 
     def __init__(self, serving: OpenAIServing, body: CountTokensRequest) -> None:
         self.serving = serving
         self.body = body
         self.system = _blocks(body.system)
         self.turns = [(m.role, _blocks(m.content)) for m in body.messages]
+        self.tools = list(body.tools or [])
         auto = getattr(body, "cache_control", None)
         if auto is not None and self.turns[-1][1]:  # automatic caching: the last block
             last = self.turns[-1][1][-1]
             self.turns[-1][1][-1] = last.model_copy(update={"cache_control": auto})
+        self.calling = tool_calling(body, serving.tokenizer.chat_template)
         self.text = self._render(None)
         self.ids = serving.tokenizer.encode(self.text, add_special_tokens=False)
         self.breakpoints = self._breakpoints()
 
-    def _messages(self, mark: TextBlock | None) -> list[dict[str, str]]:
-        def join(blocks: list[TextBlock]) -> str:
-            return "\n".join(b.text + (_SENTINEL if b is mark else "") for b in blocks)
-
-        out = [{"role": "system", "content": join(self.system)}] if self.system else []
-        return out + [{"role": role, "content": join(blocks)} for role, blocks in self.turns]
-
-    def _render(self, mark: TextBlock | None) -> str:
+    def _render(self, mark: object, calling: ToolCalling | None = None) -> str:
         if self.turns[-1][0] != "user":
             raise ApiError(400, "the last message must have the user role (a final assistant "
                            "message, a prefill, is not supported here)")
+        turns = conversation(self.system, self.turns, mark)
+        messages = [turn.item() for turn in turns]
+        variables: dict[str, Any] = {}
+        calling = calling or self.calling
+        if calling is not None:
+            messages, variables = calling.messages(messages, turns)
         try:
             text = self.serving.tokenizer.apply_chat_template(
-                self._messages(mark), add_generation_prompt=True, tokenize=False)
+                messages, add_generation_prompt=True, tokenize=False, **variables)
         except Exception as exc:  # the template's own errors, of any kind
             raise ApiError(400, f"the chat template cannot render these messages: {exc}"
                            ) from exc
         assert isinstance(text, str)
         return text
 
-    def _marked(self) -> list[tuple[TextBlock, float]]:
-        """The breakpoint blocks and their TTLs in seconds; a 400 for a bad one."""
+    def _marked(self) -> list[tuple[str, Any, float]]:
+        """Where each breakpoint is, its block and its TTL in seconds, in prompt order (tools,
+        system, messages); a 400 for a bad one."""
+        places: list[tuple[str, Any]] = [(f"tools.{i}", t) for i, t in enumerate(self.tools)]
+        places += [(f"system.{j}", b) for j, b in enumerate(self.system)]
+        for i, (_, blocks) in enumerate(self.turns):
+            for j, b in enumerate(blocks):
+                places.append((f"messages.{i}.content.{j}", b))
+                if isinstance(b, ToolResultBlock) and isinstance(b.content, list):
+                    places += [(f"messages.{i}.content.{j}.content.{k}", inner)
+                               for k, inner in enumerate(b.content)]
         marked = []
-        for where, blocks in [("system", self.system)] + [
-                (f"messages.{i}", b) for i, (_, b) in enumerate(self.turns)]:
-            for j, block in enumerate(blocks):
-                if block.cache_control is None:
-                    continue
-                ttl = block.cache_control.ttl or "5m"
-                if ttl not in TTL_SECONDS:
-                    raise ApiError(400, f"{where}.content.{j}.cache_control.ttl: {ttl!r} is not "
-                                   "a supported TTL; use \"5m\" or \"1h\"")
-                if not block.text:
-                    raise ApiError(400, f"{where}.content.{j}: cache_control cannot be set on "
-                                   "an empty text block")
-                marked.append((block, TTL_SECONDS[ttl]))
+        for where, block in places:
+            if block.cache_control is None:
+                continue
+            ttl = block.cache_control.ttl or "5m"
+            if ttl not in TTL_SECONDS:
+                raise ApiError(400, f"{where}.cache_control.ttl: {ttl!r} is not a supported "
+                               "TTL; use \"5m\" or \"1h\"")
+            if isinstance(block, TextBlock) and not block.text:
+                raise ApiError(400, f"{where}: cache_control cannot be set on an empty text "
+                               "block")
+            if isinstance(block, ToolUseBlock):
+                raise ApiError(400, f"{where}: cache_control on a tool_use block is not "
+                               "supported; set it on the next text or tool_result block")
+            marked.append((where, block, TTL_SECONDS[ttl]))
         if len(marked) > MAX_BREAKPOINTS:
+            counts = {part: sum(w.startswith(part) for w, _, _ in marked)
+                      for part in ("tools", "system", "messages")}
+            where = ", ".join(f"{part} {n}" for part, n in counts.items() if n)
             raise ApiError(400, f"a request may have at most {MAX_BREAKPOINTS} blocks with "
-                           f"cache_control, this one has {len(marked)}")
+                           f"cache_control, this one has {len(marked)} ({where})")
         return marked
+
+    def _cut(self, block: Any) -> int:
+        """The length of the text up to the end of ``block``."""
+        if isinstance(block, Tool):
+            assert self.calling is not None
+            index = self.tools.index(block)
+            cut = tool_cut(self.text, self._render(None, with_tools_ending_at(self.calling,
+                                                                               index)))
+            if cut <= 0:
+                raise ApiError(400, "cache_control cannot be placed on this tool: the chat "
+                               "template does not render the tools before the conversation")
+            return cut
+        marked = self._render(block)
+        cut = marked.find(SENTINEL)
+        if cut < 0 or marked.replace(SENTINEL, "") != self.text:
+            raise ApiError(400, "cache_control cannot be placed here: the chat template "
+                           "changes the block's text")
+        return cut
 
     def _breakpoints(self) -> list[tuple[int, float]]:
         """(tokens up to the end of the block, TTL) per breakpoint: the longest run of the
         prompt's ids that the text up to the block's end tokenizes to."""
         out = []
         encode = self.serving.tokenizer.encode
-        for block, ttl in self._marked():
-            marked = self._render(block)
-            cut = marked.find(_SENTINEL)
-            if cut < 0 or marked.replace(_SENTINEL, "") != self.text:
-                raise ApiError(400, "cache_control cannot be placed here: the chat template "
-                               "changes the block's text")
-            prefix = encode(self.text[:cut], add_special_tokens=False)
+        for _, block, ttl in self._marked():
+            prefix = encode(self.text[:self._cut(block)], add_special_tokens=False)
             n = 0
             while n < min(len(prefix), len(self.ids)) and prefix[n] == self.ids[n]:
                 n += 1
@@ -186,12 +224,15 @@ class AnthropicServing:
         self.serving.resolve_model(body.model)
         return CountTokensResponse(input_tokens=len(AnthropicPrompt(self.serving, body).ids))
 
-    def _params(self, body: MessagesRequest) -> SamplingParams:
+    def _params(self, body: MessagesRequest, prompt: AnthropicPrompt) -> SamplingParams:
+        calling = prompt.calling
+        constraint = calling.constraint(self.serving.tokenizer) if calling is not None else None
         try:
             return SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0, stop=body.stop_sequences, max_tokens=body.max_tokens)
+                top_k=body.top_k or 0, stop=body.stop_sequences, max_tokens=body.max_tokens,
+                structured_outputs=constraint)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
 
@@ -202,8 +243,9 @@ class AnthropicServing:
         prompt = AnthropicPrompt(serving, body)
         serving.check_prompt(prompt.ids, body.max_tokens, "messages")
         run = _Run(id=f"msg_{uuid.uuid4().hex}", model=model, prompts=_Prompts([prompt.ids]),
-                   params=self._params(body), salt=serving.cache_salt(None, api_key),
-                   param="messages", include_usage=False,
+                   params=self._params(body, prompt), salt=serving.cache_salt(None, api_key),
+                   param="messages", include_usage=False, grammar_param="tools",
+                   tools=prompt.calling,
                    retention=prompt.retention(serving.config.max_retention_duration))
         try:
             stream = await run_unless_disconnected(request, serving._start(run))
@@ -228,36 +270,44 @@ class AnthropicServing:
         finally:
             await stream.aclose()
         stop_reason, stop_sequence = _stop(last)
+        content: list[TextOut | ToolUseOut] = [TextOut(text="".join(text))]
+        if run.tools is not None:
+            reply, calls = run.tools.parse(content[0].text)  # type: ignore[union-attr]
+            uses = tool_use_blocks(calls) if calls else None
+            if uses:
+                content = [TextOut(text=reply)] if reply else []
+                content += uses
+                stop_reason = "tool_use" if stop_reason != "max_tokens" else stop_reason
+                stop_sequence = None
         return MessageResponse(
-            id=run.id, model=run.model, content=[TextOut(text="".join(text))],
+            id=run.id, model=run.model, content=content,
             stop_reason=stop_reason, stop_sequence=stop_sequence,
             usage=prompt.usage(run.prompts.cached_tokens[0], tokens, self.block_size))
 
     async def _events(self, run: _Run, prompt: AnthropicPrompt,
                       stream: MultiStream) -> AsyncGenerator[str, None]:
         tokens = 0
-        started = False
         last: Any = None
+        blocks = _BlockEvents(run.tools.stream() if run.tools is not None else None)
         try:
             async for _, output in stream:
-                if not started:
-                    started = True
+                if last is None:
                     yield self._message_start(run, prompt, output)
-                    yield _event("content_block_start", {
-                        "index": 0, "content_block": {"type": "text", "text": ""}})
                     yield _event("ping", {})
                 for c in output.outputs:
                     tokens += len(c.token_ids)
                     last = c
-                    if c.text:
-                        yield _event("content_block_delta", {
-                            "index": 0, "delta": {"type": "text_delta", "text": c.text}})
+                    for event in blocks.text(c.text):
+                        yield event
         except Exception as exc:  # the status is sent already: report it as an event
             yield _event("error", {"error": {"type": "api_error",
                                              "message": f"generation failed: {exc}"}})
             return
         stop_reason, stop_sequence = _stop(last)
-        yield _event("content_block_stop", {"index": 0})
+        for event in blocks.finish():
+            yield event
+        if blocks.calls and stop_reason != "max_tokens":
+            stop_reason, stop_sequence = "tool_use", None
         yield _event("message_delta", {
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
             "usage": {"output_tokens": tokens}})
@@ -269,6 +319,63 @@ class AnthropicServing:
             "id": run.id, "type": "message", "role": "assistant", "model": run.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": usage.model_dump()}})
+
+
+class _BlockEvents:
+    """The content-block events of a streamed reply: a text block opened at the first text to
+    send (text that may start a tool call is held back by ``splitter``), then one ``tool_use``
+    block per call once the reply has ended (its ``input`` in one ``input_json_delta``)."""
+
+    def __init__(self, splitter: ToolCallStream | None) -> None:
+        self.splitter = splitter
+        self.index = 0
+        self.open = False
+        self.raw = self.sent = ""
+        self.calls: list[ToolUseOut] = []
+
+    def text(self, text: str) -> list[str]:
+        self.raw += text
+        if self.splitter is not None:
+            text = self.splitter.feed(text)
+        return self._text(text)
+
+    def _text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        self.sent += text
+        events = []
+        if not self.open:
+            self.open = True
+            events.append(_event("content_block_start", {
+                "index": self.index, "content_block": {"type": "text", "text": ""}}))
+        events.append(_event("content_block_delta", {
+            "index": self.index, "delta": {"type": "text_delta", "text": text}}))
+        return events
+
+    def finish(self) -> list[str]:
+        events: list[str] = []
+        calls: list[ToolUseOut] | None = None
+        if self.splitter is not None:
+            held, _ = self.splitter.finish()
+            calls = tool_use_blocks(self.splitter.calls) if self.splitter.calls else None
+            if calls is None:  # no calls, or not ones with object inputs: all text
+                held = self.raw[len(self.sent):]
+            events += self._text(held.strip() if calls else held)
+        if self.open or not calls:
+            if not self.open:
+                events.append(_event("content_block_start", {
+                    "index": self.index, "content_block": {"type": "text", "text": ""}}))
+            events.append(_event("content_block_stop", {"index": self.index}))
+            self.index += 1
+        for call in calls or []:
+            events.append(_event("content_block_start", {"index": self.index, "content_block": {
+                "type": "tool_use", "id": call.id, "name": call.name, "input": {}}}))
+            events.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(call.input)}}))
+            events.append(_event("content_block_stop", {"index": self.index}))
+            self.index += 1
+        self.calls = calls or []
+        return events
 
 
 def anthropic_error(status: int, message: str) -> JSONResponse:

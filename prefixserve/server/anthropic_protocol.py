@@ -1,17 +1,21 @@
 """The HTTP models of Anthropic's Messages API (``POST /v1/messages``, ``/count_tokens``), as far
-as this server implements it: text content blocks, ``cache_control`` breakpoints, sampling,
-stop sequences, streaming. Torch-free, like ``protocol.py``."""
+as this server implements it: text, ``tool_use`` and ``tool_result`` content blocks, ``tools``
+and ``tool_choice``, ``cache_control`` breakpoints, sampling, stop sequences, streaming.
+Torch-free, like ``protocol.py``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from prefixserve.core.retention import CACHE_CONTROL_TTLS
+from prefixserve.server.agent_protocol import FUNCTION_NAME_PATTERN
 
 MAX_BREAKPOINTS = 4
 """Anthropic allows at most four ``cache_control`` breakpoints per request."""
 
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+TTL_SECONDS = CACHE_CONTROL_TTLS
 
 
 class _Model(BaseModel):
@@ -30,9 +34,69 @@ class TextBlock(_Model):
     citations: list[Any] | None = None
 
 
+class ToolUseBlock(_Model):
+    """A call the assistant made (in an assistant message)."""
+
+    type: Literal["tool_use"]
+    id: str = Field(..., min_length=1)
+    name: str = Field(..., min_length=1)
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+    caller: dict[str, Any] | None = Field(None, description="Sent back by the SDK; ignored.")
+    toolset_name: str | None = Field(None, description="Sent back by the SDK; ignored.")
+
+
+class ToolResultBlock(_Model):
+    """The result of an earlier ``tool_use`` (in a user message)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(..., min_length=1)
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
 class Message(_Model):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Model):
+    """A client tool: its name, what it does, the JSON schema of its ``input``."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(..., pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class _Choice(_Model):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAuto(_Choice):
+    type: Literal["auto"]
+
+
+class ToolChoiceAny(_Choice):
+    type: Literal["any"]
+
+
+class ToolChoiceTool(_Choice):
+    type: Literal["tool"]
+    name: str
+
+
+class ToolChoiceNone(_Model):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone,
+                       Field(discriminator="type")]
 
 
 class Metadata(_Model):
@@ -43,6 +107,8 @@ class CountTokensRequest(_Model):
     model: str = Field(..., min_length=1)
     messages: list[Message] = Field(..., min_length=1)
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -71,12 +137,19 @@ class TextOut(BaseModel):
     text: str
 
 
+class ToolUseOut(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class MessageResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextOut]
+    content: list[TextOut | ToolUseOut]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage

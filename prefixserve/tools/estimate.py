@@ -175,10 +175,9 @@ class _PoolReplay:
         self.resident.append((request, trace_request, keys))
 
     def _pin(self, index: int, keys: Sequence[Any]) -> None:
-        """Pins the request's longest prefix made of target blocks, if it adds any."""
-        n = 0
-        while n < len(keys) and keys[n] in self.pin_targets:
-            n += 1
+        """Pins the request's prefix up to its last target block (a target stands for the
+        prefix up to it), if it adds any."""
+        n = max((i + 1 for i, key in enumerate(keys) if key in self.pin_targets), default=0)
         if n == 0 or keys[n - 1] in self.pinned:
             return
         try:

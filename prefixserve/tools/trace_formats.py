@@ -35,7 +35,12 @@ from typing import IO, Any, cast
 
 import numpy as np
 
-from prefixserve.core.retention import Retention, RetentionRange
+from prefixserve.core.retention import (
+    CACHE_CONTROL_PRIORITY,
+    CACHE_CONTROL_TTLS,
+    Retention,
+    RetentionRange,
+)
 
 FORMATS = ("tokens", "text", "chat", "mooncake", "bailian", "kvcache-tester")
 """Input formats. ``text`` and ``chat`` are one reader: a line may hold either field."""
@@ -44,6 +49,9 @@ DEFAULT_TRACE_BLOCK_SIZES = {"mooncake": 512, "bailian": 16, "kvcache-tester": 6
 """Block size of ``hash_ids`` when neither the record nor ``--trace-block-size`` gives one."""
 
 MAX_BAD_LINE_EXAMPLES = 5
+
+MAX_BREAKPOINTS = 4
+"""``cache_control`` breakpoints a line may carry (as Anthropic's API allows)."""
 
 ProgressCallback = Callable[[float], None]
 """Called now and then with the fraction of the input read so far."""
@@ -318,21 +326,52 @@ class _TokenReader:
 
 
 def _retention(record: dict[str, Any]) -> Retention | None:
-    """A line's ``retention``: ``{"priority", "duration"}`` or ``{"ranges": [{"start", "end",
-    "priority", "duration"}]}``, durations in seconds (None: no expiry)."""
-    value = record.get("retention")
+    """A line's ``retention`` (``{"priority", "duration"}`` or ``{"ranges": [{"start", "end",
+    "priority", "duration"}]}``, durations in seconds, None: no expiry) and its
+    ``cache_control`` breakpoints (:func:`_breakpoints`), together."""
+    ranges = _retention_ranges(record.get("retention")) + _breakpoints(record.get("cache_control"))
+    return Retention(ranges) if ranges else None
+
+
+def _retention_ranges(value: Any) -> tuple[RetentionRange, ...]:
     if value is None:
-        return None
+        return ()
     if not isinstance(value, dict):
         raise LineError("'retention' must be an object")
     try:
         if "ranges" in value:
-            return Retention(tuple(RetentionRange(int(r.get("start", 0)), r.get("end"),
-                                                  int(r["priority"]), r.get("duration"))
-                                   for r in value["ranges"]))
-        return Retention.whole_prompt(int(value["priority"]), value.get("duration"))
+            return tuple(RetentionRange(int(r.get("start", 0)), r.get("end"),
+                                        int(r["priority"]), r.get("duration"))
+                         for r in value["ranges"])
+        return Retention.whole_prompt(int(value["priority"]), value.get("duration")).ranges
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise LineError(f"bad 'retention': {exc}") from None
+
+
+def _breakpoints(value: Any) -> tuple[RetentionRange, ...]:
+    """``cache_control``: one breakpoint or a list of at most four, each ``{"tokens": N,
+    "ttl": "5m" | "1h" | seconds}`` (``ttl`` "5m" when absent): the first ``N`` prompt tokens
+    are kept at ``CACHE_CONTROL_PRIORITY`` for the TTL, refreshed on every hit, as the
+    server's Messages API keeps a breakpoint's prefix."""
+    if value is None:
+        return ()
+    points = value if isinstance(value, list) else [value]
+    if len(points) > MAX_BREAKPOINTS:
+        raise LineError(f"'cache_control' has {len(points)} breakpoints, at most "
+                        f"{MAX_BREAKPOINTS} are allowed")
+    out = []
+    for point in points:
+        if not isinstance(point, dict) or isinstance(point.get("tokens"), bool) or \
+                not isinstance(point.get("tokens"), int) or point["tokens"] < 1:
+            raise LineError("bad 'cache_control': each breakpoint is {\"tokens\": N, "
+                            "\"ttl\": \"5m\" | \"1h\" | seconds} with N >= 1")
+        ttl = point.get("ttl", "5m")
+        seconds = CACHE_CONTROL_TTLS.get(ttl) if isinstance(ttl, str) else ttl
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+            raise LineError(f"bad 'cache_control': ttl {ttl!r} is not \"5m\", \"1h\" or a "
+                            "positive number of seconds")
+        out.append(RetentionRange(0, point["tokens"], CACHE_CONTROL_PRIORITY, float(seconds)))
+    return tuple(out)
 
 
 class _TextReader:
