@@ -1,11 +1,11 @@
 """The deterministic mode's kernels: a row's result is bitwise the same whatever else is in the
 step (``prefixserve/model/batch_invariant.py``).
 
-Each kernel is checked at every row count 1..300 (each row of a product of M rows against the
-same row of a product of 300 rows, at varied offsets so that rows land at every place of a row
-tile), attention across the ways a prompt can be split between cache and compute, and the norm,
-rotary embedding and sampler across batch compositions. End-to-end checks with the real model
-are in ``tests/test_deterministic.py``.
+Each kernel is checked at every row count 1..64 and every 13th up to 300 (each row of a product
+of M rows against the same row of a product of 300 rows, at varied offsets so that rows land at
+every place of a row tile), attention across the ways a prompt can be split between cache and
+compute, and the norm, rotary embedding and sampler across batch compositions. End-to-end checks
+with the real model are in ``tests/test_deterministic.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from prefixserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 MAX_ROWS = 300
+#: Every row count up to 64 (each tail size and place in a row tile, past SMALL_M), then every
+#: 13th up to MAX_ROWS (13 is prime to the tile of 8: every tail size again, in large products).
+ROW_COUNTS = sorted({*range(1, 65), *range(65, MAX_ROWS, 13), MAX_ROWS})
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -37,7 +40,7 @@ def rows_unchanged(product: Callable[[torch.Tensor, int], torch.Tensor], x: torc
     offset)`` differs from the same row of ``product(x, 0)`` (``x`` has MAX_ROWS rows)."""
     reference = product(x, 0)
     bad = []
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in ROW_COUNTS:
         offset = (rows * 7) % (MAX_ROWS - rows + 1)  # varied places in a row tile
         got = product(x[offset : offset + rows], offset)
         if not torch.equal(got, reference[offset : offset + rows]):

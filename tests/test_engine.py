@@ -79,20 +79,37 @@ def test_greedy_identical_with_caching_on_and_off_and_hits_follow_the_rules(
     assert_idle(uncached)
 
 
-def test_chunked_prefill_gives_the_same_tokens(uncached: LLM) -> None:
+def test_chunked_prefill_gives_the_same_tokens(cached: LLM, uncached: LLM,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cached engine with a step budget of 24 tokens (the scheduler's budget is all that
+    chunks; one model load fewer than a second engine), its cache emptied first."""
     ps = prompts(uncached)
     reference = token_outputs(uncached.generate(ps, GREEDY))
-    chunked = LLM(num_blocks=256, block_size=16, dtype="float32", max_num_batched_tokens=24)
-    assert token_outputs(chunked.generate(ps, GREEDY)) == reference
-    assert_idle(chunked)
+    cached.reset_prefix_cache()
+    scheduler = cached.engine.scheduler
+    steps: list[int] = []
+    schedule = scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        out = schedule()
+        steps.append(out.num_tokens)
+        return out
+
+    monkeypatch.setattr(scheduler, "max_num_batched_tokens", 24)
+    monkeypatch.setattr(scheduler, "schedule", recorded)
+    assert token_outputs(cached.generate(ps, GREEDY)) == reference
+    assert max(steps) == 24 and min(len(p) for p in ps) > 2 * 24  # every prompt was chunked
+    monkeypatch.undo()
+    assert_idle(cached)
 
 
 def test_preemption_gives_the_same_tokens_and_leaks_nothing(uncached: LLM) -> None:
     ps = prompts(uncached)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     reference = token_outputs(uncached.generate(ps, params))
-    # 4 x (~50 + 40 tokens) needs ~24 blocks: preemption is forced
-    small = LLM(num_blocks=14, block_size=16, dtype="float32")
+    # 4 x (~50 + 24 tokens) needs ~20 blocks (14 with the shared system prompt's two full
+    # blocks counted once), one request alone at most 6: preemption is forced
+    small = LLM(num_blocks=10, block_size=16, dtype="float32")
     assert token_outputs(small.generate(ps, params)) == reference
     assert small.engine.scheduler.num_preemptions > 0
     assert_idle(small)

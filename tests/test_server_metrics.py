@@ -43,18 +43,35 @@ GONE = ("prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total")
 """The old token counters' names: the token counts are ``prefix_cache_queries/hits`` now."""
 
 
-@pytest.fixture(scope="module", params=["prefixserve", "vllm"])
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[ServerProcess, str]]:
-    """A server and its metric name prefix; the default prefix is left to the default."""
-    prefix: str = request.param
-    args = ["--num-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-model-len", "256",
-            "--served-model-name", SERVED_NAME, "--log-stats-interval", "0"]
-    if prefix != "prefixserve":
-        args += ["--metrics-prefix", prefix]
-    process = ServerProcess(args, tmp_path_factory.mktemp(f"metrics-{prefix}") / "server.log")
-    yield process.start(), prefix
-    process.stop()
+PREFIXES = ("prefixserve", "vllm")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """One server per metric name prefix, started side by side (the default prefix is left to
+    the default)."""
+    processes = {}
+    for prefix in PREFIXES:
+        args = ["--num-blocks", "64", "--block-size", str(BLOCK_SIZE), "--max-model-len", "256",
+                "--served-model-name", SERVED_NAME, "--log-stats-interval", "0"]
+        if prefix != "prefixserve":
+            args += ["--metrics-prefix", prefix]
+        processes[prefix] = ServerProcess(
+            args, tmp_path_factory.mktemp(f"metrics-{prefix}") / "server.log")
+    try:
+        for process in processes.values():
+            process.start()
+        yield processes
+    finally:
+        for process in processes.values():
+            process.stop()
+
+
+@pytest.fixture(params=PREFIXES)
+def served(request: pytest.FixtureRequest, servers: dict[str, ServerProcess]
+           ) -> tuple[ServerProcess, str]:
+    """A server and its metric name prefix."""
+    return servers[request.param], request.param
 
 
 def fresh_prompt() -> list[int]:
