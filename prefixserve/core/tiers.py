@@ -13,7 +13,7 @@ Rules (docs/DESIGN.md section 17):
 * ``TierChain.fetch`` walks the keys in chain order, block by block, taking each block from the
   first tier (in chain order) that holds a valid record of it, and stops at the first block no
   tier gives: a block is useless when an earlier one is missing.
-* A tier that raises (down, timed out, full) is **marked down** for ``retry_after`` seconds:
+* A tier that raises (down, timed out, broken) is **marked down** for ``retry_after`` seconds:
   while down, its lookups are misses and its writes are dropped (both counted); the first call
   after that time probes it again. A tier never makes a request fail.
 * A tier whose write raises ``TierFull`` (a full disk, a Redis out of memory) is not down: it
