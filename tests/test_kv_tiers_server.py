@@ -52,21 +52,41 @@ def text(body: dict[str, Any]) -> str:
     return body["choices"][0]["text"]
 
 
-def test_a_restart_finds_the_prompt_on_disk_and_a_corrupt_file_is_skipped(tmp_path: Path
-                                                                          ) -> None:
-    """Serve a 2,000-token prompt, stop, start again on the same directory: >= 1,984 tokens
-    come from the disk tier and the greedy output is the same. Then one block file is damaged
-    and the pool emptied: the lookup stops at that block (a miss, counted), the output is still
-    the same."""
-    disk = tmp_path / "kv"
-    args = [*ARGS, "--kv-disk-dir", str(disk)]
-    first_server = ServerProcess(args, tmp_path / "first.log").start()
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+              ) -> tuple[Path, dict[str, Any]]:
+    """A server with a disk tier and the Redis tier computes the 2,000-token prompt (nothing
+    cached anywhere), writes its blocks to both and stops: the disk directory and the reply,
+    for the restart and the sharing tests (one cold prompt and one server for both)."""
+    workdir = tmp_path_factory.mktemp("first")
+    disk = workdir / "kv"
+    args = [*ARGS, "--kv-disk-dir", str(disk), "--kv-redis-url", redis_server.url]
+    server = ServerProcess(args, workdir / "first.log").start()
     try:
-        first = complete(first_server, PROMPT)
-        assert cached(first) == (0, {"pool": 0, "disk": 0})
-        first_server.wait_for_metrics(lambda m: m[STORED % "disk"] >= FULL_BLOCKS, timeout=120)
+        first = complete(server, PROMPT)
+        assert cached(first) == (0, {"pool": 0, "disk": 0, "redis": 0})
+        server.wait_for_metrics(lambda m: min(m[STORED % "disk"], m[STORED % "redis"])
+                                >= FULL_BLOCKS, timeout=120)
     finally:
-        assert first_server.stop() == 0
+        assert server.stop() == 0
+    return disk, first
+
+
+def test_a_restart_finds_the_prompt_on_disk_and_a_corrupt_file_is_skipped(
+        tmp_path: Path, first_run: tuple[Path, dict[str, Any]]) -> None:
+    """After the first run stopped, a server starts again on the same directory: >= 1,984
+    tokens of the 2,000-token prompt come from the disk tier and the greedy output is the same.
+    Then one block file is damaged and the pool emptied: the lookup stops at that block (a
+    miss, counted), the output is still the same."""
+    disk, first = first_run
+    args = [*ARGS, "--kv-disk-dir", str(disk)]
     server = ServerProcess(args, tmp_path / "second.log").start()
     try:
         again = complete(server, PROMPT)
@@ -105,26 +125,17 @@ def _block_file(disk: Path, tokens: list[int]) -> Path:
     raise AssertionError("no record file holds the block")
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
 def test_two_servers_share_blocks_through_redis_but_not_across_tenants(
-        tmp_path: Path, redis_server: RedisServer) -> None:
-    """Server B's first request on A's prompt takes the blocks A wrote to Redis, with the same
-    output; another tenant's request on B finds nothing in any tier (its salt makes other
-    keys."""
-    args = [*ARGS, "--kv-redis-url", redis_server.url]
-    server_a = ServerProcess(args, tmp_path / "a.log")
-    server_b = ServerProcess([*args, "--kv-disk-dir", str(tmp_path / "kv-b")], tmp_path / "b.log")
+        tmp_path: Path, redis_server: RedisServer, first_run: tuple[Path, dict[str, Any]]
+        ) -> None:
+    """Server B's first request on the prompt the first run computed (on another server, A)
+    takes A's blocks from Redis, with the same output; another tenant's request on B finds
+    nothing in any tier (its salt makes other keys)."""
+    _, first = first_run
+    args = [*ARGS, "--kv-redis-url", redis_server.url, "--kv-disk-dir", str(tmp_path / "kv-b")]
+    server_b = ServerProcess(args, tmp_path / "b.log")
     try:
-        server_a.start()
         server_b.start()
-        first = complete(server_a, PROMPT)
-        server_a.wait_for_metrics(lambda m: m[STORED % "redis"] >= FULL_BLOCKS, timeout=120)
         shared = complete(server_b, PROMPT)
         total, by_tier = cached(shared)
         assert total >= 1984 and by_tier["redis"] == total, tier_metrics(server_b)
@@ -132,10 +143,9 @@ def test_two_servers_share_blocks_through_redis_but_not_across_tenants(
 
         other = complete(server_b, PROMPT[:600], key="tenant-two", max_tokens=1)
         assert cached(other) == (0, {"pool": 0, "disk": 0, "redis": 0})
-        assert server_a.wait_for_metrics(idle)
+        assert server_b.wait_for_metrics(idle)
     finally:
-        server_a.stop()
-        server_b.stop()
+        assert server_b.stop() == 0
 
 
 UP = "prefixserve:kv_tier_up{tier=redis}"
