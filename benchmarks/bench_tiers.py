@@ -66,12 +66,32 @@ def redis_server(url: str | None, workdir: str) -> Iterator[str]:
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",
                                 "", "--appendonly", "no", "--dir", workdir],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
+    url = f"redis://127.0.0.1:{port}/0"
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        _wait_for_redis(url, process)
+        yield url
     finally:
         process.terminate()
         process.wait(10)
+
+
+def _wait_for_redis(url: str, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Returns once the Redis at ``url`` answers PING (a tier whose first call fails is marked
+    down for a while, which would spoil the first repeat)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"redis-server did not start at {url}") from None
+            time.sleep(0.05)
+        finally:
+            client.close()
 
 
 def _ttft(llm: LLM, prompt: list[int]) -> tuple[float, dict[str, int] | None]:

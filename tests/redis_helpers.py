@@ -25,22 +25,25 @@ def require_redis_server() -> str:
 
 
 class RedisServer:
-    """``redis-server`` on a free port, without persistence, with an LRU memory budget.
+    """``redis-server`` on a free port, without persistence, with a memory budget (LRU unless
+    ``policy`` says otherwise).
     ``stop`` and ``start`` may be called again (the same port), to fake an outage."""
 
-    def __init__(self, workdir: Path, max_memory: str = "512mb") -> None:
+    def __init__(self, workdir: Path, max_memory: str = "512mb", policy: str = "allkeys-lru"
+                 ) -> None:
         self.binary = require_redis_server()
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
         self.max_memory = max_memory
+        self.policy = policy
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--maxmemory", self.max_memory, "--maxmemory-policy",
-             "allkeys-lru", "--dir", str(self.workdir)],
+             self.policy, "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = self.client()
         deadline = time.monotonic() + 20

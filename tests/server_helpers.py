@@ -30,16 +30,18 @@ class ServerProcess:
 
     ``metrics_key`` is sent to ``/metrics`` when the server protects it. ``start`` returns once
     ``/health`` answers 200 (or fails with the log if the process dies
-    or does not come up in time); ``stop`` sends SIGTERM and returns the exit status."""
+    or does not come up in time); ``stop`` sends SIGTERM and returns the exit status.
+    ``wrapper`` is a command that runs the server as its arguments and ends with ``exec`` of
+    them (so that ``process`` is the server itself), e.g. one that mounts a file system first."""
 
     def __init__(self, args: Sequence[str], log_path: Path,
-                 metrics_key: str | None = None) -> None:
+                 metrics_key: str | None = None, wrapper: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.metrics_headers = {"Authorization": f"Bearer {metrics_key}"} if metrics_key else {}
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
-        command = [sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1",
+        command = [*wrapper, sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), "--disable-access-log", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,

@@ -93,23 +93,59 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
 
 def test_a_full_disk_stops_the_writes_and_the_lookups_go_on(tmp_path: Path) -> None:
     """A real full file system (a 1 MiB tmpfs, mounted when the test may): the write fails,
-    the tier is marked down, nothing half-written stays, and what was stored still loads."""
+    the tier is marked full (not down), nothing half-written stays, writes are dropped at once
+    while it is full, and what was stored still loads through the chain."""
     mount = tmp_path / "small"
     if not _mount_tmpfs(mount, "1M"):
-        pytest.skip("cannot mount a tmpfs here (not root); the size-budget test covers the rest")
+        pytest.skip("cannot mount a tmpfs here (not root); test_kv_tiers_server.py's disk-full "
+                    "test mounts one in a user namespace")
     try:
         disk = DiskTier(str(mount), NS.hex(), capacity=1 << 30)  # a budget the disk lacks
         chain = TierChain([disk], retry_after=60)
         chain.store([(key(0), record(0))])
-        chain.store([(key(1), encode_record(TOKENS[1], b"x" * (2 << 20)))])  # ENOSPC
+        # One batch: block 3 fits, block 1 (2 MiB) finds no room (ENOSPC).
+        chain.store([(key(3), record(3)), (key(1), encode_record(TOKENS[1], b"x" * (2 << 20)))])
         stats = chain.snapshot()[0]
-        assert not stats.up and stats.errors == 1 and stats.dropped_writes == 1
+        assert stats.up and not stats.writable and stats.full_events == 1
+        assert (stats.errors, stats.stored_blocks, stats.dropped_writes) == (1, 2, 1)
         assert not [p for p in mount.rglob("*") if p.name.endswith(".tmp")]
-        chain.store([(key(2), record(2))])  # while down: dropped at once
-        assert chain.snapshot()[0].dropped_writes == 2
-        assert disk.load_many([key(0)]) == [record(0)]
+        chain.store([(key(2), record(2))])  # while full: dropped at once
+        assert chain.snapshot()[0].dropped_writes == 2 and chain.snapshot()[0].errors == 1
+        runs = chain.fetch([key(0)], TOKENS[:1], PAYLOAD)
+        assert [bytes(p) for run in runs for p in run.payloads] == [bytes([0]) * PAYLOAD]
+        assert chain.snapshot()[0].hit_blocks == 1 and disk.contains(key(3))
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_redis_out_of_memory_is_full_not_down(tmp_path: Path) -> None:
+    """A real Redis that refuses writes past its memory (``noeviction``, 3 MiB): the tier is
+    marked full, not down, its lookups still hit; once ``retry_after`` has passed and room was
+    made, a write goes through and the tier takes writes again."""
+    server = RedisServer(tmp_path, max_memory="3mb", policy="noeviction").start()
+    now = [0.0]
+    try:
+        tier = RedisTier(server.url, ttl=60, timeout=2)
+        chain = TierChain([tier], retry_after=5, clock=lambda: now[0])
+        chain.store([(key(0), record(0))])
+        big = [(key(i), encode_record(TOKENS[i], b"x" * (700 << 10))) for i in range(1, 8)]
+        for item in big:  # until Redis refuses one
+            chain.store([item])
+            if not chain.snapshot()[0].writable:
+                break
+        stats = chain.snapshot()[0]
+        assert stats.up and not stats.writable and stats.full_events == 1
+        assert stats.dropped_writes == 1 and stats.stored_blocks < 1 + len(big)
+        assert [len(r.payloads) for r in chain.fetch([key(0)], TOKENS[:1], PAYLOAD)] == [1]
+        tier.evict_many([k for k, _ in big])
+        chain.store([(key(2), record(2))])  # still within retry_after: dropped
+        assert not chain.snapshot()[0].writable
+        now[0] = 6.0
+        chain.store([(key(2), record(2))])
+        stats = chain.snapshot()[0]
+        assert stats.writable and stats.down_events == 0 and tier.contains(key(2))
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------------- the chain

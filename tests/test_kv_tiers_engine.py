@@ -24,19 +24,19 @@ def prompt(seed: int, length: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def write_back(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    llm = LLM(dtype="float32", num_blocks=48, kv_disk_dir=str(tmp_path_factory.mktemp("kv")),
+    llm = LLM(dtype="float32", num_blocks=24, kv_disk_dir=str(tmp_path_factory.mktemp("kv")),
               kv_tier_write_policy="back", kv_tier_min_prefix_tokens=0)
     yield llm
     llm.close()
 
 
 def test_write_back_saves_evicted_blocks_and_the_lookup_finds_them(write_back: LLM) -> None:
-    """A (25 blocks) then B (25 more) in a 48-block pool: B's allocation evicts A's last
+    """A (13 blocks) then B (13 more) in a 24-block pool: B's allocation evicts A's last
     blocks, which are written to disk as they go; A again takes its head from the pool and its
     tail from the disk, with the same output. Nothing was written before an eviction."""
     engine = write_back.engine
     assert engine.tiers is not None
-    a, b = prompt(1, 400), prompt(2, 400)
+    a, b = prompt(1, 200), prompt(2, 200)
     first = write_back.generate(a, GREEDY)[0]
     assert engine.tiers.stats()[0].stored_blocks == 0
     write_back.generate(b, GREEDY)
@@ -45,7 +45,7 @@ def test_write_back_saves_evicted_blocks_and_the_lookup_finds_them(write_back: L
     again = write_back.generate(a, GREEDY)[0]
     split = again.num_cached_tokens_by_tier
     assert split is not None and split["disk"] > 0 and split["pool"] > 0
-    assert again.num_cached_tokens == split["pool"] + split["disk"] == 384
+    assert again.num_cached_tokens == split["pool"] + split["disk"] == 192
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
 
@@ -62,9 +62,9 @@ def test_only_prompts_of_the_minimum_length_are_written(write_through: LLM) -> N
     engine = write_through.engine
     assert engine.tiers is not None
     write_through.generate(prompt(3, 150), GREEDY)
-    write_through.generate(prompt(4, 300), GREEDY)
+    write_through.generate(prompt(4, 224), GREEDY)
     write_through.close()  # waits for the writer
-    assert engine.tiers.stats()[0].stored_blocks == 300 // 16
+    assert engine.tiers.stats()[0].stored_blocks == 224 // 16
 
 
 def test_a_hung_tier_delays_only_the_request_it_is_looking_up() -> None:

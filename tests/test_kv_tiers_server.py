@@ -4,8 +4,13 @@ them in every tier, and a tier that fails never fails a request (docs/DESIGN.md 
 
 from __future__ import annotations
 
+import itertools
 import random
+import shutil
+import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,21 +52,41 @@ def text(body: dict[str, Any]) -> str:
     return body["choices"][0]["text"]
 
 
-def test_a_restart_finds_the_prompt_on_disk_and_a_corrupt_file_is_skipped(tmp_path: Path
-                                                                          ) -> None:
-    """Serve a 2,000-token prompt, stop, start again on the same directory: >= 1,984 tokens
-    come from the disk tier and the greedy output is the same. Then one block file is damaged
-    and the pool emptied: the lookup stops at that block (a miss, counted), the output is still
-    the same."""
-    disk = tmp_path / "kv"
-    args = [*ARGS, "--kv-disk-dir", str(disk)]
-    first_server = ServerProcess(args, tmp_path / "first.log").start()
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+              ) -> tuple[Path, dict[str, Any]]:
+    """A server with a disk tier and the Redis tier computes the 2,000-token prompt (nothing
+    cached anywhere), writes its blocks to both and stops: the disk directory and the reply,
+    for the restart and the sharing tests (one cold prompt and one server for both)."""
+    workdir = tmp_path_factory.mktemp("first")
+    disk = workdir / "kv"
+    args = [*ARGS, "--kv-disk-dir", str(disk), "--kv-redis-url", redis_server.url]
+    server = ServerProcess(args, workdir / "first.log").start()
     try:
-        first = complete(first_server, PROMPT)
-        assert cached(first) == (0, {"pool": 0, "disk": 0})
-        first_server.wait_for_metrics(lambda m: m[STORED % "disk"] >= FULL_BLOCKS, timeout=120)
+        first = complete(server, PROMPT)
+        assert cached(first) == (0, {"pool": 0, "disk": 0, "redis": 0})
+        server.wait_for_metrics(lambda m: min(m[STORED % "disk"], m[STORED % "redis"])
+                                >= FULL_BLOCKS, timeout=120)
     finally:
-        assert first_server.stop() == 0
+        assert server.stop() == 0
+    return disk, first
+
+
+def test_a_restart_finds_the_prompt_on_disk_and_a_corrupt_file_is_skipped(
+        tmp_path: Path, first_run: tuple[Path, dict[str, Any]]) -> None:
+    """After the first run stopped, a server starts again on the same directory: >= 1,984
+    tokens of the 2,000-token prompt come from the disk tier and the greedy output is the same.
+    Then one block file is damaged and the pool emptied: the lookup stops at that block (a
+    miss, counted), the output is still the same."""
+    disk, first = first_run
+    args = [*ARGS, "--kv-disk-dir", str(disk)]
     server = ServerProcess(args, tmp_path / "second.log").start()
     try:
         again = complete(server, PROMPT)
@@ -100,27 +125,17 @@ def _block_file(disk: Path, tokens: list[int]) -> Path:
     raise AssertionError("no record file holds the block")
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
 def test_two_servers_share_blocks_through_redis_but_not_across_tenants(
-        tmp_path: Path, redis_server: RedisServer) -> None:
-    """Server B's first request on A's prompt takes the blocks A wrote to Redis, with the same
-    output; another tenant's request on B finds nothing in any tier (its salt makes other
-    keys). Then Redis stops: requests still succeed, the tier is marked down; Redis comes
-    back: the tier is up again."""
-    args = [*ARGS, "--kv-redis-url", redis_server.url]
-    server_a = ServerProcess(args, tmp_path / "a.log")
-    server_b = ServerProcess([*args, "--kv-disk-dir", str(tmp_path / "kv-b")], tmp_path / "b.log")
+        tmp_path: Path, redis_server: RedisServer, first_run: tuple[Path, dict[str, Any]]
+        ) -> None:
+    """Server B's first request on the prompt the first run computed (on another server, A)
+    takes A's blocks from Redis, with the same output; another tenant's request on B finds
+    nothing in any tier (its salt makes other keys)."""
+    _, first = first_run
+    args = [*ARGS, "--kv-redis-url", redis_server.url, "--kv-disk-dir", str(tmp_path / "kv-b")]
+    server_b = ServerProcess(args, tmp_path / "b.log")
     try:
-        server_a.start()
         server_b.start()
-        first = complete(server_a, PROMPT)
-        server_a.wait_for_metrics(lambda m: m[STORED % "redis"] >= FULL_BLOCKS, timeout=120)
         shared = complete(server_b, PROMPT)
         total, by_tier = cached(shared)
         assert total >= 1984 and by_tier["redis"] == total, tier_metrics(server_b)
@@ -128,24 +143,158 @@ def test_two_servers_share_blocks_through_redis_but_not_across_tenants(
 
         other = complete(server_b, PROMPT[:600], key="tenant-two", max_tokens=1)
         assert cached(other) == (0, {"pool": 0, "disk": 0, "redis": 0})
-
-        _redis_outage(server_a, redis_server)
-        assert server_a.wait_for_metrics(idle)
+        assert server_b.wait_for_metrics(idle)
     finally:
-        server_a.stop()
-        server_b.stop()
+        assert server_b.stop() == 0
 
 
-def _redis_outage(server: ServerProcess, redis_server: RedisServer) -> None:
-    up = "prefixserve:kv_tier_up{tier=redis}"
-    rng = random.Random(16)
-    prompt = [rng.randrange(200, 40000) for _ in range(300)]
-    later = [rng.randrange(200, 40000) for _ in range(300)]
-    redis_server.stop()
-    complete(server, prompt, max_tokens=2)
-    metrics = server.wait_for_metrics(lambda m: m[up] == 0)
-    assert metrics["prefixserve:kv_tier_down_events_total{tier=redis}"] == 1
-    redis_server.start()
-    time.sleep(1.2)  # --kv-tier-retry-after 1
-    complete(server, later, max_tokens=2)  # its lookup probes Redis again
-    server.wait_for_metrics(lambda m: m[up] == 1, timeout=10)
+UP = "prefixserve:kv_tier_up{tier=redis}"
+REDIS_HITS = "prefixserve:kv_tier_hit_blocks_total{tier=redis}"
+_STREAM_RNG = random.Random(16)
+STREAM_PROMPTS = [[_STREAM_RNG.randrange(200, 40000) for _ in range(48)] for _ in range(8)]
+"""8 prompts of 3 blocks, cycled by 3 clients: a 20-block pool (12 of them held by the running
+requests) keeps about two, so each prompt comes back after the pool evicted it and its blocks
+come from Redis while Redis is up."""
+
+
+class _Stream:
+    """``workers`` threads sending the prompts in turn until ``stop``; every reply is kept with
+    the time it came, and any error (a status other than 200, a broken connection)."""
+
+    def __init__(self, server: ServerProcess, workers: int = 3) -> None:
+        self.server = server
+        self.turn = itertools.count()
+        self.replies: list[tuple[float, int, str]] = []
+        self.errors: list[str] = []
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._work) for _ in range(workers)]
+
+    def _work(self) -> None:
+        with httpx.Client(base_url=self.server.url, timeout=120,
+                          headers={"Authorization": "Bearer tenant-one"}) as client:
+            while not self.done.is_set():
+                index = next(self.turn) % len(STREAM_PROMPTS)
+                try:
+                    response = client.post("/v1/completions", json={
+                        "prompt": STREAM_PROMPTS[index], "max_tokens": 3, "temperature": 0})
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    continue
+                if response.status_code != 200:
+                    self.errors.append(response.text)
+                    continue
+                self.replies.append((time.monotonic(), index, text(response.json())))
+
+    def __enter__(self) -> _Stream:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        for thread in self.threads:
+            thread.join(150)
+
+    def finished_since(self, moment: float) -> int:
+        return sum(1 for when, _, _ in self.replies if when > moment)
+
+
+def test_redis_stopped_mid_run_fails_no_request_and_its_hits_come_back(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """Three clients send requests without pause to a server with a small pool and a Redis
+    tier; Redis stops while requests (and their tier reads and writes) are in flight, and starts
+    again (empty). No request fails, requests finish while Redis is down, ``kv_tier_up`` goes
+    to 0 and back to 1, blocks come from Redis again after the restart, each prompt's greedy
+    output stays the same whether its blocks were computed or loaded (the deterministic mode),
+    and no pool block is left held."""
+    args = [*ARGS, "--kv-redis-url", redis_server.url, "--num-blocks", "20",
+            "--kv-tier-min-prefix-tokens", "0", "--deterministic"]
+    server = ServerProcess(args, tmp_path / "outage.log")
+    try:
+        server.start()
+        with _Stream(server) as stream:
+            server.wait_for_metrics(lambda m: m[REDIS_HITS] > 0, timeout=300)
+            server.wait_for_metrics(lambda m: m["prefixserve:num_requests_running"] > 0)
+            stopped = time.monotonic()
+            redis_server.stop()
+            down = server.wait_for_metrics(lambda m: m[UP] == 0)
+            assert down["prefixserve:kv_tier_down_events_total{tier=redis}"] == 1
+            _wait_for(lambda: stream.finished_since(stopped) >= 4 or bool(stream.errors))
+            restarted = time.monotonic()
+            redis_server.start()
+            hits = server.wait_for_metrics(lambda m: m[UP] == 1)[REDIS_HITS]
+            server.wait_for_metrics(lambda m: m[REDIS_HITS] > hits, timeout=300)
+        assert not stream.errors, stream.errors[:3]
+        assert sum(1 for when, _, _ in stream.replies if stopped < when < restarted) >= 4
+        texts: dict[int, set[str]] = {}
+        for _, index, output in stream.replies:
+            texts.setdefault(index, set()).add(output)
+        assert all(len(outputs) == 1 for outputs in texts.values()), texts
+        assert server.wait_for_metrics(idle)
+    finally:
+        assert server.stop() == 0
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def _small_filesystem(path: Path, size: str) -> list[str] | None:
+    """A command prefix that runs its arguments with a fresh tmpfs of ``size`` mounted on
+    ``path``, in a mount namespace of their own (an unprivileged user namespace where the kernel
+    allows one, else root's), so nothing stays mounted after; None where neither is allowed."""
+    if shutil.which("unshare") is None:
+        return None
+    script = f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"'
+    for unshare in (["unshare", "--user", "--map-root-user", "--mount"], ["unshare", "--mount"]):
+        command = [*unshare, "sh", "-c", script, str(path)]
+        if subprocess.run([*command, "true"], capture_output=True).returncode == 0:
+            return command
+    return None
+
+
+def test_a_full_disk_stops_the_writes_and_serving_goes_on(tmp_path: Path) -> None:
+    """The disk tier on a real 2 MiB file system (room for two float32 block records) with a
+    budget of 1 GiB: the third write of the first prompt finds no room. The tier is marked full
+    (``kv_tier_writable`` 0, a log line), not down; every request succeeds; the blocks stored
+    before still load; no temporary file is left and the file count is what was stored."""
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    wrapper = _small_filesystem(disk, "2m")
+    if wrapper is None:
+        pytest.skip("cannot mount a small tmpfs: this kernel allows neither an unprivileged user "
+                    "namespace nor (not root) a mount namespace")
+    args = [*ARGS, "--kv-disk-dir", str(disk), "--kv-disk-size", "1GiB",
+            "--kv-tier-min-prefix-tokens", "0"]
+    server = ServerProcess(args, tmp_path / "full.log", wrapper=wrapper).start()
+    try:
+        prompts = [[_RNG.randrange(200, 40000) for _ in range(160)] for _ in range(3)]
+        first = complete(server, prompts[0], max_tokens=2)
+        full = server.wait_for_metrics(lambda m: m["prefixserve:kv_tier_writable{tier=disk}"] == 0)
+        stored = int(full[STORED % "disk"])
+        assert full["prefixserve:kv_tier_up{tier=disk}"] == 1
+        assert full["prefixserve:kv_tier_full_events_total{tier=disk}"] == 1
+        assert 1 <= stored <= 2 and full["prefixserve:kv_tier_dropped_writes_total{tier=disk}"]
+        assert "KV tier disk is full (ENOSPC" in server.log
+        for prompt in prompts[1:]:
+            complete(server, prompt, max_tokens=2)
+        reset = httpx.post(server.url + "/reset_prefix_cache", timeout=30,
+                           headers={"Authorization": "Bearer admin"})
+        assert reset.status_code == 200
+        again = complete(server, prompts[0], max_tokens=2)
+        assert cached(again) == (stored * 16, {"pool": 0, "disk": stored * 16})
+        assert text(again) == text(first)
+        metrics = server.wait_for_metrics(idle)
+        assert metrics[STORED % "disk"] == stored
+        files = [p.name for p in _seen_by(server, disk).rglob("*") if p.is_file()]
+        assert len(files) == stored and all(name.endswith(".kv") for name in files), files
+    finally:
+        assert server.stop() == 0
+
+
+def _seen_by(server: ServerProcess, path: Path) -> Path:
+    """``path`` as the server's mount namespace sees it."""
+    return Path(f"/proc/{server.process.pid}/root") / path.relative_to("/")

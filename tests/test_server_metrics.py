@@ -153,7 +153,8 @@ def test_server_metrics_names_labels_and_token_counters() -> None:
 
 
 def test_tier_metrics_have_one_sample_per_tier() -> None:
-    engine = engine_with(kv_tiers=(TierStats("disk", hit_tokens=48, corrupt_blocks=1),
+    engine = engine_with(kv_tiers=(TierStats("disk", hit_tokens=48, corrupt_blocks=1,
+                                             writable=False, full_events=1),
                                    TierStats("redis", up=False, down_events=2)))
     registry = ServerMetrics(engine, "m").registry
 
@@ -165,6 +166,7 @@ def test_tier_metrics_have_one_sample_per_tier() -> None:
     assert value("hit_tokens_total", "disk") == 48
     assert value("corrupt_blocks_total", "disk") == 1
     assert value("down_events_total", "redis") == 2
+    assert (value("writable", "disk"), value("full_events_total", "disk")) == (0, 1)
     assert registry.get_sample_value("prefixserve:kv_tier_up",
                                      {"model_name": "m", "tier": "pool"}) is None
     none = ServerMetrics(engine_with(), "m").registry

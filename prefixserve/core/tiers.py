@@ -13,9 +13,13 @@ Rules (docs/DESIGN.md section 17):
 * ``TierChain.fetch`` walks the keys in chain order, block by block, taking each block from the
   first tier (in chain order) that holds a valid record of it, and stops at the first block no
   tier gives: a block is useless when an earlier one is missing.
-* A tier that raises (down, timed out, full) is **marked down** for ``retry_after`` seconds:
+* A tier that raises (down, timed out, broken) is **marked down** for ``retry_after`` seconds:
   while down, its lookups are misses and its writes are dropped (both counted); the first call
   after that time probes it again. A tier never makes a request fail.
+* A tier whose write raises ``TierFull`` (a full disk, a Redis out of memory) is not down: it
+  is marked **full** for ``retry_after`` seconds, during which its writes are dropped (counted)
+  and its lookups go on, since what it holds is still good; the first write after that time
+  tries again.
 
 Pure Python: keys, records and bookkeeping only; what a payload holds (KV tensor bytes) is the
 engine's business.
@@ -85,11 +89,20 @@ def decode_record(record: bytes | None, token_ids: Sequence[int], payload_size: 
     return view[tokens_size:]
 
 
+class TierFull(Exception):
+    """Raised by ``KVTier.store_many`` when the tier has no room left (not a broken tier);
+    ``stored`` of the records (the first ones) were stored before."""
+
+    def __init__(self, message: str, stored: int = 0) -> None:
+        super().__init__(message)
+        self.stored = stored
+
+
 class KVTier(ABC):
     """A store of block records by key. Batch calls are the primitive; the single-key ones are
     built on them. Implementations may raise on any failure (the chain marks the tier down);
-    ``store_many`` may skip records (a budget too small), ``load_many`` may return None for any
-    key (gone meanwhile)."""
+    ``store_many`` may skip records (a budget too small) and raises ``TierFull`` when there is
+    no room left; ``load_many`` may return None for any key (gone meanwhile)."""
 
     name: str = "tier"
 
@@ -127,10 +140,12 @@ class KVTier(ABC):
 
 @dataclass
 class TierStats:
-    """Counters of one tier since start (blocks unless named tokens), and whether it is up."""
+    """Counters of one tier since start (blocks unless named tokens), whether it is up, and
+    whether it takes writes (not while down or full)."""
 
     name: str
     up: bool = True
+    writable: bool = True
     hit_blocks: int = 0
     hit_tokens: int = 0
     miss_blocks: int = 0
@@ -139,6 +154,7 @@ class TierStats:
     corrupt_blocks: int = 0
     errors: int = 0
     down_events: int = 0
+    full_events: int = 0
 
 
 class TierHandle:
@@ -152,6 +168,8 @@ class TierHandle:
         self.retry_after = retry_after
         self._clock = clock
         self._down_until = 0.0
+        self._full_until = 0.0
+        self._full = False
         self._lock = threading.Lock()
 
     @property
@@ -172,11 +190,49 @@ class TierHandle:
         except Exception as exc:  # any failure of a tier is a miss, never a failed request
             self._mark_down(exc)
             return fallback
+        self._mark_up()
+        return result
+
+    def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Writes ``items`` and returns how many were stored: none when the tier is down or
+        full, or fails (down); those before the first that found no room (full, for
+        ``retry_after`` seconds)."""
+        if not self.is_up() or (self._full and self._clock() < self._full_until):
+            return 0
+        try:
+            self.tier.store_many(items)
+        except TierFull as exc:
+            self._mark_full(exc)
+            return exc.stored
+        except Exception as exc:  # any failure of a tier is a dropped write, never an error
+            self._mark_down(exc)
+            return 0
+        self._mark_up()
+        if self._full:
+            with self._lock:
+                self._full = False
+                self.stats.writable = self.stats.up
+            logger.warning("KV tier %s takes writes again", self.name)
+        return len(items)
+
+    def _mark_up(self) -> None:
         if not self.stats.up:
             with self._lock:
                 self.stats.up = True
+                self.stats.writable = not self._full
             logger.warning("KV tier %s is up again", self.name)
-        return result
+
+    def _mark_full(self, exc: Exception) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            self._full_until = self._clock() + self.retry_after
+            if not self._full:
+                self._full = True
+                self.stats.writable = False
+                self.stats.full_events += 1
+                logger.warning(
+                    "KV tier %s is full (%s); its writes stop for %.0f s, its lookups go on",
+                    self.name, exc, self.retry_after)
 
     def _mark_down(self, exc: Exception) -> None:
         with self._lock:
@@ -184,6 +240,7 @@ class TierHandle:
             self._down_until = self._clock() + self.retry_after
             if self.stats.up:
                 self.stats.up = False
+                self.stats.writable = False
                 self.stats.down_events += 1
                 logger.warning(
                     "KV tier %s is down (%s: %s); retrying in %.0f s", self.name,
@@ -265,12 +322,13 @@ class TierChain:
 
     def store(self, items: Sequence[tuple[bytes, bytes]], tiers: Sequence[int] | None = None
               ) -> None:
-        """Writes records to the given tiers (default: all); a tier that is down or fails drops
-        them (counted)."""
+        """Writes records to the given tiers (default: all); a tier that is down, full or fails
+        drops them (counted)."""
         for index in range(len(self.handles)) if tiers is None else tiers:
             handle = self.handles[index]
-            ok = handle.call(partial(_stored, handle.tier, items), False)
-            handle.count("stored_blocks" if ok else "dropped_writes", len(items))
+            stored = handle.store(items)
+            handle.count("stored_blocks", stored)
+            handle.count("dropped_writes", len(items) - stored)
 
     def count_dropped(self, n: int) -> None:
         """``n`` blocks that were never handed to the tiers (the write queue was full)."""
@@ -284,8 +342,3 @@ class TierChain:
     def close(self) -> None:
         for handle in self.handles:
             handle.call(handle.tier.close, None)
-
-
-def _stored(tier: KVTier, items: Sequence[tuple[bytes, bytes]]) -> bool:
-    tier.store_many(items)
-    return True

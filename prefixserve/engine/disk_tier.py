@@ -8,21 +8,24 @@ disk, a bad sector) fails the record's checksum and is a miss, counted and delet
 
 The index (key -> size, in LRU order) lives in memory and is rebuilt at start from the files,
 oldest modification time first; a load touches the file's time so that the order survives a
-restart. A write that finds the disk full raises (the chain marks the tier down, so writes stop
-for a while and serving goes on); a record larger than the whole budget is skipped.
+restart. A write that finds the file system full (``ENOSPC``, ``EDQUOT``, or ``EFBIG`` past a
+file size limit) removes what it wrote and raises ``TierFull``: the chain stops the writes for a
+while and the lookups go on. A record larger than the whole budget is skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from prefixserve.core.tiers import KVTier
+from prefixserve.core.tiers import KVTier, TierFull
 
 _SUFFIX = ".kv"
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class DiskTier(KVTier):
@@ -89,7 +92,7 @@ class DiskTier(KVTier):
         return out
 
     def store_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        for key, record in items:
+        for done, (key, record) in enumerate(items):
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
@@ -97,23 +100,29 @@ class DiskTier(KVTier):
                 if len(record) > self.capacity:
                     continue
                 self._shrink(len(record))
-            self._write(key, record)
+            try:
+                self._write(key, record)
+            except TierFull as exc:
+                exc.stored = done
+                raise
             with self._lock:
                 self._index[key] = len(record)
                 self.used += len(record)
 
     def _write(self, key: bytes, record: bytes) -> None:
-        """Writes ``record`` whole or not at all (temporary file, then rename); raises OSError
-        (a full disk, say) after removing what it wrote."""
+        """Writes ``record`` whole or not at all (temporary file, then rename); raises
+        ``TierFull`` (no room) or OSError after removing what it wrote."""
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(temp, "wb") as file:
                 file.write(record)
             os.replace(temp, path)
-        except OSError:
+        except OSError as exc:
             _unlink(temp)
+            if exc.errno in _NO_ROOM:
+                raise TierFull(f"{errno.errorcode[exc.errno]}: {exc.strerror}") from exc
             raise
 
     def _shrink(self, room: int) -> None:

@@ -8,7 +8,9 @@ failure raises at once (the client's own retries are off), and the chain marks t
 
 The memory budget is Redis' own: ``max_memory`` (when given) is applied with ``CONFIG SET
 maxmemory`` and ``maxmemory-policy allkeys-lru``, so Redis evicts the least recently used
-blocks; a Redis that refuses ``CONFIG`` keeps its own settings (logged).
+blocks; a Redis that refuses ``CONFIG`` keeps its own settings (logged). A write refused for
+lack of memory (``OOM``, under a ``noeviction`` policy) raises ``TierFull``: writes stop for a
+while, lookups go on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from prefixserve.core.tiers import KVTier
+from prefixserve.core.tiers import KVTier, TierFull
 
 logger = logging.getLogger("prefixserve.tiers")
 
@@ -75,15 +77,36 @@ class RedisTier(KVTier):
         return out
 
     def store_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        size = 0
-        for key, record in items:
-            pipe.set(KEY_PREFIX + key, record, ex=self.ttl)
+        """``SET`` with the TTL, pipelined; a refusal for lack of memory raises ``TierFull``
+        with the count of records stored before it, any other error raises as it is."""
+        from redis.exceptions import OutOfMemoryError
+
+        stored = 0
+        for i, batch in enumerate(self._batches(items)):
+            pipe = self.client.pipeline(transaction=False)
+            for key, record in batch:
+                pipe.set(KEY_PREFIX + key, record, ex=self.ttl)
+            for reply in pipe.execute(raise_on_error=False):
+                if isinstance(reply, OutOfMemoryError):
+                    raise TierFull(f"Redis batch {i}: {reply}", stored)
+                if isinstance(reply, Exception):
+                    raise reply
+                stored += 1
+
+    @staticmethod
+    def _batches(items: Sequence[tuple[bytes, bytes]]) -> list[Sequence[tuple[bytes, bytes]]]:
+        """``items`` cut into runs of at most ``_MAX_PIPELINE_BYTES`` (a run holds at least
+        one record)."""
+        batches: list[Sequence[tuple[bytes, bytes]]] = []
+        start = size = 0
+        for end, (_, record) in enumerate(items, 1):
             size += len(record)
             if size >= _MAX_PIPELINE_BYTES:
-                pipe.execute()
-                size = 0
-        pipe.execute()
+                batches.append(items[start:end])
+                start, size = end, 0
+        if start < len(items):
+            batches.append(items[start:])
+        return batches
 
     def evict_many(self, keys: Sequence[bytes]) -> None:
         if keys:
