@@ -73,6 +73,7 @@ WEATHER = {"type": "function", "function": {
         "required": ["city", "unit"], "additionalProperties": False}}}
 CLOCK = {"type": "function", "function": {"name": "clock", "description": "The time."}}
 TOOLS = [WEATHER, CLOCK]
+BLOCK_SIZE = 16
 SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") or {"maxProperties": 0}
            for t in TOOLS}
 
@@ -98,7 +99,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process = ServerProcess([str(model_dir), "--dtype", "float32", "--num-blocks", "256",
-                             "--served-model-name", "llama3"],
+                             "--block-size", str(BLOCK_SIZE), "--served-model-name", "llama3"],
                             tmp_path_factory.mktemp("llama3-server") / "server.log").start()
     yield process
     assert process.stop() == 0, process.log
@@ -124,7 +125,8 @@ def rendered(server: ServerProcess, messages: list[dict[str, Any]]) -> str:
 
 def test_named_call_round_trips_through_the_template(server: ServerProcess,
                                                      client: openai.OpenAI) -> None:
-    """Named call, its result in an ipython turn, a final answer. Kills: the template's format
+    """Named call, its result in an ipython turn, a final answer under ``auto`` (plain text:
+    the parser hands it back as content), turn one's prompt a cached prefix of turn two. Kills: the template's format
     not detected (the generic manifest would be added), a grammar whose arguments do not
     follow the schema, a parser that misses the ``parameters`` key, tool calls not handed to
     the template as Llama 3 expects them."""
@@ -151,12 +153,15 @@ def test_named_call_round_trips_through_the_template(server: ServerProcess,
             f'"parameters": {arguments}}}<|eot_id|>') in prompt
     assert prompt.endswith('<|start_header_id|>ipython<|end_header_id|>\n\n{"temp": 3}<|eot_id|>'
                            "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    final = ask(client, messages, tool_choice="none", max_tokens=8)
+    final = ask(client, messages, tool_choice="auto", max_tokens=8, seed=5)
     assert final.choices[0].message.tool_calls in (None, [])
     assert final.choices[0].message.content
     assert final.choices[0].finish_reason in ("stop", "length")
     assert final.usage.prompt_tokens == len(httpx.post(server.url + "/tokenize", json={
         "messages": messages, "tools": TOOLS}).json()["tokens"])
+    # the system turn and the tools of turn one are a cached prefix of turn two
+    cached = final.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE, cached
 
 
 def test_required_calls_validate_and_stream_to_the_same_calls(client: openai.OpenAI) -> None:
