@@ -126,10 +126,10 @@ def rendered(server: ServerProcess, messages: list[dict[str, Any]]) -> str:
 def test_named_call_round_trips_through_the_template(server: ServerProcess,
                                                      client: openai.OpenAI) -> None:
     """Named call, its result in an ipython turn, a final answer under ``auto`` (plain text:
-    the parser hands it back as content), turn one's prompt a cached prefix of turn two. Kills: the template's format
-    not detected (the generic manifest would be added), a grammar whose arguments do not
-    follow the schema, a parser that misses the ``parameters`` key, tool calls not handed to
-    the template as Llama 3 expects them."""
+    the parser hands it back as content), turn one's prompt a cached prefix of turn two.
+    Kills: the template's format not detected (the generic manifest would be added), a grammar
+    whose arguments do not follow the schema, a parser that misses the ``parameters`` key
+    (planted: caught), tool calls not handed to the template as Llama 3 expects them."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."},
                                       {"role": "user", "content": "Weather in Oslo?"}]
     prompt = rendered(server, messages)
