@@ -97,7 +97,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+                         timeout=600)
 
 
 @pytest.fixture(scope="module")

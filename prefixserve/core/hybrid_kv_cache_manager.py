@@ -20,8 +20,9 @@ Rules (docs/DESIGN.md section 14):
    ``ceil((window - 1) / block_size)`` blocks before the hit's end. The lookup alternates
    between the groups, shortening the candidate length until all agree. With ``use_eagle`` the
    last hit block is dropped afterwards, so window groups must cover one block more.
-4. **Sliding out.** Before each allocation a window group frees the blocks that lie entirely
-   before the window of the request's next token and puts the null block in their place.
+4. **Sliding out.** Before each allocation, and after each step (``remove_skipped_blocks``,
+   called by the engine), a window group frees the blocks that lie entirely before the window
+   of the request's next token and puts the null block in their place.
 5. **Free.** ``free`` releases the blocks of all groups, position by position from the tail, so
    at equal recency every group's tails are evicted before any group's heads.
 6. Stats (one lookup per request, counted in blocks of the chain), salts, preemption (the chain
@@ -175,6 +176,21 @@ class HybridKVCacheManager(KVCacheManager):
         if window is None:
             return 0
         return max(0, (num_computed_tokens - window + 1) // self.block_size)
+
+    def remove_skipped_blocks(self, request: CacheRequest) -> bool:
+        """Rule 4 between allocations: each window group frees the blocks wholly before the
+        window of the token at ``request.num_computed_tokens`` (see
+        ``KVCacheManager.remove_skipped_blocks``); True when a table changed."""
+        tables = self.group_blocks.get(request.request_id)
+        if tables is None:
+            return False
+        changed = False
+        for g, table in enumerate(tables):
+            skipped = min(self._num_skipped(g, request.num_computed_tokens), len(table))
+            if skipped and not table[skipped - 1].is_null:
+                self._slide_out(table, skipped)
+                changed = True
+        return changed
 
     def _slide_out(self, table: list[KVCacheBlock], skipped: int) -> None:
         """Frees the table's first ``skipped`` blocks (rule 4), newest first, stopping at the

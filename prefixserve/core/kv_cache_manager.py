@@ -299,6 +299,15 @@ class KVCacheManager:
         """Blocks the request holds that are no longer needed (sliding window only)."""
         return 0
 
+    def remove_skipped_blocks(self, request: CacheRequest) -> bool:
+        """Frees the request's blocks that lie wholly before the window of its next token
+        (the one at ``request.num_computed_tokens``), puts the null block in their places, and
+        says whether its table changed. The engine calls it after every step, so that what a
+        prefill pushed out of a window is free for the next step's allocations of every
+        request, not only at this request's own next ``allocate_slots``. The blocks keep their
+        hashes (they stay hits until evicted). Full attention frees nothing: False."""
+        return False
+
     def _remove_skipped_blocks(self, req_blocks: list[KVCacheBlock],
                                num_computed_tokens: int) -> None:
         """Frees blocks that are no longer needed (sliding window only)."""
@@ -446,6 +455,16 @@ class SlidingWindowKVCacheManager(KVCacheManager):
         blocks = self.req_to_blocks.get(request.request_id, ())
         skipped = self._num_skipped_blocks(num_computed_tokens)
         return sum(1 for b in blocks[:skipped] if not b.is_null and b.ref_cnt == 1)
+
+    def remove_skipped_blocks(self, request: CacheRequest) -> bool:
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return False
+        skipped = min(self._num_skipped_blocks(request.num_computed_tokens), len(blocks))
+        if skipped == 0 or blocks[skipped - 1].is_null:
+            return False
+        self._remove_skipped_blocks(blocks, request.num_computed_tokens)
+        return True
 
     def _remove_skipped_blocks(self, req_blocks: list[KVCacheBlock],
                                num_computed_tokens: int) -> None:

@@ -517,6 +517,7 @@ class LLMEngine:
         if tiers is not None:
             tiers.after_execute(executed.requests)
         outputs = self.output_processor.process(executed, finish=self.scheduler.finish_request)
+        self.scheduler.release_out_of_window(executed.requests)
         if len(self.structured):
             for request in executed.requests:
                 if request.is_finished:

@@ -186,6 +186,18 @@ class Scheduler:
         elif blocks:
             request.block_ids.extend([block.block_id for block in blocks])
 
+    def release_out_of_window(self, requests: list[Request]) -> None:
+        """After a step: frees what slid out of the windows of the running ``requests``
+        (``KVCacheManager.remove_skipped_blocks``) and refreshes their block ids, so that the
+        next step's allocations (of requests scheduled before them too, and admissions) can
+        use those blocks instead of preempting. Nothing to do without sliding windows."""
+        manager = self.kv_cache_manager
+        if manager.sliding_window is None:
+            return
+        for request in requests:
+            if request.status is RequestStatus.RUNNING and manager.remove_skipped_blocks(request):
+                self._add_block_ids(request, [])
+
     def _may_chunk(self, request: Request) -> bool:
         """Whether a waiting request may start with part of its tokens. Always with chunked
         prefill; without it only a resumed (preempted) request, which recomputes its prompt
