@@ -202,3 +202,23 @@ def test_the_expiry_heap_is_compacted_just_past_its_bound() -> None:
         pool.touch([block])
     pool.free_blocks([block])
     check(pool)
+
+
+def test_reset_empties_retained_levels_to_the_default_head_and_drops_held_retention() -> None:
+    """Bug: a reset leaves a retention (duration, expiry) on blocks it moves to the default
+    level, or breaks the links of the default list while putting them at its head."""
+    pool = BlockPool(8, clock=Clock())
+    blocks = cached(pool, 5)
+    release(pool, blocks[:3], 80, 60.0)  # three retained free blocks
+    pool.retain(blocks[3], 90, NO_EXPIRY, fresh=True)  # a held retained block
+    assert pool.reset_prefix_cache(keep=[blocks[4]]) is True
+    check(pool)
+    order = [b.block_id for b in pool.free_blocks_in_eviction_order()]
+    assert order[:3] == [b.block_id for b in blocks[:3]]  # empty now: reused first
+    assert (blocks[3].priority, blocks[3].duration) == (DEFAULT_PRIORITY, 0.0)
+    assert [pool.get_cached_block(h) for h in range(5)] == [None] * 4 + [blocks[4]]
+    pool.touch([blocks[1]])  # unlinked from the middle of the prepended run
+    check(pool)
+    pool.free_blocks([blocks[1], blocks[3]])
+    check(pool)
+    assert pool.num_free_retained == 0 and pool.get_num_free_blocks() == 7
