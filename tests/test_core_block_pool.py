@@ -60,7 +60,7 @@ def release(pool: BlockPool, blocks: list[KVCacheBlock], priority: int,
 
 
 def test_an_empty_free_list_says_so() -> None:
-    with pytest.raises(ValueError, match="no free block to pop"):
+    with pytest.raises(ValueError, match=r"^no free block to pop$"):
         FreeBlockQueue(()).popleft()
 
 
