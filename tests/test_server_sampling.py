@@ -120,15 +120,32 @@ def test_repetition_penalty_moves_greedy_off_repeated_tokens(client: openai.Open
     assert repeats(penalised) < repeats(plain)
 
 
-def test_min_tokens_holds_off_the_end_of_sequence(client: openai.OpenAI) -> None:
-    """A chat answer that ends early on its own: with min_tokens=N it has at least N tokens;
-    the end before it is masked, not truncated (finish_reason stays stop or length)."""
+def test_min_tokens_masks_the_end_of_sequence_until_reached(client: openai.OpenAI) -> None:
+    """A chat answer that ends early on its own: with min_tokens=N the end-of-sequence token is
+    masked at the sampler (not sampled and skipped later) for the first N tokens. At the step
+    where the plain greedy answer ended, the raw distribution (logprobs are reported before the
+    mask) still ranks EOS first, and the held answer takes the best token other than it."""
     messages = [{"role": "user", "content": "Reply with the single word: yes"}]
-    short = client.chat.completions.create(model="smol", messages=messages, max_tokens=64,
-                                           temperature=0)
-    assert short.choices[0].finish_reason == "stop"
-    n = short.usage.completion_tokens + 6
-    held = client.chat.completions.create(model="smol", messages=messages, max_tokens=64,
-                                          temperature=0, extra_body={"min_tokens": n})
-    assert held.usage.completion_tokens >= n
-    assert held.choices[0].message.content.startswith(short.choices[0].message.content.strip())
+
+    def chat(**extra: object) -> tuple[str, list[tuple[str, dict[str, float]]], int]:
+        response = client.chat.completions.create(
+            model="smol", messages=messages, max_tokens=64, temperature=0, logprobs=True,
+            top_logprobs=5, extra_body=extra)  # type: ignore[arg-type]
+        choice = response.choices[0]
+        steps = [(c.token, {t.token: t.logprob for t in c.top_logprobs})
+                 for c in choice.logprobs.content]
+        return choice.finish_reason, steps, response.usage.completion_tokens
+
+    finish, short, used = chat()
+    assert finish == "stop" and used == len(short)
+    eos, eos_top = short[-1]
+    assert max(eos_top, key=eos_top.__getitem__) == eos  # greedy ended on the model's EOS
+    n = len(short) + 6
+    finish, held, used = chat(min_tokens=n)
+    assert used == len(held) >= n and finish in ("stop", "length")
+    assert [token for token, _ in held[:len(short) - 1]] == [t for t, _ in short[:-1]]
+    assert eos not in [token for token, _ in held[:n]], "EOS sampled before min_tokens"
+    token, top = held[len(short) - 1]
+    # the same raw distribution as the plain run (up to float noise: the prefix is a cache hit)
+    assert top == pytest.approx(eos_top, abs=1e-2)
+    assert token == max((t for t in top if t != eos), key=top.__getitem__)
