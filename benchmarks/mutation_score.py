@@ -45,6 +45,18 @@ EQUIVALENT: dict[str, str] = {
        "and the next release at a retained level sets expiry_seq again"),
     "prefixserve.core.block_pool.xǁBlockPoolǁ_free_retained__mutmut_17":
         "the heap sequence stepped by 2: still unique and increasing (tie order unchanged)",
+    "prefixserve.core.block_pool.xǁBlockPoolǁget_new_blocks__mutmut_17":
+        "out[None:] resets blocks taken from earlier levels again: they already hold the "
+        "default values",
+    **dict.fromkeys([
+        "prefixserve.core.block_pool.xǁBlockPoolǁget_new_blocks__mutmut_27",
+        "prefixserve.core.block_pool.xǁBlockPoolǁget_new_blocks__mutmut_28",
+    ], "an evicted block's expiry_seq mangled: held, its old heap entries are stale by ref_cnt "
+       "and priority, and a later retained release sets expiry_seq again"),
+    "prefixserve.core.block_pool.xǁBlockPoolǁfree_blocks__mutmut_8":
+        "ref_cnt >= 0 inside `if ref_cnt:`: ref_cnt is never 0 there",
+    "prefixserve.core.hashing.x_hash_block_chain__mutmut_66":
+        "[None] * (end + first) is at least as long as needed; only the range's entries are read",
     "prefixserve.core.block_pool.xǁBlockPoolǁ_add_level__mutmut_4":
         "sort(key=None) sorts (priority, queue) pairs: priorities are distinct, same order",
     **dict.fromkeys([

@@ -222,3 +222,45 @@ def test_reset_empties_retained_levels_to_the_default_head_and_drops_held_retent
     pool.free_blocks([blocks[1], blocks[3]])
     check(pool)
     assert pool.num_free_retained == 0 and pool.get_num_free_blocks() == 7
+
+
+def test_eviction_spans_levels_lowest_first_and_resets_what_it_takes() -> None:
+    """Bug: the count still wanted from a level computed wrongly (more blocks than asked),
+    or a block taken from a retained level keeping its priority."""
+    clock = Clock()
+    pool = BlockPool(6, clock=clock)
+    blocks = cached(pool, 6)
+    release(pool, blocks[:2], 20, 60.0)  # below the default: evicted first
+    release(pool, blocks[2:4], 80, 60.0)
+    pool.free_blocks(blocks[4:])  # default level
+    check(pool)
+    taken = pool.get_new_blocks(5)
+    assert [b.block_id for b in taken] == [0, 1, 4, 5, 2]
+    assert all((b.priority, b.duration, b.expiry) == (DEFAULT_PRIORITY, 0.0, NO_EXPIRY)
+               for b in taken)
+    check(pool)
+    assert pool.get_num_free_blocks() == 1 and pool.num_free_retained == 1
+    assert pool.evictions_by_priority == {20: 2, DEFAULT_PRIORITY: 2, 80: 1}
+
+
+def test_evictions_are_logged_with_their_hash_when_asked() -> None:
+    """The cache tiers' write-back reads ``evicted``. Bug: the log not kept, or its entries
+    not ``(block id, block hash)``."""
+    pool = BlockPool(4)
+    blocks = cached(pool, 3, first_hash=100)
+    pool.free_blocks(blocks)
+    pool.evicted = []
+    pool.get_new_blocks(3)  # the free uncached block first, then two cached ones
+    assert pool.evicted == [(blocks[0].block_id, 100), (blocks[1].block_id, 101)]
+
+
+def test_misuse_is_refused_with_a_message_naming_it() -> None:
+    pool = BlockPool(4)
+    with pytest.raises(ValueError, match=r"^asked for 5 free blocks, only 4 free$"):
+        pool.get_new_blocks(5)
+    blocks = pool.get_new_blocks(2)
+    with pytest.raises(ValueError):  # a hash missing for a block: zip(strict=True)
+        pool.cache_full_blocks(blocks, [1], 0, 2)
+    pool.free_blocks(blocks[:1])
+    with pytest.raises(RuntimeError, match=rf"^block {blocks[0].block_id} freed more often"):
+        pool.free_blocks(blocks[:1])
