@@ -49,33 +49,43 @@ def positions(client: openai.OpenAI, n: int = 4, max_tokens: int = 24, **kwargs:
     return out
 
 
-def test_top_k_draws_only_from_the_k_most_likely(client: openai.OpenAI) -> None:
+@pytest.fixture(scope="module")
+def unfiltered(client: openai.OpenAI) -> dict[float, list[tuple[float, dict[str, float]]]]:
+    """Seeded batches without any filter, by temperature: each test's proof that its check has
+    teeth (an ignored filter would draw like these)."""
+    return {t: positions(client, temperature=t) for t in (1.0, 2.0)}
+
+
+def test_top_k_draws_only_from_the_k_most_likely(
+        client: openai.OpenAI, unfiltered: dict[float, list[tuple[float, dict[str, float]]]]
+) -> None:
     for k in (1, 3):
         for logprob, top in positions(client, temperature=2.0, top_k=k):
             kth = sorted(top.values(), reverse=True)[k - 1]
             assert logprob >= kth - 1e-4, f"top_k={k} drew a token outside the top {k}"
     # the check has teeth: at this temperature an unfiltered draw leaves the top 3 at once
-    assert any(lp < sorted(top.values(), reverse=True)[2] - 1e-4
-               for lp, top in positions(client, temperature=2.0))
+    assert any(lp < sorted(top.values(), reverse=True)[2] - 1e-4 for lp, top in unfiltered[2.0])
 
 
 def _mass_above(logprob: float, top: dict[str, float]) -> float:
     return sum(math.exp(v) for v in top.values() if v > logprob + 1e-5)
 
 
-def test_top_p_draws_only_from_the_nucleus(client: openai.OpenAI) -> None:
+def test_top_p_draws_only_from_the_nucleus(
+        client: openai.OpenAI, unfiltered: dict[float, list[tuple[float, dict[str, float]]]]
+) -> None:
     """A token is in the nucleus of p when the tokens more likely than it hold less than p."""
     for logprob, top in positions(client, temperature=1.0, top_p=0.3):
         assert _mass_above(logprob, top) < 0.3 + 1e-4
-    assert any(_mass_above(lp, top) >= 0.3 for lp, top in positions(client, temperature=1.0))
+    assert any(_mass_above(lp, top) >= 0.3 for lp, top in unfiltered[1.0])
 
 
 def test_min_p_draws_only_tokens_at_least_min_p_times_the_most_likely(
-        client: openai.OpenAI) -> None:
+        client: openai.OpenAI, unfiltered: dict[float, list[tuple[float, dict[str, float]]]]
+) -> None:
     for logprob, top in positions(client, temperature=1.0, min_p=0.2):
         assert logprob >= max(top.values()) + math.log(0.2) - 1e-4
-    assert any(lp < max(top.values()) + math.log(0.2)
-               for lp, top in positions(client, temperature=1.0))
+    assert any(lp < max(top.values()) + math.log(0.2) for lp, top in unfiltered[1.0])
 
 
 def _greedy(client: openai.OpenAI, **kwargs: object) -> list[tuple[str, dict[str, float]]]:
@@ -87,9 +97,15 @@ def _greedy(client: openai.OpenAI, **kwargs: object) -> list[tuple[str, dict[str
     return list(zip(logprobs.tokens, logprobs.top_logprobs, strict=True))
 
 
+@pytest.fixture(scope="module")
+def plain(client: openai.OpenAI) -> list[str]:
+    """The greedy tokens without any penalty (shared by the penalty tests)."""
+    return [token for token, _ in _greedy(client)]
+
+
 @pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.7), (0.8, 0.4)])
 def test_presence_and_frequency_penalties_shift_the_generated_tokens_logits(
-        client: openai.OpenAI, presence: float, frequency: float) -> None:
+        client: openai.OpenAI, plain: list[str], presence: float, frequency: float) -> None:
     """Greedy under the penalties picks, at each step, the argmax of raw logprob minus
     ``presence`` for every token already generated and ``frequency`` times its count."""
     steps = _greedy(client, presence_penalty=presence, frequency_penalty=frequency)
@@ -105,17 +121,16 @@ def test_presence_and_frequency_penalties_shift_the_generated_tokens_logits(
             checked += 1
         counts[token] += 1
     assert checked >= len(steps) // 2
-    plain = [token for token, _ in _greedy(client)]
     assert [token for token, _ in steps] != plain  # the penalty changed the text
 
 
-def test_repetition_penalty_moves_greedy_off_repeated_tokens(client: openai.OpenAI) -> None:
+def test_repetition_penalty_moves_greedy_off_repeated_tokens(client: openai.OpenAI,
+                                                            plain: list[str]) -> None:
     """A repetition penalty lowers the logits of every token already in the prompt or the
     output, so the greedy text repeats fewer of its own tokens than without it."""
     def repeats(tokens: list[str]) -> int:
         return len(tokens) - len(set(tokens))
 
-    plain = [t for t, _ in _greedy(client)]
     penalised = [t for t, _ in _greedy(client, repetition_penalty=1.8)]
     assert repeats(penalised) < repeats(plain)
 
