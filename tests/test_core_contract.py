@@ -203,3 +203,22 @@ def test_a_new_block_and_a_new_pool_start_empty() -> None:
     with_null = BlockPool(3, reserve_null_block=True)
     assert with_null.null_block is with_null.blocks[0] and with_null.blocks[0].is_null
     assert [b.block_id for b in with_null.free_queue] == [1, 2]
+
+
+def test_metrics_sum_retained_hits_per_level_across_steps_and_resets() -> None:
+    """Bug: the per-level retained-hit counters overwritten, subtracted, or read from another
+    level instead of added to (the ``prefix_cache_retained_hits`` metric would be wrong)."""
+    metrics = PrefixCachingMetrics()
+    assert metrics.retained_hits == {}
+    metrics.observe(PrefixCacheStats(requests=1, queries=4, hits=3, retained_hits={80: 2, 20: 1}))
+    metrics.observe(PrefixCacheStats(requests=1, queries=2, hits=2, retained_hits={80: 2}))
+    metrics.observe(PrefixCacheStats(reset=True, retained_hits={20: 3}))  # counters survive
+    assert metrics.retained_hits == {80: 4, 20: 4}
+
+
+def test_an_explicit_prompt_length_is_kept_zero_included() -> None:
+    """``num_prompt_tokens`` defaults to the token count only when left at -1. Bug: an explicit
+    0 (every token generated, none from the prompt) replaced by the token count."""
+    assert CacheRequest("a", [1, 2, 3]).num_prompt_tokens == 3
+    assert CacheRequest("b", [1, 2, 3], num_prompt_tokens=0).num_prompt_tokens == 0
+    assert CacheRequest("c", [1, 2, 3], num_prompt_tokens=2).num_prompt_tokens == 2

@@ -199,3 +199,19 @@ def test_none_hash_is_the_seeds_sha256_under_pythonhashseed_else_random(monkeypa
     monkeypatch.delenv("PYTHONHASHSEED")
     first, second = _make_none_hash(), _make_none_hash()
     assert len(first) == len(second) == 32 and first != second
+
+
+def test_a_custom_hash_function_chains_blocks_without_extra_keys() -> None:
+    """The generic path (a hash function with no fast path, no extra keys) gives every block
+    ``None`` extras and chains each block from the previous one. Bug: the default extra keys
+    not built (a crash), or the chain computed from another parent."""
+    def custom(parent: object, tokens: tuple[int, ...], extras: object) -> int:
+        return hash(("custom", parent, tokens, extras))
+
+    expected, parent = [], 7
+    for i in (0, 4):
+        block = tuple(range(i, i + 4))
+        parent = custom(parent, block, None)
+        expected.append((parent, block, None))
+    assert hash_block_chain(custom, 7, list(range(10)), 4, 0, 2) == expected
+    assert hash_block_chain(custom, expected[0][0], list(range(10)), 4, 1, 2) == expected[1:]

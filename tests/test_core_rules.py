@@ -100,25 +100,39 @@ def test_a_hash_value_collision_alone_gives_no_false_hit() -> None:
     assert pool.get_cached_block((12345, (1, 2), ("lora", 1))) is None  # other extras
 
 
-def _chain_in_subprocess(algo: str, env_seed: str | None) -> str:
+def _chains_in_subprocess(env_seed: str | None) -> dict[str, str]:
+    """Block 1's hash (chained from ``NONE_HASH``) under every algorithm, computed in a fresh
+    interpreter with ``PYTHONHASHSEED`` set to ``env_seed`` (unset for None)."""
     code = (
         "from prefixserve.core.hashing import get_hash_function, hash_block_chain\n"
-        f"f, r = get_hash_function({algo!r})\n"
-        "print(repr(hash_block_chain(f, r, list(range(32)), 16, 0, 2)[1][0]))"
+        f"for algo in {list(HASH_ALGOS)!r}:\n"
+        "    f, r = get_hash_function(algo)\n"
+        "    print(algo, repr(hash_block_chain(f, r, list(range(32)), 16, 0, 2)[1][0]))"
     )
     env = dict(os.environ)
     env.pop("PYTHONHASHSEED", None)
     if env_seed is not None:
         env["PYTHONHASHSEED"] = env_seed
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return dict(line.split(" ", 1) for line in out.splitlines())
+
+
+@pytest.fixture(scope="module")
+def chains_by_seed() -> dict[str | None, list[dict[str, str]]]:
+    """Five fresh interpreters, shared by the three algorithms' tests: two with
+    ``PYTHONHASHSEED=42``, one with 43, two with it unset."""
+    return {seed: [_chains_in_subprocess(seed) for _ in range(runs)]
+            for seed, runs in (("42", 2), ("43", 1), (None, 2))}
 
 
 @ALGOS
-def test_none_hash_is_shared_under_pythonhashseed_and_random_without(algo: str) -> None:
-    assert _chain_in_subprocess(algo, "42") == _chain_in_subprocess(algo, "42")
-    assert _chain_in_subprocess(algo, "42") != _chain_in_subprocess(algo, "43")
-    assert _chain_in_subprocess(algo, None) != _chain_in_subprocess(algo, None)
+def test_none_hash_is_shared_under_pythonhashseed_and_random_without(
+        algo: str, chains_by_seed: dict[str | None, list[dict[str, str]]]) -> None:
+    chains = {seed: [run[algo] for run in runs] for seed, runs in chains_by_seed.items()}
+    assert chains["42"][0] == chains["42"][1]
+    assert chains["42"][0] != chains["43"][0]
+    assert chains[None][0] != chains[None][1]
     assert len(NONE_HASH) == 32
 
 

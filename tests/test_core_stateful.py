@@ -209,5 +209,5 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
-TestPrefixCacheMachine.settings = settings(max_examples=150, stateful_step_count=40,
+TestPrefixCacheMachine.settings = settings(max_examples=75, stateful_step_count=40,
                                            deadline=None)

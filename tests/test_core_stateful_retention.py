@@ -214,4 +214,4 @@ class RetentionMachine(RuleBasedStateMachine):
 
 
 TestRetentionMachine = RetentionMachine.TestCase
-TestRetentionMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestRetentionMachine.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)

@@ -255,4 +255,4 @@ class WideMachine(RuleBasedStateMachine):
 
 
 TestWideMachine = WideMachine.TestCase
-TestWideMachine.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+TestWideMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -162,7 +162,7 @@ def scenarios(draw: st.DrawFn) -> tuple[Setup, list[Arrival], frozenset[int]]:
     return setup, draw(arrivals_for(setup)), draw(st.frozensets(st.integers(0, 40), max_size=3))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(scenario=scenarios())
 def test_every_admitted_request_finishes_no_step_idles_and_nothing_leaks(
         scenario: tuple[Setup, list[Arrival], frozenset[int]]) -> None:

@@ -353,8 +353,13 @@ class BlockPool:
                 continue
             block.ref_cnt = 0
             if block.priority != DEFAULT_PRIORITY:
-                self._free_retained(block)
-                continue
+                if block.block_hash is not None:
+                    self._free_retained(block)
+                    continue
+                # nothing to keep: an uncached block is plain free space, linked here in order
+                # (appending it to the default list now would be undone by the links below)
+                block.priority = DEFAULT_PRIORITY
+                block.duration = 0.0
             last.next_free = block
             block.prev_free = last
             last = block
@@ -364,11 +369,7 @@ class BlockPool:
         queue.num_free_blocks += count
 
     def _free_retained(self, block: KVCacheBlock) -> None:
-        if block.block_hash is None:  # nothing to keep: an uncached block is plain free space
-            block.priority = DEFAULT_PRIORITY
-            block.duration = 0.0
-            self.free_queue.append(block)
-            return
+        """Puts a released cached block at the tail of its retained level; its expiry starts."""
         queue = self.retained_queues.get(block.priority)
         if queue is None:
             queue = self._add_level(block.priority)
