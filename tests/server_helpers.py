@@ -9,10 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -116,3 +117,18 @@ def idle(samples: dict[str, float]) -> bool:
             and samples["prefixserve:kv_cache_usage_perc"] == 0
             and samples["prefixserve:kv_cache_num_free_blocks"]
             == samples["prefixserve:kv_cache_num_blocks"])
+
+
+def serve_for_module(args: Sequence[str], log_path: Path) -> Iterator[ServerProcess]:
+    """The body of a module-scoped server fixture (``yield from`` it): starts the server, and
+    after the module's tests checks that it stopped cleanly and never logged a traceback."""
+    process = ServerProcess(args, log_path).start()
+    yield process
+    assert process.stop() == 0, process.log
+    assert "Traceback" not in process.log, process.log
+
+
+def openai_client(server: ServerProcess, timeout: float = 600) -> openai.OpenAI:
+    """The official client on ``server`` (no retries: a failure shows at once)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=timeout)

@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, openai_client, serve_for_module
 
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
@@ -57,20 +57,16 @@ TOOLS = [WEATHER, TIME]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(["--dtype", "float32", "--num-blocks", "1024", "--block-size",
+    yield from serve_for_module(["--dtype", "float32", "--num-blocks", "1024", "--block-size",
                              str(BLOCK_SIZE), "--max-model-len", "2048",
                              "--served-model-name", MODEL, "--allowed-origins", ORIGIN,
                              "--max-stored-responses", "2"],
-                            tmp_path_factory.mktemp("agents") / "server.log").start()
-    yield process
-    assert process.stop() == 0, process.log
-    assert "Traceback" not in process.log, process.log
+                                tmp_path_factory.mktemp("agents") / "server.log")
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=900)
+    return openai_client(server, timeout=900)
 
 
 def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:

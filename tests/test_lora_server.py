@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from lora_helpers import write_peft_adapter
-from server_helpers import ServerProcess, idle
+from server_helpers import ServerProcess, idle, openai_client, serve_for_module
 from test_lora_engine import default_config
 
 ADMIN = "root-key"
@@ -35,20 +35,16 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    process = ServerProcess(["--dtype", "float32", "--num-blocks", "256", "--served-model-name",
+    yield from serve_for_module(["--dtype", "float32", "--num-blocks", "256", "--served-model-name",
                              "smol", "--lora-modules", f"a={adapters['a']}",
                              f"b={adapters['b']}", "--max-loras", "2", "--max-lora-rank", "8",
                              "--admin-key", ADMIN],
-                            tmp_path_factory.mktemp("lora-server") / "server.log").start()
-    yield process
-    assert process.stop() == 0, process.log
-    assert "Traceback" not in process.log, process.log
+                                tmp_path_factory.mktemp("lora-server") / "server.log")
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai_client(server, timeout=120)
 
 
 def complete(client: openai.OpenAI, model: str, prompt: str | list[int], **kwargs: object):

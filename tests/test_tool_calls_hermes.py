@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, openai_client, serve_for_module
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -86,18 +86,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess([str(model_dir), "--dtype", "float32", "--num-blocks", "256",
+    yield from serve_for_module([str(model_dir), "--dtype", "float32", "--num-blocks", "256",
                              "--served-model-name", "hermes"],
-                            tmp_path_factory.mktemp("hermes-server") / "server.log").start()
-    yield process
-    assert process.stop() == 0, process.log
-    assert "Traceback" not in process.log, process.log
+                                tmp_path_factory.mktemp("hermes-server") / "server.log")
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=600)
+    return openai_client(server, timeout=600)
 
 
 @pytest.fixture(scope="module")
