@@ -132,3 +132,15 @@ def openai_client(server: ServerProcess, timeout: float = 600) -> openai.OpenAI:
     """The official client on ``server`` (no retries: a failure shows at once)."""
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                          timeout=timeout)
+
+
+def serve_all(processes: dict[str, ServerProcess]) -> Iterator[dict[str, ServerProcess]]:
+    """The body of a fixture that runs several servers side by side (``yield from`` it):
+    starts them all, and stops them all afterwards, even when a start failed."""
+    try:
+        for process in processes.values():
+            process.start()
+        yield processes
+    finally:
+        for process in processes.values():
+            process.stop()

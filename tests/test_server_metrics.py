@@ -15,7 +15,7 @@ from typing import Any, cast
 import httpx
 import pytest
 from prometheus_client import generate_latest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, serve_all
 
 from prefixserve.core.tiers import TierStats
 from prefixserve.engine.async_llm import AsyncLLM
@@ -58,13 +58,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
             args += ["--metrics-prefix", prefix]
         processes[prefix] = ServerProcess(
             args, tmp_path_factory.mktemp(f"metrics-{prefix}") / "server.log")
-    try:
-        for process in processes.values():
-            process.start()
-        yield processes
-    finally:
-        for process in processes.values():
-            process.stop()
+    yield from serve_all(processes)
 
 
 @pytest.fixture(params=PREFIXES)

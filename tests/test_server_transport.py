@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, serve_all
 
 READ_TIMEOUT = 1.0
 BODY_LIMIT = 1024
@@ -35,13 +35,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
                                "--max-request-body-size", "1KiB"], directory / "main.log"),
         "idle": ServerProcess(options, directory / "idle.log"),
     }
-    try:
-        for process in processes.values():
-            process.start()
-        yield processes
-    finally:
-        for process in processes.values():
-            process.stop()
+    yield from serve_all(processes)
     for process in processes.values():
         assert "Traceback" not in process.log, process.log
 
