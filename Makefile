@@ -3,6 +3,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Test files run in this many worker processes (pytest-xdist; a file stays on one worker, so its
+# module fixtures, e.g. one server, are started once). Two keep both cores of a small CI machine
+# busy while a test waits on a server, a subprocess or Ray.
+TEST_WORKERS ?= 2
 
 .PHONY: install run demo test test-fast lint bench-core mutation
 
@@ -27,7 +31,7 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The edit loop: the core, scheduler, layering and unit tests, in seconds (no model, no server).
 test-fast: install

@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--modes", default="bf16,packed", help="bf16, packed or both")
+    parser.add_argument("--only", choices=("default", "deterministic"),
+                        help="run one of the two modes (a row takes ~15 min on 2 cores)")
     parser.add_argument("--no-server", action="store_true")
     parser.add_argument("--gemm-only", action="store_true")
     args = parser.parse_args()
@@ -123,6 +125,8 @@ def main() -> None:
     for name in args.modes.split(","):
         weights, dtype = MODES[name]
         for deterministic in (False, True):
+            if args.only and (args.only == "deterministic") != deterministic:
+                continue
             start = time.perf_counter()
             results = run_offline(weights, dtype, deterministic, args)
             if not args.no_server:

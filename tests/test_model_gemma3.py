@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference_cache import cached_reference, load_weights, save_weights
 
 from prefixserve.core import CacheRequest
 from prefixserve.engine.kv_cache_setup import capacity_report
@@ -65,9 +66,14 @@ def llm() -> Any:
 
 @pytest.fixture(scope="module")
 def reference(path: str) -> Any:
+    """transformers' float32 model of the GGUF file (converted once per machine:
+    ``tests/reference_cache.py``)."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    model = cached_reference(
+        "gemma3-model", path,
+        lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32),
+        lambda folder: load_weights(folder, torch.float32), save_weights)
     return model.eval()
 
 
@@ -98,8 +104,11 @@ def test_kv_blocks_of_an_8000_token_request(path: str) -> None:
 @pytest.mark.slow
 def test_tokenizer_agrees_with_transformers(path: str, llm: Any) -> None:
     transformers = pytest.importorskip("transformers")
-    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                     gguf_file=os.path.basename(path))
+    ref = cached_reference(
+        "gemma3-tokenizer", path,
+        lambda: transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                           gguf_file=os.path.basename(path)),
+        transformers.AutoTokenizer.from_pretrained)
     ours = llm.get_tokenizer()
     mismatched = []
     for text in CORPUS:

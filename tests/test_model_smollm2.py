@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from reference_cache import cached_reference
 
 from prefixserve.model.config import default_model_path
 from prefixserve.model.loader import load_model
@@ -24,12 +25,10 @@ torch.set_num_threads(2)
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def hf_model():
+def _convert(path: str):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path = default_model_path()
     folder, name = os.path.dirname(path), os.path.basename(path)
     model = AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(folder, gguf_file=name), dtype=torch.float32
@@ -38,6 +37,19 @@ def hf_model():
     result = model.load_state_dict(tensors, strict=False)
     assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
     model.tie_weights()
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' conversion of the GGUF file, kept once per machine
+    (``tests/reference_cache.py``)."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = cached_reference(
+        "smollm2-model", path, lambda: _convert(path),
+        lambda folder: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model.eval()
 

@@ -19,6 +19,7 @@ import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_cache import cached_reference
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
@@ -63,7 +64,11 @@ def hf():
     from transformers import AutoTokenizer
 
     path = default_model_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return cached_reference(  # converted once per machine: tests/reference_cache.py
+        "smollm2-tokenizer", path,
+        lambda: AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path)),
+        AutoTokenizer.from_pretrained)
 
 
 @pytest.fixture(scope="module")
