@@ -5,9 +5,9 @@ parses the whole vocabulary, which takes over a minute for Gemma 3 270M on 2 cor
 and half a minute more for its tokenizer. What is kept is still transformers' own conversion of
 the same file, saved with ``save_pretrained`` under
 ``~/.cache/prefixserve/test-references/<kind>-<key>/`` (``PREFIXSERVE_CACHE_DIR`` moves it) and
-read back with ``from_pretrained`` in seconds. The key names the file (its real path, size and
-modification time) and transformers' version, so a new file or a new transformers converts
-again. Delete the folder to force a conversion.
+read back with ``from_pretrained`` in seconds. The key names the file's bytes (SHA-256) and
+transformers' version, so a new file or a new transformers converts again. Delete the folder
+to force a conversion.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ def cache_root() -> Path:
 
 
 def _key(kind: str, gguf_path: str) -> str:
+    """The file's SHA-256 (not its path: every clone installs the default model into its own
+    .venv) and transformers' version. Hashing takes about a second for either model."""
     import transformers
 
-    stat = os.stat(gguf_path)
-    text = "\0".join((kind, os.path.realpath(gguf_path), str(stat.st_size),
-                      str(stat.st_mtime_ns), transformers.__version__))
+    with open(gguf_path, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    text = "\0".join((kind, digest, transformers.__version__))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
