@@ -3,10 +3,11 @@
 Reads mutmut's result files under ``mutants/`` (``*.meta``: an exit code per mutant) and
 prints, for ``prefixserve/core`` and for the scheduler, how many mutants were killed (a test
 failed; a timeout counts as killed: the mutant made the tests hang), survived (every selected
-test passed), had no test reaching them, were not checked, or are listed in ``EQUIVALENT``
-below (surviving mutants that cannot change behaviour, each with its reason), and the score
-``killed / (killed + survived + no tests)``, equivalent and unchecked mutants left out. Then
-the surviving mutants, one a line (``mutmut show NAME`` prints the change). Usage::
+test passed), had no test reaching them, were not checked, or are listed in
+``mutation_equivalent.txt`` (surviving mutants that cannot change behaviour, each with its
+reason), and the score ``killed / (killed + survived + no tests)``, equivalent and unchecked
+mutants left out. Then the surviving and the untested mutants, one a line (``mutmut show
+NAME`` prints the change). Usage::
 
     python benchmarks/mutation_score.py [--survivors]
 """
@@ -22,49 +23,21 @@ STATUS = {1: "killed", 3: "killed", 36: "killed", -24: "killed", 24: "killed", 1
           255: "killed", 0: "survived", 5: "no tests", 33: "no tests", None: "not checked"}
 TARGETS = {"core": "prefixserve/core/", "scheduler": "prefixserve/engine/scheduler.py"}
 
-EQUIVALENT: dict[str, str] = {
-    # Equivalent mutants: changes no test can observe, each with the reason. They are listed
-    # apart (``equivalent`` column) and left out of the score; a mutant listed here that a test
-    # kills is counted killed. Names are mutmut's (``mutmut show NAME``); a change to the
-    # function renumbers its mutants, so check this list after editing one of them.
-    **dict.fromkeys([
-        "prefixserve.core.hashing.x__encode__mutmut_27",
-        "prefixserve.core.hashing.x__encode__mutmut_51",
-        "prefixserve.core.hashing.x__encode__mutmut_63",
-        "prefixserve.core.hashing.x__encode__mutmut_75",
-        "prefixserve.core.hashing.x_serialize_block__mutmut_10",
-    ], '"<i" for "<I" packing a length: equal bytes below 2**31 (no key or block is 2 GiB)'),
-    **dict.fromkeys([
-        "prefixserve.core.hashing.x__token_bytes__mutmut_9",
-        "prefixserve.core.hashing.x__token_bytes__mutmut_10",
-    ], "the big-endian branch's test mangled: this machine is little-endian"),
-    **dict.fromkeys([
-        "prefixserve.core.block_pool.xǁBlockPoolǁ_take_retained__mutmut_5",
-        "prefixserve.core.block_pool.xǁBlockPoolǁ_take_retained__mutmut_6",
-    ], "a hit's expiry_seq reset mangled: while held its heap entries are stale by ref_cnt, "
-       "and the next release at a retained level sets expiry_seq again"),
-    "prefixserve.core.block_pool.xǁBlockPoolǁ_free_retained__mutmut_17":
-        "the heap sequence stepped by 2: still unique and increasing (tie order unchanged)",
-    "prefixserve.core.block_pool.xǁBlockPoolǁget_new_blocks__mutmut_17":
-        "out[None:] resets blocks taken from earlier levels again: they already hold the "
-        "default values",
-    **dict.fromkeys([
-        "prefixserve.core.block_pool.xǁBlockPoolǁget_new_blocks__mutmut_27",
-        "prefixserve.core.block_pool.xǁBlockPoolǁget_new_blocks__mutmut_28",
-    ], "an evicted block's expiry_seq mangled: held, its old heap entries are stale by ref_cnt "
-       "and priority, and a later retained release sets expiry_seq again"),
-    "prefixserve.core.block_pool.xǁBlockPoolǁfree_blocks__mutmut_8":
-        "ref_cnt >= 0 inside `if ref_cnt:`: ref_cnt is never 0 there",
-    "prefixserve.core.hashing.x_hash_block_chain__mutmut_66":
-        "[None] * (end + first) is at least as long as needed; only the range's entries are read",
-    "prefixserve.core.block_pool.xǁBlockPoolǁ_add_level__mutmut_4":
-        "sort(key=None) sorts (priority, queue) pairs: priorities are distinct, same order",
-    **dict.fromkeys([
-        "prefixserve.core.block_pool.xǁBlockPoolǁreset_prefix_cache__mutmut_23",
-        "prefixserve.core.block_pool.xǁBlockPoolǁreset_prefix_cache__mutmut_24",
-        "prefixserve.core.block_pool.xǁBlockPoolǁreset_prefix_cache__mutmut_30",
-    ], "[None:1], [0:None] and [0:2] of a one-element list are that list"),
-}
+EQUIVALENT_FILE = Path(__file__).with_name("mutation_equivalent.txt")
+
+
+def load_equivalent(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
+    """{mutant name: why it is equivalent} from ``mutation_equivalent.txt`` (``NAME: reason``
+    lines; ``#`` comments)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, reason = line.partition(": ")
+            out[name.strip()] = reason.strip()
+    return out
+
+
+EQUIVALENT = load_equivalent()
 
 
 def load(root: Path) -> dict[str, dict[str, int | None]]:
@@ -90,14 +63,14 @@ def main() -> None:
                 continue
             counts = Counter(_status(name, code) for name, code in codes.items())
             totals += counts
-            survivors += [name for name, code in codes.items()
-                          if _status(name, code) == "survived"]
+            survivors += [(name, _status(name, code)) for name, code in codes.items()
+                          if _status(name, code) in ("survived", "no tests")]
             _row(f"  {source}", counts)
         _row(target, totals)
     if "--survivors" in sys.argv:
-        print("\nsurvived:")
-        for name in survivors:
-            print(f"  {name}")
+        print("\nsurvived or reached by no test:")
+        for name, status in survivors:
+            print(f"  {name}" + (" (no tests)" if status == "no tests" else ""))
         print("\nequivalent (left out of the score):")
         for name, reason in EQUIVALENT.items():
             print(f"  {name}: {reason}")

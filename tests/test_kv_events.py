@@ -13,6 +13,7 @@ from core_helpers import admit, finish, run_once
 
 from prefixserve.core import CacheRequest, KVCacheManager
 from prefixserve.core.hashing import hash_value_of
+from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from prefixserve.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -286,3 +287,31 @@ def test_round_robin_least_loaded_and_session_policies() -> None:
     # the sticky replica left: the session moves
     rest = {k: 0 for k in loads if k != first}
     assert session.route(RouteRequest(session_key="u1"), rest).replica_id != first
+
+
+def test_a_hybrid_cache_publishes_every_group_in_a_wire_form_that_round_trips() -> None:
+    """A model with a sliding-window group (Gemma 3's layout) caches each block once per group;
+    group 1's values are published as ``[value, 1]``. Through JSON and back, the events and the
+    snapshot rebuild the pool's map keys exactly, and group 1's stored event keeps the chain's
+    adapter. (Planted: the group keys without a wire form made ``to_wire`` raise TypeError; the
+    adapter read from the group key instead of its block hash published null.)"""
+    manager = HybridKVCacheManager(24, BS, (None, 8), hash_algo="sha256")
+    publisher = KVEventPublisher("r0", BS)
+    manager.block_pool.event_sink = publisher
+    index = CacheIndex()
+    for step in range(6):
+        request = CacheRequest(f"q{step}", list(range(step, step + 13)), lora_id="ad1")
+        admit(manager, request)
+        finish(manager, request)
+        wire = json.loads(json.dumps(publisher.flush().to_wire()))  # type: ignore[union-attr]
+        assert index.apply(KVEventBatch.from_wire(wire))
+        assert index.replicas["r0"].blocks == _map_keys(manager)
+    first = KVEventBatch.from_wire(json.loads(json.dumps(publisher.batches_after(0)[0].to_wire())))
+    stored = [e for e in first.events if isinstance(e, BlockStored)]
+    assert len(stored) == 2  # group 0, then group 1, each the prompt's 3 full blocks
+    plain, grouped = stored
+    assert grouped.block_hashes == tuple((value, 1) for value in plain.block_hashes)
+    assert grouped.parent_block_hash is None and grouped.lora_id == plain.lora_id == "ad1"
+    snapshot = publisher.snapshot(manager.block_pool.cached_block_hash_to_block)
+    again = KVSnapshot.from_wire(json.loads(json.dumps(snapshot.to_wire())))
+    assert again.block_hashes == frozenset(_map_keys(manager))

@@ -37,8 +37,6 @@ from prefixserve.model.lora import (
 )
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
-torch.set_num_threads(2)
-
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEFT_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",

@@ -28,8 +28,6 @@ from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
-torch.set_num_threads(2)
-
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 COMMON = {
     "vocab_size": 128,

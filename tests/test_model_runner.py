@@ -26,8 +26,6 @@ from prefixserve.model.llama import CausalLM
 from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
-torch.set_num_threads(2)
-
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 VOCAB = 256
 COMMON = {

@@ -20,8 +20,6 @@ from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
-torch.set_num_threads(2)
-
 NEW_TOKENS = 16
 
 

@@ -59,8 +59,6 @@ from prefixserve.model.quant import (
 )
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
-torch.set_num_threads(2)
-
 Q = GGMLQuantizationType
 GGUF_OF = {FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0}
 #: Each GGUF type and the packed format ``pack_gguf`` gives it (KEPT: exactly, else requantized).
@@ -708,7 +706,6 @@ from prefixserve.model.loader import load_model
 from prefixserve.model.quant import QuantEmbedding, QuantLinear
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
-torch.set_num_threads(2)
 out = {"kernels": quant_kernels.kernels() is not None, "error": quant_kernels.build_error()}
 config, model = load_model(sys.argv[1], torch.float32, weights="auto")
 out["packed"] = [name for name, m in model.named_modules()
@@ -730,8 +727,7 @@ print(json.dumps(out))
 def test_kernels_unavailable_fallback(tiny_gguf: Path, tiny_gguf_bf16, tmp_path: Path) -> None:
     """No compiler and no cached build: ``kernels()`` is None with a reason, ``auto`` loads dense
     weights (the same model as ``bf16``), ``int8``/``int4`` refuse with the reason."""
-    env = {**os.environ, "CC": "/nonexistent", "PREFIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
-           "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "CC": "/nonexistent", "PREFIXSERVE_CACHE_DIR": str(tmp_path / "cache")}
     saved = tmp_path / "logits.pt"
     proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, str(tiny_gguf), str(saved)],
                           env=env, capture_output=True, text=True, timeout=300)

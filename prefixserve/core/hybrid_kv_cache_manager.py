@@ -167,7 +167,10 @@ class HybridKVCacheManager(KVCacheManager):
         for g, table in enumerate(tables):
             table.extend(new_blocks[g * per_group : (g + 1) * per_group])
         if self.enable_caching:
-            self._cache_full_groups(request, tables, num_existing + num_hits, total)
+            # Hit blocks are cached already; the request's own last block may be partly filled
+            # and is registered once full (so ``num_existing`` counts only behind a hit).
+            num_known = num_existing + num_hits if num_hits else 0
+            self._cache_full_groups(request, tables, num_known, total)
         return new_blocks
 
     def _num_skipped(self, group: int, num_computed_tokens: int) -> int:

@@ -57,7 +57,10 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def _lora_of(block_hash: Hashable) -> Any:
-    """The adapter id in a computed block hash's extra keys (``("lora", id)``), else None."""
+    """The adapter id in a computed block hash's extra keys (``("lora", id)``), else None. A
+    hybrid cache's group key ``((value, group), block_hash)`` has the block hash's."""
+    if type(block_hash) is tuple and len(block_hash) == 2 and type(block_hash[0]) is tuple:
+        block_hash = block_hash[1]
     if type(block_hash) is not tuple or len(block_hash) < 3 or block_hash[2] is None:
         return None
     for key in block_hash[2]:
@@ -112,15 +115,21 @@ class KVSnapshot:
 
 
 def encode_hash(value: HashValue) -> Any:
-    """bytes -> hex string, int -> int (JSON numbers hold any int in Python's json)."""
+    """bytes -> hex string, int -> int (JSON numbers hold any int in Python's json); the
+    ``(value, group)`` key a hybrid cache's group ``group > 0`` holds a block under ->
+    ``[value, group]``."""
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, int):
         return value
+    if type(value) is tuple and len(value) == 2 and type(value[1]) is int:
+        return [encode_hash(value[0]), value[1]]
     raise TypeError(f"hash value of type {type(value).__name__} has no wire form")
 
 
 def decode_hash(value: Any) -> HashValue:
+    if isinstance(value, list):
+        return (decode_hash(value[0]), int(value[1]))
     return bytes.fromhex(value) if isinstance(value, str) else int(value)
 
 
