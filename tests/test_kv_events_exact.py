@@ -286,6 +286,21 @@ def test_precomputed_tuple_hashes_with_plain_third_field_publish_no_lora() -> No
     assert batch.events == (BlockStored((1, 2), None, 2 * BS, None),)
 
 
+def test_a_precomputed_pair_hash_is_not_read_as_a_hybrid_group_key() -> None:
+    """A hybrid group key is ``((value, group), block_hash)``: only a pair whose *first* field is
+    a tuple is unwrapped. A precomputed hash ``(7, (8, 9, (("lora", "z"),)))`` is a plain value
+    and names no adapter. Catches the unwrapping test made on the second field instead."""
+    hashes = [(7, (8, 9, (("lora", "z"),))), (8, (9, 10, (("lora", "z"),)))]
+    publisher = KVEventPublisher("r", BS, epoch="e")
+    publisher.stored(hashes, 0, 2)
+    batch = publisher.flush()
+    assert batch is not None and batch.events == (BlockStored((7, 8), None, 2 * BS, None),)
+    group_keys = [((7, 1), (7, (1, 2), (("lora", "z"),)))]
+    publisher.stored(group_keys, 0, 1)
+    batch = publisher.flush()
+    assert batch is not None and batch.events == (BlockStored(((7, 1),), None, BS, "z"),)
+
+
 # ------------------------------------------------------------------------------- publisher
 
 
