@@ -150,12 +150,15 @@ def test_the_queue_bound_counts_sequences(guarded: ServerProcess) -> None:
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error(guarded: ServerProcess, tmp_path: Path) -> None:
     """Every check but positive_data_acceptance (valid-looking prompts are rightly refused when
-    they do not fit the 64-token context), bounded to 10 examples an operation."""
+    they do not fit the 64-token context), bounded to 10 examples an operation. One schemathesis
+    worker: with two threads, hypothesis's `ast.parse` of a filter lambda once failed inside
+    schemathesis with CPython 3.11's "AST constructor recursion depth mismatch" (a race of
+    the parser between threads), a runtime error of the tool and not a server error."""
     st = Path(sys.executable).with_name("st")
     result = subprocess.run(
         [str(st), "run", guarded.url + "/openapi.json", "--header",
          f"Authorization: Bearer {KEY_A}", "--checks", "all", "--exclude-checks",
-         "positive_data_acceptance", "--max-examples", "10", "--workers", "2", "--seed", "1",
+         "positive_data_acceptance", "--max-examples", "10", "--workers", "1", "--seed", "1",
          "--request-timeout", "60", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
