@@ -390,3 +390,12 @@ def test_evictions_are_summed_per_priority_across_allocations() -> None:
     pool.free_blocks(taken)  # free list: 2, 3, 0, 1
     assert [b.block_id for b in pool.get_new_blocks(1)] == [2]
     assert pool.evictions_by_priority == {DEFAULT_PRIORITY: 3}
+
+
+def test_an_unknown_hash_algorithm_is_refused_listing_the_three_choices() -> None:
+    """The message names the bad value and the choices, comma-separated, as `serve
+    --prefix-caching-hash-algo` shows it to the user. Catches a mangled list of choices."""
+    with pytest.raises(ValueError) as info:
+        KVCacheManager(8, 4, hash_algo="md5")
+    assert str(info.value) == ("unknown prefix_caching_hash_algo 'md5'; "
+                               "choose one of builtin, sha256, xxhash")
