@@ -19,7 +19,7 @@ from prefixserve.core.block_pool import KVCacheBlock
 from prefixserve.core.hashing import hash_value_of
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from prefixserve.core.kv_events import BlockRemoved, BlockStored, KVEventPublisher
-from prefixserve.core.retention import DEFAULT_PRIORITY, PinBudgetError
+from prefixserve.core.retention import DEFAULT_PRIORITY, PinBudgetError, Retention
 
 BS = 4
 
@@ -582,3 +582,59 @@ def test_chunks_not_aligned_to_blocks_cache_every_block_they_complete(
         first.num_computed_tokens += 6
     second = req("second", tokens(13))
     assert manager.get_computed_blocks(second)[1] == 12
+
+
+# ----------------------------------------------------------------- retention and pins
+def test_a_retained_prompt_keeps_its_cached_blocks_at_its_priority_in_every_group() -> None:
+    """13 tokens with priority 80: the three full blocks of both groups are kept at 80 once
+    freed, the partly filled fourth at the default. Catches retention applied to group 0 only,
+    or not at all (the hybrid manager once ignored it)."""
+    manager = HybridKVCacheManager(32, BS, (None, 8))
+    request = req("sys", tokens(13), retention=Retention.whole_prompt(80))
+    admit(manager, request)
+    tables = [list(table) for table in manager.group_blocks["sys"]]
+    manager.free(request)
+    for table in tables:
+        assert [block.priority for block in table] == [80, 80, 80, DEFAULT_PRIORITY]
+
+
+def test_a_flood_evicts_an_unretained_prompt_before_the_retained_one_in_every_group() -> None:
+    """``sys`` (retained) then ``other`` (not), both 13 tokens, both freed; a flood of 12 blocks
+    takes the 7 never used and 5 more from the default list, oldest first: the partial blocks
+    of ``sys`` and ``other`` and ``other``'s third block of group 0. ``sys`` still hits all 12
+    tokens, ``other`` 8. Without retention in some group, ``sys``'s blocks of that group are
+    in the default list ahead of ``other``'s and are taken instead."""
+    manager = HybridKVCacheManager(24, BS, (None, 8))
+    retained = req("sys", tokens(13), retention=Retention.whole_prompt(80))
+    admit(manager, retained)
+    other = req("other", tokens(13, offset=100))
+    admit(manager, other)
+    manager.free(retained)
+    manager.free(other)
+    never_used = 23 - 16
+    flood = req("flood", tokens(4 * ((never_used + 5) // 2), offset=500))
+    assert manager.allocate_slots(flood, flood.num_tokens) is not None
+    assert manager.get_computed_blocks(req("again", tokens(13)))[1] == 12
+    assert manager.get_computed_blocks(req("other-again", tokens(13, offset=100)))[1] == 8
+
+
+def test_a_pinned_prefix_keeps_every_group_s_blocks_through_a_flood() -> None:
+    """Pinning 12 tokens holds group 0's three blocks and the two group-1 blocks of the last
+    window (5 blocks); a flood that takes every other block leaves the prefix a whole hit, and
+    unpinning gives every block back. Catches a pin that holds group 0 only: the flood evicts
+    the window's blocks and the prefix misses."""
+    manager = HybridKVCacheManager(24, BS, (None, 8), max_pinned_fraction=1.0)
+    first = req("sys", tokens(13))
+    admit(manager, first)
+    manager.free(first)
+    probe = req("probe", tokens(12))
+    pinned = manager.pin("p", list(manager.block_hashes(probe)))
+    assert len(pinned) == 5
+    free = manager.block_pool.get_num_free_blocks()
+    assert free == 23 - 5
+    flood = req("flood", tokens(4 * (free // 2), offset=500))
+    assert manager.allocate_slots(flood, flood.num_tokens) is not None
+    assert manager.get_computed_blocks(req("again", tokens(13)))[1] == 12
+    manager.free(flood)
+    assert manager.unpin("p")
+    assert manager.block_pool.get_num_free_blocks() == 23

@@ -128,6 +128,18 @@ class HybridKVCacheManager(KVCacheManager):
         assert self.null_block is not None
         return window_cache_hit(self.block_pool, self.null_block, keys, max_blocks, needed)
 
+    def _prefix_blocks(self, block_hashes: Sequence[Hashable]) -> list[KVCacheBlock]:
+        """What a pin holds (``KVCacheManager.pin``): every group's blocks that a hit on the
+        whole chain reads, group after group (a window group's: those of the last window)."""
+        blocks: list[KVCacheBlock] = []
+        for g in range(self.num_groups):
+            keys = block_hashes if g == 0 else [((hash_value_of(h), g), h) for h in block_hashes]
+            hit = self._group_hit(g, keys, len(block_hashes))
+            if len(hit) < len(block_hashes):
+                raise KeyError(f"block {len(hit)} of the prefix is not cached")
+            blocks += [block for block in hit if not block.is_null]
+        return blocks
+
     # ----------------------------------------------------------------- allocation
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = ()
@@ -167,11 +179,25 @@ class HybridKVCacheManager(KVCacheManager):
         for g, table in enumerate(tables):
             table.extend(new_blocks[g * per_group : (g + 1) * per_group])
         if self.enable_caching:
-            # Hit blocks are cached already; the request's own last block may be partly filled
-            # and is registered once full (so ``num_existing`` counts only behind a hit).
-            num_known = num_existing + num_hits if num_hits else 0
-            self._cache_full_groups(request, tables, num_known, total)
+            self._cache_and_retain(request, tables, num_existing, num_hits, total)
         return new_blocks
+
+    def _cache_and_retain(self, request: CacheRequest, tables: list[list[KVCacheBlock]],
+                          num_existing: int, num_hits: int, total_tokens: int) -> None:
+        """``KVCacheManager._cache_full`` in every group: registers the blocks full once
+        ``total_tokens`` are in, then applies the request's retention to its hits and to what
+        it just registered. Hit blocks are registered already; the request's own last block
+        may be partly filled and is registered once full (``num_existing`` counts as
+        registered only behind a hit)."""
+        rid = request.request_id
+        prev_cached = self.num_cached_block.get(rid, 0)
+        num_known = num_existing + num_hits if num_hits else 0
+        self._cache_full_groups(request, tables, num_known, total_tokens)
+        if request.retention is not None or (self.retention_seen and num_hits):
+            end_hit = num_existing + num_hits
+            for table in tables:
+                self._apply_retention(request, table, num_existing, end_hit,
+                                      max(prev_cached, end_hit), self.num_cached_block[rid])
 
     def _num_skipped(self, group: int, num_computed_tokens: int) -> int:
         """Leading blocks entirely before the window of the token at ``num_computed_tokens``."""

@@ -339,9 +339,7 @@ class KVCacheManager:
         ``max_pinned_blocks``; nothing changes then."""
         if pin_id in self.pins:
             raise ValueError(f"pin id {pin_id!r} is already in use")
-        blocks = self._find_longest_cache_hit(block_hashes, len(block_hashes))
-        if len(blocks) < len(block_hashes):
-            raise KeyError(f"block {len(blocks)} of the prefix is not cached")
+        blocks = self._prefix_blocks(block_hashes)
         new = {b.block_id for b in blocks if b.block_id not in self._pin_refs}
         if len(self._pin_refs) + len(new) > self.max_pinned_blocks:
             raise PinBudgetError(
@@ -356,6 +354,15 @@ class KVCacheManager:
         self.retention_seen = True
         self.pins[pin_id] = blocks
         return blocks
+
+    def _prefix_blocks(self, block_hashes: Sequence[Hashable]) -> list[KVCacheBlock]:
+        """The cached blocks a hit on the whole chain ``block_hashes`` reads (what a pin must
+        hold; a window's placeholders are not blocks); ``KeyError`` naming the first block that
+        is not cached."""
+        blocks = self._find_longest_cache_hit(block_hashes, len(block_hashes))
+        if len(blocks) < len(block_hashes):
+            raise KeyError(f"block {len(blocks)} of the prefix is not cached")
+        return [block for block in blocks if not block.is_null]
 
     def unpin(self, pin_id: str) -> bool:
         """Releases a pin (tail first); a block no other pin holds falls back to the default
