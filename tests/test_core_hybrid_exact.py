@@ -585,6 +585,13 @@ def test_chunks_not_aligned_to_blocks_cache_every_block_they_complete(
 
 
 # ----------------------------------------------------------------- retention and pins
+def group_tables(manager: KVCacheManager, rid: str) -> list[list[KVCacheBlock]]:
+    """Copies of the request's block table of every group (one table for a single group)."""
+    if isinstance(manager, HybridKVCacheManager):
+        return [list(table) for table in manager.group_blocks[rid]]
+    return [list(manager.req_to_blocks[rid])]
+
+
 def test_a_retained_prompt_keeps_its_cached_blocks_at_its_priority_in_every_group() -> None:
     """13 tokens with priority 80: the three full blocks of both groups are kept at 80 once
     freed, the partly filled fourth at the default. Catches retention applied to group 0 only,
@@ -638,3 +645,72 @@ def test_a_pinned_prefix_keeps_every_group_s_blocks_through_a_flood() -> None:
     manager.free(flood)
     assert manager.unpin("p")
     assert manager.block_pool.get_num_free_blocks() == 23
+
+
+@pytest.mark.parametrize("make", MANAGERS.values(), ids=MANAGERS.keys())
+def test_a_hit_keeps_the_higher_priority_another_request_gave_it(
+        make: Callable[[], KVCacheManager]) -> None:
+    """``high`` caches 8 tokens at priority 80; ``low`` (priority 20) hits them and computes one
+    block more. Once both are freed, the hit blocks stay at 80 and only ``low``'s own block is
+    at 20. Catches hit blocks treated as the request's fresh blocks (set to 20)."""
+    manager = make()
+    admit(manager, req("high", tokens(9), retention=Retention.whole_prompt(80)))
+    low = req("low", tokens(13), retention=Retention.whole_prompt(20))
+    admit(manager, low)
+    tables = group_tables(manager, "low")
+    manager.free(low)
+    for table in tables:
+        assert [block.priority for block in table[:3]] == [80, 80, 20]
+
+
+@pytest.mark.parametrize("make", MANAGERS.values(), ids=MANAGERS.keys())
+def test_a_later_chunk_leaves_the_retention_of_the_earlier_chunks_blocks(
+        make: Callable[[], KVCacheManager]) -> None:
+    """``slow`` (priority 20) prefills 12 tokens in chunks of 8 and 4; between them ``fast``
+    (priority 80) hits the first chunk's 2 blocks and raises them to 80. The second chunk sets
+    20 on its own new block only. Catches a chunk that re-applies the retention, as fresh, to
+    every block from block 0 (the count of blocks already registered read as 0)."""
+    manager = make()
+    slow = req("slow", tokens(13), retention=Retention.whole_prompt(20))
+    assert manager.allocate_slots(slow, 8) is not None
+    slow.num_computed_tokens = 8
+    admit(manager, req("fast", tokens(9), retention=Retention.whole_prompt(80)))
+    assert manager.allocate_slots(slow, 4) is not None
+    tables = group_tables(manager, "slow")
+    for table in tables:
+        assert [block.priority for block in table] == [80, 80, 20]
+
+
+def test_pinning_a_prefix_whose_window_block_was_evicted_names_the_block() -> None:
+    """After group 1's third block of a 12-token prefix is evicted, the window group serves only
+    2 blocks of it: the pin is refused naming block 2, and nothing is pinned."""
+    manager = HybridKVCacheManager(24, BS, (None, 8), max_pinned_fraction=1.0)
+    first = req("sys", tokens(13))
+    admit(manager, first)
+    window_block = manager.group_blocks["sys"][1][2].block_id
+    manager.free(first)
+    evict(manager, {window_block})
+    probe = req("probe", tokens(12))
+    with pytest.raises(KeyError) as info:
+        manager.pin("p", list(manager.block_hashes(probe)))
+    assert info.value.args == ("block 2 of the prefix is not cached",)
+    assert manager.pins == {} and manager.block_pool.get_num_free_blocks() == 23
+
+
+@pytest.mark.parametrize("make", MANAGERS.values(), ids=MANAGERS.keys())
+def test_a_block_that_a_later_chunk_completes_gets_the_prompts_retention(
+        make: Callable[[], KVCacheManager]) -> None:
+    """A 13-token prompt at priority 80 prefilled in chunks of 6, 6 and 1: block 1 is half
+    filled by the first chunk and completed by the second. All three full blocks are kept at
+    80. Catches the retention of a chunk applied only from the blocks it allocated, which left
+    the block straddling each chunk boundary at the default (a hole in the retained prefix)."""
+    manager = make()
+    request = req("sys", tokens(13), retention=Retention.whole_prompt(80))
+    for chunk in (6, 6, 1):
+        assert manager.allocate_slots(request, chunk) is not None
+        request.num_computed_tokens += chunk
+        if chunk == 6:  # (the window group frees block 0 at the last chunk: kept from here)
+            tables = group_tables(manager, "sys")
+    manager.free(request)
+    for table in tables:
+        assert [block.priority for block in table] == [80, 80, 80]

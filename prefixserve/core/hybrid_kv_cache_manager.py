@@ -195,9 +195,10 @@ class HybridKVCacheManager(KVCacheManager):
         self._cache_full_groups(request, tables, num_known, total_tokens)
         if request.retention is not None or (self.retention_seen and num_hits):
             end_hit = num_existing + num_hits
+            first_new = max(prev_cached, end_hit) if num_hits else prev_cached
             for table in tables:
-                self._apply_retention(request, table, num_existing, end_hit,
-                                      max(prev_cached, end_hit), self.num_cached_block[rid])
+                self._apply_retention(request, table, num_existing, end_hit, first_new,
+                                      self.num_cached_block[rid])
 
     def _num_skipped(self, group: int, num_computed_tokens: int) -> int:
         """Leading blocks entirely before the window of the token at ``num_computed_tokens``."""

@@ -269,8 +269,11 @@ class KVCacheManager:
         self.num_cached_block[rid] = num_cached
         if request.retention is not None or (self.retention_seen and num_hits):
             end_hit = num_existing + num_hits
-            self._apply_retention(request, req_blocks, num_existing, end_hit,
-                                  max(prev_cached, end_hit), num_cached)
+            # newly registered: from the first block not registered before (a block the last
+            # chunk left partly filled included), past the hits, which were registered already
+            first_new = max(prev_cached, end_hit) if num_hits else prev_cached
+            self._apply_retention(request, req_blocks, num_existing, end_hit, first_new,
+                                  num_cached)
 
     def _apply_retention(self, request: CacheRequest, req_blocks: list[KVCacheBlock],
                          first_hit: int, end_hit: int, first_new: int, end_new: int) -> None:
