@@ -41,8 +41,9 @@ def group_key(block_hash: Hashable, group: int) -> Hashable:
     return block_hash if group == 0 else ((hash_value_of(block_hash), group), block_hash)
 
 
-def admit(manager: HybridKVCacheManager, request: CacheRequest) -> list[KVCacheBlock]:
-    """Looks the request up and allocates the rest of its prompt in one step."""
+def admit_blocks(manager: KVCacheManager, request: CacheRequest) -> list[KVCacheBlock]:
+    """Looks the request up and allocates the rest of its prompt in one step; returns the new
+    blocks (``core_helpers.admit`` returns the cached token count)."""
     hits, num_hit = manager.get_computed_blocks(request)
     new = manager.allocate_slots(request, request.num_tokens - num_hit, hits)
     assert new is not None, "pool too small for the test"
@@ -90,7 +91,7 @@ def test_a_one_token_window_is_accepted_and_frees_every_earlier_block() -> None:
     manager = HybridKVCacheManager(8, BS, (None, 1))
     assert manager.sliding_window == 1
     request = req("a", tokens(9))
-    assert ids(admit(manager, request)) == [1, 2, 3, 4, 5, 6]
+    assert ids(admit_blocks(manager, request)) == [1, 2, 3, 4, 5, 6]
     assert manager.remove_skipped_blocks(request) is True
     assert manager.get_group_block_ids(request) == [[1, 2, 3], [0, 0, 6]]
     assert manager.num_free_blocks == 7 - 6 + 2
@@ -103,12 +104,12 @@ def test_a_model_without_windows_reserves_no_null_block_and_allocates_from_block
     assert both_full.sliding_window is None and both_full.null_block is None
     assert both_full.num_free_blocks == 4
     request = req("a", tokens(3))
-    assert ids(admit(both_full, request)) == [0, 1]
+    assert ids(admit_blocks(both_full, request)) == [0, 1]
     assert both_full.get_group_block_ids(request) == [[0], [1]]
 
     single = HybridKVCacheManager(3, BS, (None,))
     request = req("b", tokens(3))
-    assert ids(admit(single, request)) == [0]
+    assert ids(admit_blocks(single, request)) == [0]
     assert single.get_group_block_ids(request) == [[0]]
     assert single.num_free_blocks == 2
 
@@ -119,14 +120,14 @@ def test_pin_budget_is_the_given_fraction_of_the_pool_less_the_given_reserve() -
     with a reserve of 1 only 3."""
     manager = HybridKVCacheManager(4, BS, (None,), max_pinned_fraction=1.0)
     request = req("a", tokens(16))
-    admit(manager, request)
+    admit_blocks(manager, request)
     chain = list(manager.block_hashes(request))
     assert ids(manager.pin("p", chain)) == [0, 1, 2, 3]
     assert manager.num_pinned_blocks == 4
 
     reserved = HybridKVCacheManager(4, BS, (None,), max_pinned_fraction=1.0, reserved_blocks=1)
     request = req("a", tokens(16))
-    admit(reserved, request)
+    admit_blocks(reserved, request)
     with pytest.raises(PinBudgetError) as info:
         reserved.pin("p", list(reserved.block_hashes(request)))
     assert str(info.value) == ("pinning 4 more blocks would pin 4 of 4 blocks; the pin budget "
@@ -140,7 +141,7 @@ def test_the_given_clock_drives_expiry() -> None:
     now = [0.0]
     manager = HybridKVCacheManager(8, BS, (None, 8), clock=lambda: now[0])
     request = req("a", tokens(5))
-    admit(manager, request)
+    admit_blocks(manager, request)
     block = manager.block_pool.blocks[1]  # group 0's block 0: full, cached, held
     manager.block_pool.retain(block, 60, 5.0)
     manager.free(request)
@@ -172,7 +173,7 @@ def test_the_chain_is_the_single_group_chain_of_the_given_root_and_algorithm() -
 def test_log_stats_off_counts_nothing() -> None:
     """Catches ``log_stats`` not passed on, or the stats recorded when either flag is set."""
     manager = HybridKVCacheManager(16, BS, (None, 8), log_stats=False)
-    admit(manager, req("a", tokens(9)))
+    admit_blocks(manager, req("a", tokens(9)))
     assert manager.get_computed_blocks(req("b", tokens(9)))[1] == 8
     stats = manager.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits, stats.query_tokens) == (0, 0, 0, 0)
@@ -184,7 +185,7 @@ def test_a_window_of_six_needs_the_two_blocks_before_the_hit_end() -> None:
     L=4 needs block 2, L=3 blocks 1 and 2, L=2 blocks 0 and 1, so the hit is 8 tokens."""
     manager = HybridKVCacheManager(8, BS, (6,))
     first = req("a", tokens(17))
-    admit(manager, first)
+    admit_blocks(manager, first)
     assert manager.get_group_block_ids(first) == [[1, 2, 3, 4, 5]]
     manager.free(first)
     evict(manager, {3})
@@ -199,8 +200,8 @@ def test_every_group_registers_under_its_own_key_for_every_request() -> None:
     (the second request's blocks would then go unregistered)."""
     manager = HybridKVCacheManager(32, BS, (None, 8, 8))
     first, second = req("a", tokens(13)), req("b", tokens(9, offset=100))
-    admit(manager, first)
-    admit(manager, second)
+    admit_blocks(manager, first)
+    admit_blocks(manager, second)
     pool = manager.block_pool
     for request, num_full in ((first, 3), (second, 2)):
         chain = manager.block_hashes(request)
@@ -217,11 +218,11 @@ def test_a_reused_request_id_gets_the_keys_of_its_new_tokens() -> None:
     same id but other tokens must register its window blocks under its own keys."""
     manager = HybridKVCacheManager(32, BS, (None, 8))
     first = req("a", tokens(9))
-    admit(manager, first)
+    admit_blocks(manager, first)
     manager.free(first)
     manager.free_block_hashes(first)
     second = req("a", tokens(9, offset=100))
-    admit(manager, second)
+    admit_blocks(manager, second)
     chain = manager.block_hashes(second)
     window_table = manager.get_group_block_ids(second)[1]
     for i in range(2):
@@ -248,7 +249,7 @@ def test_prompt_logprob_requests_get_no_hit_and_are_not_counted() -> None:
     """Catches a prompt-logprob request served from the cache (it needs its whole prompt
     computed), or answered with a hit of 1 token."""
     manager = HybridKVCacheManager(16, BS, (None, 8))
-    admit(manager, req("a", tokens(9)))
+    admit_blocks(manager, req("a", tokens(9)))
     manager.make_prefix_cache_stats()
     wants = req("b", tokens(9), wants_prompt_logprobs=True)
     assert manager.get_computed_blocks(wants) == ([], 0)
@@ -259,7 +260,7 @@ def test_one_token_past_whole_blocks_hits_them_all() -> None:
     """Catches a lookup limit of (n - 2) // bs: 9 tokens leave token 8 to compute, so both full
     blocks are hits."""
     manager = HybridKVCacheManager(16, BS, (None, 8))
-    admit(manager, req("a", tokens(9)))
+    admit_blocks(manager, req("a", tokens(9)))
     hits, num_hit = manager.get_computed_blocks(req("b", tokens(9)))
     assert (ids(hits), num_hit) == ([1, 2, 4, 5], 8)
 
@@ -270,7 +271,7 @@ def test_an_earlier_window_group_is_checked_again_after_a_later_group_shortens_t
     window group only, L=2 the full group only; the hit is L=1."""
     manager = HybridKVCacheManager(16, BS, (4, None))
     first = req("a", tokens(16))
-    admit(manager, first)
+    admit_blocks(manager, first)
     assert manager.get_group_block_ids(first) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     manager.free(first)
     evict(manager, {2, 3, 7, 8})
@@ -288,7 +289,7 @@ def test_eagle_miss_is_no_hit() -> None:
 def test_eagle_turns_a_one_block_hit_into_none() -> None:
     """Catches eagle sparing a hit of one block."""
     manager = HybridKVCacheManager(16, BS, (None, 8), use_eagle=True)
-    admit(manager, req("a", tokens(5)))
+    admit_blocks(manager, req("a", tokens(5)))
     assert manager.get_computed_blocks(req("b", tokens(5))) == ([], 0)
 
 
@@ -297,7 +298,7 @@ def test_eagle_drops_exactly_one_block() -> None:
     remain; token 12 reads 5..12, so the window group serves blocks 1 and 2."""
     manager = HybridKVCacheManager(16, BS, (None, 8), use_eagle=True)
     first = req("a", tokens(17))
-    admit(manager, first)
+    admit_blocks(manager, first)
     assert manager.get_group_block_ids(first) == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     hits, num_hit = manager.get_computed_blocks(req("b", tokens(17)))
     assert (ids(hits), num_hit) == ([1, 2, 3, 0, 7, 8], 12)
@@ -307,7 +308,7 @@ def test_record_stats_false_defers_counting_to_record_lookup() -> None:
     """Catches a lookup counted although ``record_stats=False``, and ``record_lookup`` counting
     every group's blocks (or failing on a count) instead of the chain's."""
     manager = HybridKVCacheManager(16, BS, (None, 8))
-    admit(manager, req("a", tokens(9)))
+    admit_blocks(manager, req("a", tokens(9)))
     manager.make_prefix_cache_stats()
     later = req("b", tokens(9))
     hits, num_hit = manager.get_computed_blocks(later, record_stats=False)
@@ -339,7 +340,7 @@ def test_hit_on_a_hybrid_model_reserves_only_the_missing_blocks() -> None:
     once free: 2 of those are outside the window, so exactly one new block per group fits."""
     manager = HybridKVCacheManager(9, BS, (8, None))
     first = req("a", tokens(16))
-    admit(manager, first)
+    admit_blocks(manager, first)
     assert manager.get_group_block_ids(first) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     manager.free(first)
     publisher = KVEventPublisher("r", BS)
@@ -370,7 +371,7 @@ def test_free_hits_count_against_the_free_blocks() -> None:
     subtracted instead): 8 free blocks, 6 of them are the hits, 4 new ones are needed, so the
     allocation fails and changes nothing."""
     manager = HybridKVCacheManager(9, BS, (8, None))
-    admit(manager, req("a", tokens(16)))
+    admit_blocks(manager, req("a", tokens(16)))
     manager.free(req("a", []))
     second = req("b", tokens(24))
     hits, num_hit = manager.get_computed_blocks(second)
@@ -387,7 +388,7 @@ def test_blocks_sliding_out_of_a_window_make_room_exactly() -> None:
     window group's blocks 0 and 1 make room for one new block per group."""
     manager = HybridKVCacheManager(9, BS, (8, None))
     request = req("a", tokens(16))
-    admit(manager, request)
+    admit_blocks(manager, request)
     assert manager.num_free_blocks == 0
     grow(request, 4)
     new = manager.allocate_slots(request, 4)
@@ -402,7 +403,7 @@ def test_one_block_short_after_sliding_out_returns_none_and_changes_nothing() ->
     are one short of the 4 needed, so nothing slides out and None comes back."""
     manager = HybridKVCacheManager(10, BS, (8, None))
     request = req("a", tokens(16))
-    admit(manager, request)
+    admit_blocks(manager, request)
     assert manager.num_free_blocks == 1
     grow(request, 8)
     assert manager.allocate_slots(request, 8) is None
@@ -415,10 +416,10 @@ def test_a_window_block_another_request_holds_is_not_room() -> None:
     that slides out of b's window is still a's, so releasing it frees nothing."""
     manager = HybridKVCacheManager(14, BS, (8, None))
     first = req("a", tokens(17))
-    admit(manager, first)
+    admit_blocks(manager, first)
     assert manager.get_group_block_ids(first) == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     second = req("b", tokens(20))
-    admit(manager, second)
+    admit_blocks(manager, second)
     assert manager.get_group_block_ids(second) == [[0, 0, 3, 4, 11], [6, 7, 8, 9, 12]]
     assert manager.num_free_blocks == 1
     grow(second, 4)
@@ -432,7 +433,7 @@ def test_an_allocation_inside_the_last_block_takes_no_block() -> None:
     """Catches a new block per group taken when the tokens fit in the blocks held."""
     manager = HybridKVCacheManager(16, BS, (None, 8))
     request = req("a", tokens(5))
-    admit(manager, request)
+    admit_blocks(manager, request)
     grow(request, 1)
     assert manager.allocate_slots(request, 1) == []
     assert manager.get_group_block_ids(request) == [[1, 2], [3, 4]]
@@ -445,9 +446,9 @@ def test_an_allocation_that_takes_no_block_leaves_expiry_lazy() -> None:
     now = [0.0]
     manager = HybridKVCacheManager(16, BS, (None, 8), clock=lambda: now[0])
     running = req("a", tokens(5))
-    admit(manager, running)
+    admit_blocks(manager, running)
     other = req("b", tokens(4, offset=100))
-    assert ids(admit(manager, other)) == [5, 6]
+    assert ids(admit_blocks(manager, other)) == [5, 6]
     manager.block_pool.retain(manager.block_pool.blocks[5], 60, 5.0)
     manager.free(other)
     now[0] = 10.0
@@ -461,7 +462,7 @@ def test_group_zero_table_is_the_request_block_table() -> None:
     """Catches the request's block table (``req_to_blocks``) not being group 0's table."""
     manager = HybridKVCacheManager(16, BS, (None, 8))
     request = req("a", tokens(9))
-    admit(manager, request)
+    admit_blocks(manager, request)
     assert manager.get_block_ids(request) == [1, 2, 3]
     assert manager.get_group_block_ids(request) == [[1, 2, 3], [4, 5, 6]]
 
@@ -498,7 +499,7 @@ def test_free_of_a_request_never_allocated_is_a_no_op() -> None:
     manager = HybridKVCacheManager(16, BS, (None, 8))
     manager.free(req("a", tokens(9)))
     request = req("b", tokens(9))
-    admit(manager, request)
+    admit_blocks(manager, request)
     manager.free(request)
     manager.free(request)
     assert manager.num_free_blocks == 15
@@ -508,7 +509,7 @@ def test_free_forgets_the_tables() -> None:
     """Catches group 0's table kept after ``free``."""
     manager = HybridKVCacheManager(16, BS, (None, 8))
     request = req("a", tokens(9))
-    admit(manager, request)
+    admit_blocks(manager, request)
     manager.free(request)
     assert manager.get_block_ids(request) == []
     assert manager.get_group_block_ids(request) == [[], []]
@@ -519,13 +520,13 @@ def test_a_resumed_request_caches_the_blocks_it_recomputes() -> None:
     its 4 full blocks must register the 2 it computes again."""
     manager = HybridKVCacheManager(32, BS, (None, 8))
     request = req("a", tokens(17))
-    admit(manager, request)
+    admit_blocks(manager, request)
     assert manager.get_group_block_ids(request)[0] == [1, 2, 3, 4, 5]
     manager.free(request)  # preempted: the chain stays
     request.num_computed_tokens = 0
     evict(manager, {3})  # group 0's block 2
     assert manager.get_computed_blocks(request)[1] == 8
-    admit(manager, request)
+    admit_blocks(manager, request)
     hits, num_hit = manager.get_computed_blocks(req("c", tokens(17)))
     assert num_hit == 16
     assert hits[2] is manager.req_to_blocks["a"][2]
@@ -536,7 +537,7 @@ def test_free_releases_tails_of_every_group_before_heads() -> None:
     the tail, so the LRU order is 4 8 3 7 2 6 1 5."""
     manager = HybridKVCacheManager(9, BS, (None, 8))
     request = req("a", tokens(16))
-    admit(manager, request)
+    admit_blocks(manager, request)
     assert manager.get_group_block_ids(request) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     manager.free(request)
     order = ids(list(manager.block_pool.free_blocks_in_eviction_order()))
@@ -559,7 +560,7 @@ def test_a_block_that_decode_fills_is_cached(make: Callable[[], KVCacheManager])
     the request is admitted, and so never registers it once it fills."""
     manager = make()
     first = req("first", tokens(9))
-    admit(manager, first)
+    admit_blocks(manager, first)
     for _ in range(4):  # each decode step allocates the slot of one more token
         grow(first, 1)
         assert manager.allocate_slots(first, 1) is not None
@@ -598,7 +599,7 @@ def test_a_retained_prompt_keeps_its_cached_blocks_at_its_priority_in_every_grou
     or not at all (the hybrid manager once ignored it)."""
     manager = HybridKVCacheManager(32, BS, (None, 8))
     request = req("sys", tokens(13), retention=Retention.whole_prompt(80))
-    admit(manager, request)
+    admit_blocks(manager, request)
     tables = [list(table) for table in manager.group_blocks["sys"]]
     manager.free(request)
     for table in tables:
@@ -613,9 +614,9 @@ def test_a_flood_evicts_an_unretained_prompt_before_the_retained_one_in_every_gr
     in the default list ahead of ``other``'s and are taken instead."""
     manager = HybridKVCacheManager(24, BS, (None, 8))
     retained = req("sys", tokens(13), retention=Retention.whole_prompt(80))
-    admit(manager, retained)
+    admit_blocks(manager, retained)
     other = req("other", tokens(13, offset=100))
-    admit(manager, other)
+    admit_blocks(manager, other)
     manager.free(retained)
     manager.free(other)
     never_used = 23 - 16
@@ -632,7 +633,7 @@ def test_a_pinned_prefix_keeps_every_group_s_blocks_through_a_flood() -> None:
     the window's blocks and the prefix misses."""
     manager = HybridKVCacheManager(24, BS, (None, 8), max_pinned_fraction=1.0)
     first = req("sys", tokens(13))
-    admit(manager, first)
+    admit_blocks(manager, first)
     manager.free(first)
     probe = req("probe", tokens(12))
     pinned = manager.pin("p", list(manager.block_hashes(probe)))
@@ -654,9 +655,9 @@ def test_a_hit_keeps_the_higher_priority_another_request_gave_it(
     block more. Once both are freed, the hit blocks stay at 80 and only ``low``'s own block is
     at 20. Catches hit blocks treated as the request's fresh blocks (set to 20)."""
     manager = make()
-    admit(manager, req("high", tokens(9), retention=Retention.whole_prompt(80)))
+    admit_blocks(manager, req("high", tokens(9), retention=Retention.whole_prompt(80)))
     low = req("low", tokens(13), retention=Retention.whole_prompt(20))
-    admit(manager, low)
+    admit_blocks(manager, low)
     tables = group_tables(manager, "low")
     manager.free(low)
     for table in tables:
@@ -674,7 +675,7 @@ def test_a_later_chunk_leaves_the_retention_of_the_earlier_chunks_blocks(
     slow = req("slow", tokens(13), retention=Retention.whole_prompt(20))
     assert manager.allocate_slots(slow, 8) is not None
     slow.num_computed_tokens = 8
-    admit(manager, req("fast", tokens(9), retention=Retention.whole_prompt(80)))
+    admit_blocks(manager, req("fast", tokens(9), retention=Retention.whole_prompt(80)))
     assert manager.allocate_slots(slow, 4) is not None
     tables = group_tables(manager, "slow")
     for table in tables:
@@ -686,7 +687,7 @@ def test_pinning_a_prefix_whose_window_block_was_evicted_names_the_block() -> No
     2 blocks of it: the pin is refused naming block 2, and nothing is pinned."""
     manager = HybridKVCacheManager(24, BS, (None, 8), max_pinned_fraction=1.0)
     first = req("sys", tokens(13))
-    admit(manager, first)
+    admit_blocks(manager, first)
     window_block = manager.group_blocks["sys"][1][2].block_id
     manager.free(first)
     evict(manager, {window_block})

@@ -6,33 +6,12 @@ finished request keeps. The real ``Scheduler`` over the real managers, with a si
 
 from __future__ import annotations
 
-from prefixserve.core import KVCacheManager
+from scheduler_helpers import add, make
+from scheduler_helpers import step_counting_preemptions as step
+
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 from prefixserve.engine.scheduler import Scheduler
-from prefixserve.sampling_params import SamplingParams
-
-
-def make(num_blocks: int, block_size: int, budget: int, max_num_seqs: int = 8) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, budget)
-
-
-def add(scheduler: Scheduler, rid: str, prompt: list[int]) -> Request:
-    request = Request(request_id=rid, token_ids=list(prompt), prompt_token_ids=list(prompt),
-                      params=SamplingParams(max_tokens=100))
-    scheduler.add_request(request)
-    return request
-
-
-def step(scheduler: Scheduler) -> tuple[list[tuple[str, int]], int]:
-    """One step and the simulated model: ``([(request id, tokens scheduled)], preempted)``."""
-    out = scheduler.schedule()
-    for item in out.scheduled:
-        request = item.request
-        request.num_computed_tokens += item.num_new_tokens
-        if request.is_prefill_done:
-            request.append_output_token(1)
-    return [(i.request.request_id, i.num_new_tokens) for i in out.scheduled], out.num_preempted
 
 
 class RecordingGate:

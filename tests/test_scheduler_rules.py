@@ -6,34 +6,11 @@ from __future__ import annotations
 
 import time
 
+from scheduler_helpers import add, make, step
+
 from prefixserve.core import KVCacheManager, SlidingWindowKVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 from prefixserve.engine.scheduler import Scheduler
-from prefixserve.sampling_params import SamplingParams
-
-
-def make(num_blocks: int, block_size: int, budget: int, max_num_seqs: int = 8,
-         chunked: bool = True, caching: bool = True) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget,
-                     chunked)
-
-
-def add(scheduler: Scheduler, rid: str, prompt: list[int]) -> Request:
-    request = Request(request_id=rid, token_ids=list(prompt), prompt_token_ids=list(prompt),
-                      params=SamplingParams(max_tokens=100))
-    scheduler.add_request(request)
-    return request
-
-
-def step(scheduler: Scheduler) -> list[tuple[str, int]]:
-    """One step and the simulated model; returns ``[(request id, tokens scheduled)]``."""
-    out = scheduler.schedule()
-    for item in out.scheduled:
-        request = item.request
-        request.num_computed_tokens += item.num_new_tokens
-        if request.is_prefill_done:
-            request.append_output_token(1)
-    return [(item.request.request_id, item.num_new_tokens) for item in out.scheduled]
 
 
 def test_chunked_prefill_splits_a_prompt_over_steps_within_the_budget() -> None:
