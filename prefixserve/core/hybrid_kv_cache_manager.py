@@ -40,6 +40,12 @@ from prefixserve.core.kv_cache_manager import KVCacheManager, window_cache_hit
 from prefixserve.core.request import CacheRequest
 
 
+def group_key(block_hash: Hashable, group: int) -> Hashable:
+    """The key group ``group > 0`` caches the block of ``block_hash`` under (group 0 uses the
+    block hash itself): its map key is ``(hash value, group)``, so groups never share blocks."""
+    return ((hash_value_of(block_hash), group), block_hash)
+
+
 class HybridKVCacheManager(KVCacheManager):
     """Prefix-cached allocation for KV cache groups of windows ``group_windows`` (None: full
     attention) sharing one pool of ``num_blocks`` blocks (see the module docstring).
@@ -82,8 +88,7 @@ class HybridKVCacheManager(KVCacheManager):
         per_group = self._group_keys.setdefault(request.request_id,
                                                 [[] for _ in range(self.num_groups)])
         keys = per_group[group]
-        for block_hash in hashes[len(keys):]:
-            keys.append(((hash_value_of(block_hash), group), block_hash))
+        keys += [group_key(block_hash, group) for block_hash in hashes[len(keys):]]
         return keys
 
     # ----------------------------------------------------------------- lookup
@@ -133,7 +138,7 @@ class HybridKVCacheManager(KVCacheManager):
         whole chain reads, group after group (a window group's: those of the last window)."""
         blocks: list[KVCacheBlock] = []
         for g in range(self.num_groups):
-            keys = block_hashes if g == 0 else [((hash_value_of(h), g), h) for h in block_hashes]
+            keys = block_hashes if g == 0 else [group_key(h, g) for h in block_hashes]
             hit = self._group_hit(g, keys, len(block_hashes))
             if len(hit) < len(block_hashes):
                 raise KeyError(f"block {len(hit)} of the prefix is not cached")
