@@ -88,7 +88,8 @@ class HybridKVCacheManager(KVCacheManager):
         per_group = self._group_keys.setdefault(request.request_id,
                                                 [[] for _ in range(self.num_groups)])
         keys = per_group[group]
-        keys += [group_key(block_hash, group) for block_hash in hashes[len(keys):]]
+        for block_hash in hashes[len(keys):]:
+            keys.append(group_key(block_hash, group))
         return keys
 
     # ----------------------------------------------------------------- lookup
