@@ -64,6 +64,9 @@ class EngineConfig:
     ``deterministic`` runs the batch-invariant kernels: a request's output depends only on its
     own tokens, sampling parameters and seed, not on the batch, the chunking of its prompt or
     the prefix cache (CPU, float32 or bfloat16; see :mod:`prefixserve.model.batch_invariant`).
+    ``enforce_eager`` runs decode steps through the torch modules layer by layer instead of
+    the fused decode kernel (:mod:`prefixserve.model.fused_decode`; for comparisons and
+    debugging).
     """
 
     model: str | None = None
@@ -98,6 +101,7 @@ class EngineConfig:
     kv_tier_retry_after: float = 10.0
     kv_tier_write_queue: int | str = "512MiB"
     deterministic: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:

@@ -113,7 +113,8 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError("kv_cache_memory is too small for two KV blocks")
         self.runner = ModelRunner(self.model_config, model, num_blocks, config.block_size,
-                                  self.dtype, config.device, config.deterministic)
+                                  self.dtype, config.device, config.deterministic,
+                                  config.enforce_eager)
         namespace = self._tier_namespace(config)
         self.kv_cache_manager, capacity = make_engine_kv_cache(
             self.model_config, num_blocks, config,

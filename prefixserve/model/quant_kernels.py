@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -103,7 +104,7 @@ def load_library(source: Path) -> ctypes.CDLL:
     declares the argument types. (Other kernel files, e.g. the batch-invariant ones, are built
     the same way as ``quant.c``.)"""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    text = source.read_bytes()
+    text = _source_text(source)
     key = hashlib.sha256(text + " ".join(_flags()).encode() + _cpu_signature().encode())
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -113,6 +114,15 @@ def load_library(source: Path) -> ctypes.CDLL:
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the kernels share it)
 
     return ctypes.CDLL(str(target))
+
+
+def _source_text(source: Path) -> bytes:
+    """The bytes of ``source`` and of the files of ``kernels/`` it includes (``#include
+    "name"``), so that a change to an included file builds the library again."""
+    text = source.read_bytes()
+    for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE):
+        text += _source_text(source.with_name(name.decode()))
+    return text
 
 
 def _load() -> ctypes.CDLL:

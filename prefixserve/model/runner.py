@@ -9,7 +9,7 @@ from itertools import accumulate
 
 import torch
 
-from prefixserve.model import batch_invariant
+from prefixserve.model import batch_invariant, fused_decode
 from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
@@ -78,6 +78,11 @@ class ModelRunner:
     ``deterministic`` switches the model to the batch-invariant kernels (in place; see
     :mod:`prefixserve.model.batch_invariant`): a sequence's logits then do not depend on the
     other sequences of a step, nor on how its tokens were split between steps and the cache.
+
+    Steps where every sequence adds one token run the decoder layers through
+    :class:`~prefixserve.model.fused_decode.FusedDecode` where it applies (see
+    :func:`~prefixserve.model.fused_decode.unsupported`; ``fused_decode_reason`` says why not),
+    unless ``enforce_eager`` is set or the model has LoRA adapters or runs deterministically.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device | str,
         deterministic: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -124,6 +130,10 @@ class ModelRunner:
         self.block_tables = [BlockTables(num_blocks, self.device) for _ in self.layout.groups]
         self.lora: LoRAModel | None = None
         """The adapter slots of the model (``install_lora``), or None without LoRA."""
+        self.enforce_eager = enforce_eager
+        self._fused: fused_decode.FusedDecode | None = None
+        self.fused_decode_reason: str | None = None
+        """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.model_seconds = 0.0
         """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
         was made: the rest of a step is the engine's own work. (Host time: on an accelerator,
@@ -174,6 +184,8 @@ class ModelRunner:
         if not seqs:
             raise ValueError("execute needs at least one sequence")
         needed = [self._check(seq) for seq in seqs]
+        if self._fused_applies(seqs):
+            return self._fused_step(seqs, needed)
         meta = self._metadata(seqs, needed)
         token_ids: list[int] = []
         positions: list[int] = []
@@ -187,6 +199,36 @@ class ModelRunner:
         out = self._forward(ids_t, pos_t, meta, seqs)
         self.model_seconds += time.perf_counter() - start
         return out
+
+    def _fused_applies(self, seqs: list[SeqBatchInput]) -> bool:
+        """Whether this step runs through the fused decode layers (built at the first one)."""
+        if self.lora is not None or any(len(s.token_ids) != 1 or s.need_prompt_logits
+                                        for s in seqs):
+            return False
+        if self._fused is None and self.fused_decode_reason is None:
+            reason = fused_decode.unsupported(self.model, self.kv_cache)
+            if self.enforce_eager or self.deterministic or self.lora is not None:
+                reason = ("enforce_eager" if self.enforce_eager else
+                          "deterministic mode" if self.deterministic else "LoRA adapters")
+            if reason is None:
+                assert isinstance(self.model, CausalLM)
+                self._fused = fused_decode.FusedDecode(self.model, self.kv_cache,
+                                                       self.block_size)
+            self.fused_decode_reason = reason
+        return self._fused is not None
+
+    def _fused_step(self, seqs: list[SeqBatchInput], needed: list[int]) -> ExecuteOutput:
+        """A decode step through :class:`FusedDecode`: embeddings, the fused layers, logits."""
+        assert self._fused is not None
+        rows = self.block_tables[0].update(seqs, needed)
+        ids_t = torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long)
+        start = time.perf_counter()
+        hidden = self.model.embed_tokens(ids_t)
+        hidden = self._fused.run(hidden, [s.start_pos for s in seqs],
+                                 self.block_tables[0].buffer, rows)
+        logits = self.model.compute_logits(hidden)
+        self.model_seconds += time.perf_counter() - start
+        return ExecuteOutput(logits, [None] * len(seqs))
 
     def _metadata(self, seqs: list[SeqBatchInput], needed: list[int]
                   ) -> list[AttentionMetadata]:

@@ -157,6 +157,9 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
                        help="batch-invariant kernels: a request's output depends only on its "
                        "own tokens, sampling parameters and seed, never on the batch, the "
                        "chunking or the prefix cache (slower; float32 or bfloat16)")
+    group.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="run decode steps layer by layer through torch instead of the "
+                       "fused C decode kernel (slower; for comparisons and debugging)")
 
 
 def _add_kv_cache_size(size: argparse._MutuallyExclusiveGroup) -> None:

@@ -35,7 +35,8 @@ _ENGINE_OPTIONS = ("dtype", "weights", "enable_prefix_caching", "prefix_caching_
                    "max_waiting_requests", "num_threads", "max_pinned_fraction", "kv_disk_dir",
                    "kv_disk_size", "kv_redis_url", "kv_redis_ttl", "kv_redis_max_memory",
                    "kv_tier_write_policy", "kv_tier_min_prefix_tokens", "kv_tier_timeout",
-                   "kv_tier_retry_after", "kv_tier_write_queue", "deterministic")
+                   "kv_tier_retry_after", "kv_tier_write_queue", "deterministic",
+                   "enforce_eager")
 
 
 def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:

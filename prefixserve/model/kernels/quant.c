@@ -326,12 +326,89 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
 }
 #endif
 
+#ifdef __AVX2__
+/* Products of one 16-bit activation row with a Q4_1 block of each of ROWS weight rows (row_bytes
+ * apart): four independent accumulators, the activations loaded once for all of them. The
+ * one-row kernel of decode steps, where tile_q16 would run a single dependent chain. */
+#define ROWS 4
+#ifndef PREFETCH
+#define PREFETCH 320
+#endif
+static void rows_q4_1_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
+                          const float *xd, const float *xs, int64_t nb, float *y) {
+    __m256 acc[ROWS], offsets = _mm256_setzero_ps();
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        __m256i a1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
+        __m256 xscale = _mm256_set1_ps(xd[b]);
+        const uint8_t *blk = w + b * Q4_1_BYTES;
+        uint16_t m[8] = {0};
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *br = blk + r * row_bytes;
+            _mm_prefetch((const char *)(br + PREFETCH), _MM_HINT_T0);
+            /* bytes widened to 16 bits: the low nibble is element j, the high one j + 16 */
+            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(br + 4)));
+            __m256i lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
+            __m256i hi = _mm256_srli_epi16(both, 4);
+            __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, a0),
+                                                           _mm256_madd_epi16(hi, a1)));
+            __m256 d = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(br)), xscale);
+            acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+            memcpy(m + r, br + 2, 2);
+        }
+        __m256 mf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m));
+        offsets = _mm256_fmadd_ps(mf, _mm256_set1_ps(xs[b]), offsets);
+    }
+    float off[8];
+    _mm256_storeu_ps(off, offsets);
+    for (int r = 0; r < ROWS; r++) y[r] = hsum(acc[r]) + off[r];
+}
+
+/* As rows_q4_1_q16 for Q8_0 weights (no offsets). */
+static void rows_q8_0_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
+                          const float *xd, int64_t nb, float *y) {
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        __m256i a1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
+        __m256 xscale = _mm256_set1_ps(xd[b]);
+        const uint8_t *blk = w + b * Q8_0_BYTES;
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *br = blk + r * row_bytes;
+            _mm_prefetch((const char *)(br + PREFETCH), _MM_HINT_T0);
+            __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(br + 2)));
+            __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(br + 18)));
+            __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, a0),
+                                                           _mm256_madd_epi16(hi, a1)));
+            __m256 d = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(br)), xscale);
+            acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) y[r] = hsum(acc[r]);
+}
+#endif
+
 /* As gemm_quant, with activations from quantize_q16. */
 void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                   const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
     int64_t nb = K / QK;
     int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
     int parallel = N * K * M >= (1 << 17);
+#ifdef __AVX2__
+    if (M == 1 && N % ROWS == 0) {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t n = 0; n < N; n += ROWS) {
+            if (fmt == FMT_Q4_1) {
+                rows_q4_1_q16(W + n * row_bytes, row_bytes, xq, xd, xs, nb, y + n);
+            } else {
+                rows_q8_0_q16(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
+            }
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *w = W + n * row_bytes;

@@ -1,0 +1,163 @@
+"""The fused decode step: all decoder layers of a decode batch in one C call (``kernels/decode.c``).
+
+A decode step of the eager model runs about 40 torch operations per layer, and its attention
+first gathers each sequence's context out of the paged cache; on CPU both cost more than the
+products with packed weights (``benchmarks/RESULTS.md``, issue 11). :class:`FusedDecode` hands
+the whole layer stack to one C function that reads the cache in place. The embedding lookup,
+the final norm and the logits stay in torch.
+
+It applies (:func:`unsupported` says why not) to a Llama-family :class:`CausalLM` on CPU with
+float32 activations and cache, every projection packed (:class:`QuantLinear`, so not wrapped by
+LoRA), one KV cache group of full attention and no Q/K norm; and per step (the runner checks)
+when every sequence adds one token and none asks for prompt logits. ``--enforce-eager`` turns
+it off. The deterministic mode never uses it (its attention has its own reduction order).
+
+The result equals the eager path's up to float rounding (a different summation order in the
+norms and attention, and the exponential of ``decode.c``): ``tests/test_fused_decode.py`` bounds
+the difference and checks that greedy tokens agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import nn
+
+from prefixserve.model import quant_kernels
+from prefixserve.model.llama import CausalLM, DecoderLayer
+from prefixserve.model.quant import QuantLinear
+
+_SOURCE = Path(__file__).with_name("kernels") / "decode.c"
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + \
+               [(name, ctypes.c_int64) for name in
+                ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")] + \
+               [(name, ctypes.c_void_p) for name in
+                ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "kv")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64),
+                ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+                ("eps", ctypes.c_double), ("inv_freq", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int64), ("pos", ctypes.c_void_p), ("tables", ctypes.c_void_p),
+                ("rows", ctypes.c_void_p), ("table_stride", ctypes.c_int64)]
+
+
+_library: list[ctypes.CDLL | None] = []
+
+
+def _kernels() -> ctypes.CDLL | None:
+    """``decode.c`` built and loaded (once per process); None when it cannot be built."""
+    if not _library:
+        try:
+            lib = quant_kernels.load_library(_SOURCE)
+            lib.decode_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch),
+                                           ctypes.c_void_p]
+            lib.decode_forward.restype = ctypes.c_int
+            _library.append(lib)
+        except (OSError, RuntimeError, quant_kernels.subprocess.SubprocessError):
+            _library.append(None)
+    return _library[0]
+
+
+def _layers(model: CausalLM) -> list[DecoderLayer]:
+    return [cast(DecoderLayer, layer) for layer in model.layers]
+
+
+def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+    """The four products of a layer, in the order of ``DecodeLayer``'s fields."""
+    return (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
+def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
+    """Why :class:`FusedDecode` cannot run ``model`` over ``kv_cache``; None when it can."""
+    if type(model) is not CausalLM:
+        return "not a Llama-family CausalLM"
+    config = model.config
+    reasons = [
+        (kv_cache.device.type != "cpu", "not on CPU"),
+        (kv_cache.dtype != torch.float32 or model.norm.weight.dtype != torch.float32,
+         "activations or cache not float32"),
+        (model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None,
+         "sliding-window attention"),
+        (config.qk_norm, "Q/K norm"),
+        (config.num_attention_heads % config.num_key_value_heads != 0
+         or config.num_attention_heads // config.num_key_value_heads > 64,
+         "uneven GQA groups, or more than 64 query heads per KV head"),
+        (config.head_dim % 2 != 0, "odd head_dim"),
+        (any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)),
+         "a projection not packed (dense weights or a LoRA wrapper)"),
+    ]
+    for failed, reason in reasons:
+        if failed:
+            return reason
+    if _kernels() is None:
+        return f"the decode kernel cannot be built: {quant_kernels.build_error()}"
+    return None
+
+
+class FusedDecode:
+    """The layer stack of ``model`` as one C call over ``kv_cache`` (``[layers, 2, slots,
+    kv_heads, head_dim]``, the runner's). Check :func:`unsupported` first. It keeps pointers
+    into the model's weights and the cache: build it again if either is replaced."""
+
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+        lib = _kernels()
+        assert lib is not None, "check unsupported() first"
+        self._lib = lib
+        config = model.config
+        self._keep = [kv_cache, model.rope_inv_freq.float().contiguous()]
+        layers = (_Layer * len(model.layers))()
+        slot = model.kv_layout.slot
+        for i, layer in enumerate(_layers(model)):
+            layers[i] = self._layer(layer, kv_cache[slot[i]])
+        self._layers = layers
+        self.model = _Model(
+            len(model.layers), config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
+            kv_cache.shape[2], config.rms_norm_eps, self._keep[1].data_ptr(), layers)
+
+    def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> _Layer:
+        def bias(p: QuantLinear) -> int | None:
+            if p.bias is None:
+                return None
+            kept = p.bias.detach().float().contiguous()
+            self._keep.append(kept)
+            return kept.data_ptr()
+
+        projections = [cast(QuantLinear, p) for p in _projections(layer)]
+        norms = [layer.input_norm.weight.detach(), layer.post_attn_norm.weight.detach()]
+        assert cache.is_contiguous() and all(n.is_contiguous() for n in norms)
+        return _Layer(*(n.data_ptr() for n in norms), *(p.qweight.data_ptr() for p in projections),
+                      *(p.fmt for p in projections), *(bias(p) for p in projections),
+                      cache.data_ptr())
+
+    def run(self, hidden: torch.Tensor, positions: list[int], tables: torch.Tensor,
+            rows: list[int]) -> torch.Tensor:
+        """The decoder layers over ``hidden`` (the embeddings ``[B, hidden]``, float32), in
+        place. Row b is at position ``positions[b]``, its block table row ``rows[b]`` of
+        ``tables`` (long, ``[num_rows, width]``), covering that position. Writes each row's
+        K/V into the cache; returns ``hidden``, now the last layer's output."""
+        hidden = hidden.contiguous()
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        batch = _Batch(len(positions), pos_t.data_ptr(), tables.data_ptr(), rows_t.data_ptr(),
+                       tables.stride(0))
+        if self._lib.decode_forward(ctypes.byref(self.model), ctypes.byref(batch),
+                                    hidden.data_ptr()) != 0:
+            raise MemoryError("the fused decode step could not allocate its scratch memory")
+        return hidden

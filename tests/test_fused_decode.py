@@ -1,0 +1,160 @@
+"""The fused decode step (``prefixserve/model/fused_decode.py``, ``kernels/decode.c``).
+
+It must compute what the eager layer stack computes: the same logits up to float rounding and
+the same K/V written into the cache, for batches of sequences with different context lengths
+(some longer than one attention chunk of the kernel), shuffled and shared blocks, GQA groups
+of 2 and 3 and QKV biases; greedy tokens of the default model must not change; and it must
+stay out of the way wherever it does not apply.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.model import fused_decode
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.llama import CausalLM
+from prefixserve.model.quant import FMT_Q4_1, FMT_Q8_0, QuantLinear, pack_float
+from prefixserve.model.runner import ModelRunner, SeqBatchInput
+
+#: Logits of the fused step vs the eager one, as a fraction of the largest |logit|. Both run
+#: the same packed products; the norms, attention and exp sum in another order (~1e-7), and
+#: that flips the 16-bit rounding of a few activations before each product, by 1/32767 of
+#: their block's largest value. Measured: 2.6e-5 to 5.3e-5 per decode step for one layer,
+#: up to 1.3e-4 for two or four (the K/V of the first layer agree to 1e-6).
+LOGIT_TOL = 3e-4
+#: The same for the K/V the two paths write, as a fraction of the largest (measured 4.2e-5).
+KV_TOL = 1e-4
+#: Attention works over chunks of this many keys in ``decode.c`` (``CHUNK``): contexts below,
+#: at and well above it are covered.
+CHUNK = 256
+
+
+def tiny_config(heads: int = 4, kv_heads: int = 2, bias: bool = False) -> ModelConfig:
+    return ModelConfig("llama", vocab_size=96, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=2, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=16, attention_bias=bias,
+                       max_position_embeddings=1024, rms_norm_eps=1e-6)
+
+
+def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> CausalLM:
+    """A random-weight model whose four projections per layer are packed in ``fmt``."""
+    torch.manual_seed(seed)
+    model = CausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name
+                    else 0.15 * torch.randn_like(p))
+        for layer in model.layers:
+            for owner, attr in ((layer.attn, "qkv_proj"), (layer.attn, "o_proj"),
+                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+                dense = getattr(owner, attr)
+                packed = QuantLinear(pack_float(dense.weight.numpy(), fmt),
+                                     bias=dense.bias is not None)
+                if dense.bias is not None:
+                    packed.bias.copy_(dense.bias)
+                setattr(owner, attr, packed)
+    return model.eval()
+
+
+def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: int,
+        seed: int = 1) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
+    """Three sequences (contexts around 37, 300 and 530 tokens, the third sharing the first's
+    first 256 tokens and their blocks) prefilled, then five decode steps of all three; the
+    logits of each decode step and the cache at the end."""
+    rng = random.Random(seed)
+    num_blocks = 1100 // block_size
+    runner = ModelRunner(config, model, num_blocks, block_size, torch.float32, "cpu",
+                         enforce_eager=enforce_eager)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    first = [rng.randrange(config.vocab_size) for _ in range(300)]
+    prompts = [first, [rng.randrange(config.vocab_size) for _ in range(37)],
+               first[:CHUNK] + [rng.randrange(config.vocab_size) for _ in range(274)]]
+    tables = []
+    for prompt in prompts:
+        need = (len(prompt) + 5) // block_size + 1
+        tables.append([free.pop() for _ in range(need)])
+    shared = CHUNK // block_size
+    tables[2][:shared] = tables[0][:shared]
+    for i, prompt in enumerate(prompts):
+        runner.execute([SeqBatchInput(prompt, 0, tables[i], seq_id=i)])
+    logits = []
+    for step in range(5):
+        seqs = [SeqBatchInput([rng.randrange(config.vocab_size)], len(p) + step, tables[i],
+                              seq_id=i) for i, p in enumerate(prompts)]
+        logits.append(runner.execute(seqs).logits)
+    return logits, runner.kv_cache, runner
+
+
+CASES = {
+    "q4_1-gqa2": (tiny_config(), FMT_Q4_1, 16),
+    "q8_0-gqa2": (tiny_config(), FMT_Q8_0, 16),
+    "q4_1-gqa3-bias-block4": (tiny_config(heads=6, kv_heads=2, bias=True), FMT_Q4_1, 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_decode_matches_the_eager_layers(case: str) -> None:
+    """Logits of every decode step and the K/V written agree with the eager path; the fused
+    path really ran (and the eager one did not)."""
+    config, fmt, block_size = CASES[case]
+    model = packed_model(config, fmt)
+    fused, fused_cache, fused_runner = run(model, config, False, block_size)
+    eager, eager_cache, eager_runner = run(model, config, True, block_size)
+    assert fused_runner.fused_decode_reason is None and fused_runner._fused is not None
+    assert eager_runner.fused_decode_reason == "enforce_eager" and eager_runner._fused is None
+    for step, (got, want) in enumerate(zip(fused, eager, strict=True)):
+        tol = LOGIT_TOL * float(want.abs().max())
+        torch.testing.assert_close(got, want, atol=tol, rtol=0,
+                                   msg=lambda m, step=step: f"decode step {step}: {m}")
+    torch.testing.assert_close(fused_cache, eager_cache, rtol=0,
+                               atol=KV_TOL * float(eager_cache.abs().max()))
+
+
+def test_where_the_fused_path_does_not_apply() -> None:
+    """Dense projections, bfloat16, the deterministic mode and LoRA keep the eager path, and
+    the runner says why; a prefill step never runs fused."""
+    config = tiny_config()
+    dense = CausalLM(config).eval()
+    assert fused_decode.unsupported(dense, torch.zeros(2, 2, 8, 2, 16)) == \
+        "a projection not packed (dense weights or a LoRA wrapper)"
+    model = packed_model(config)
+    assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16)) is None
+    assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16,
+                                                       dtype=torch.bfloat16)) == \
+        "activations or cache not float32"
+    runner = ModelRunner(config, model, 8, 4, torch.float32, "cpu", deterministic=True)
+    runner.execute([SeqBatchInput([1, 2, 3], 0, [0])])
+    assert runner.fused_decode_reason is None  # a prefill step decides nothing
+    runner.execute([SeqBatchInput([4], 3, [0, 1])])
+    assert runner.fused_decode_reason == "deterministic mode" and runner._fused is None
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:",
+           "Once upon a time, in a small village by the sea,"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair() -> tuple[LLM, LLM]:
+    return LLM(), LLM(enforce_eager=True)
+
+
+def test_default_model_greedy_tokens_do_not_change(smollm2_pair: tuple[LLM, LLM]) -> None:
+    """The default model (packed Q4_1/Q8_0 weights, float32 here) decodes the same greedy
+    tokens through the fused step as through the eager one, alone and in a batch."""
+    fused, eager = smollm2_pair
+    if fused.engine.dtype != torch.float32:
+        pytest.skip("the fused step needs float32 activations (dtype auto is bfloat16 here)")
+    assert fused.engine.runner.fused_decode_reason is None
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in fused.generate(PROMPTS, params)]
+    alone = [fused.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS[:2]]
+    reference = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
+    assert fused.engine.runner._fused is not None and eager.engine.runner._fused is None
+    assert together == reference
+    assert alone == reference[:2]
