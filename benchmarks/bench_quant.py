@@ -14,18 +14,27 @@ the next-token argmax and the perplexity with the dense float32 model of the sam
 (teacher forcing: every model sees the same tokens). It is the measurement behind
 ``quant.ACTIVATION_BITS``.
 
-Part 3 is the engine on the default model with packed weights (``--weights auto``) and with
-dense ones (``--weights bf16``, float32 on a CPU without native bfloat16: the path before packed
-weights), interleaved run by run: resident weight bytes, prefill tokens/s of a 1,024-token
-prompt, and greedy decode tokens/s of 1 and of 8 sequences (prefill excluded), medians with
-ranges and the packed/dense ratio of each.
+Part 3 is the engine on the default model three ways, interleaved run by run: packed weights
+(``--weights auto``) with the fused decode step, packed weights with ``--enforce-eager`` (the
+decode step layer by layer in torch), and dense weights (``--weights bf16``, float32 on a CPU
+without native bfloat16: the path before packed weights). Resident weight bytes, prefill
+tokens/s of a 1,024-token prompt, greedy decode tokens/s of 1 sequence (after 32 and after
+1,024 prompt tokens), of 8 and of 16 (prefill excluded); medians with ranges and ratios.
+With ``--llama-bench PATH`` llama.cpp's ``llama-bench`` then runs on the same GGUF file
+(``-p 1024 -n 128 -r 3``, the same threads) and the ratios to it are printed:
+
+    .venv/bin/python benchmarks/bench_quant.py --parts 3 --repeat 3 \
+        --llama-bench /work/llamacpp-build/bin/llama-bench
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import random
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,12 +43,14 @@ import numpy as np
 import torch
 
 import prefixserve.model.quant as quant
+from prefixserve import LLM
 from prefixserve.model.attention import build_metadata
+from prefixserve.model.config import default_model_path
 from prefixserve.model.loader import load_model
 from prefixserve.model.tokenizer import load_tokenizer
 
 # bench_engine.py lies beside this script (its folder is on sys.path when run as a script).
-from bench_engine import median_range, ours_decode, ours_prefill  # isort: skip
+from bench_engine import decode_rate, median_range, ours_decode, ours_prefill  # isort: skip
 
 # (name, rows N, cols K) of SmolLM2-135M's products.
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
@@ -141,33 +152,62 @@ def part_accuracy(positions: int) -> None:
     quant.ACTIVATION_BITS = 16
 
 
-def part_engine(repeat: int) -> None:
-    import random
+ENGINES = (("fused", {"weights": "auto"}), ("eager", {"weights": "auto", "enforce_eager": True}),
+           ("dense", {"weights": "bf16"}))
 
-    from prefixserve import LLM
 
-    print("\n## Part 3: the engine, packed (auto) vs dense (bf16) weights")
+def long_decode(llm: LLM, rng: random.Random, context: int = 1024) -> float:
+    """Greedy decode tokens/s of one sequence after a ``context``-token prompt."""
+    return decode_rate(llm, [[rng.randrange(1000, 20000) for _ in range(context)]])
+
+
+def part_engine(repeat: int) -> dict[str, float]:
+    """The engine three ways, interleaved run by run; returns the fused engine's medians."""
+    print("\n## Part 3: the engine: packed weights with the fused decode step (auto), packed "
+          "with --enforce-eager, dense (--weights bf16)")
     kwargs = {"kv_cache_memory": "1GiB", "max_num_batched_tokens": 2048, "max_num_seqs": 32}
-    llms = {mode: LLM(weights=mode, **kwargs) for mode in ("auto", "bf16")}
-    sizes = {mode: quant.module_bytes(llm.engine.runner.model) / 2**20
-             for mode, llm in llms.items()}
+    llms = {name: LLM(**options, **kwargs) for name, options in ENGINES}
+    sizes = {name: quant.module_bytes(llm.engine.runner.model) / 2**20
+             for name, llm in llms.items()}
     cases: list[tuple[str, Callable[[LLM, random.Random], float]]] = [
         ("prefill 1024 tok/s", lambda llm, rng: ours_prefill(llm, 1024, rng)),
         ("decode x1 tok/s", lambda llm, rng: ours_decode(llm, 1, rng)),
+        ("decode x1 after 1,024 tokens, tok/s", long_decode),
         ("decode x8 tok/s", lambda llm, rng: ours_decode(llm, 8, rng)),
+        ("decode x16 tok/s", lambda llm, rng: ours_decode(llm, 16, rng)),
     ]
-    print("| case | packed (auto) | dense (bf16) | packed / dense |")
-    print("|---|---|---|---|")
-    print(f"| resident weights MiB | {sizes['auto']:.1f} | {sizes['bf16']:.1f} | "
-          f"{sizes['auto'] / sizes['bf16']:.2f}x |")
+    print("| case | fused (auto) | eager (auto) | dense (bf16) | fused / eager | fused / dense |")
+    print("|---|---|---|---|---|---|")
+    print(f"| resident weights MiB | {sizes['fused']:.1f} | {sizes['eager']:.1f} | "
+          f"{sizes['dense']:.1f} | | {sizes['fused'] / sizes['dense']:.2f}x |")
+    medians = {}
     for label, run in cases:
-        rates: dict[str, list[float]] = {"auto": [], "bf16": []}
+        rates: dict[str, list[float]] = {name: [] for name, _ in ENGINES}
         for i in range(repeat):
-            for mode in ("auto", "bf16"):
-                rates[mode].append(run(llms[mode], random.Random(i)))
-        ratios = [a / b for a, b in zip(rates["auto"], rates["bf16"], strict=True)]
-        print(f"| {label} | {median_range(rates['auto'], '{:.1f}')} | "
-              f"{median_range(rates['bf16'], '{:.1f}')} | {median_range(ratios, '{:.2f}')}x |")
+            for name, _ in ENGINES:
+                rates[name].append(run(llms[name], random.Random(i)))
+        cells = [median_range(rates[name], "{:.1f}") for name, _ in ENGINES]
+        ratios = [median_range([a / b for a, b in zip(rates["fused"], rates[other], strict=True)],
+                               "{:.2f}") + "x" for other in ("eager", "dense")]
+        print(f"| {label} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+        medians[label] = statistics.median(rates["fused"])
+    return medians
+
+
+def part_llama_bench(binary: str, threads: int, ours: dict[str, float]) -> None:
+    """llama.cpp's ``llama-bench`` on the same GGUF file, right after part 3, and our ratios."""
+    model = str(default_model_path())
+    cmd = [binary, "-m", model, "-t", str(threads), "-p", "1024", "-n", "128", "-r", "3",
+           "-o", "json"]
+    print("\n## llama-bench:", " ".join(cmd))
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    for row in rows:
+        test = "decode" if row["n_gen"] else "prefill"
+        rate, spread = row["avg_ts"], row["stddev_ts"]
+        ours_rate = ours["decode x1 tok/s" if test == "decode" else "prefill 1024 tok/s"]
+        name = f"tg{row['n_gen']}" if row["n_gen"] else f"pp{row['n_prompt']}"
+        print(f"| {test} ({name}) | llama.cpp {rate:.1f} ± {spread:.1f} tok/s | "
+              f"prefixserve (fused) {ours_rate:.1f} | {ours_rate / rate:.2f}x |")
 
 
 def main() -> None:
@@ -176,6 +216,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--positions", type=int, default=2048)
+    parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: run it on the "
+                        "same file after part 3 and print the ratios")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,7 +229,9 @@ def main() -> None:
     if 2 in parts:
         part_accuracy(args.positions)
     if 3 in parts:
-        part_engine(args.repeat)
+        ours = part_engine(args.repeat)
+        if args.llama_bench:
+            part_llama_bench(args.llama_bench, torch.get_num_threads(), ours)
 
 
 if __name__ == "__main__":
