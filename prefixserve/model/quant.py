@@ -205,7 +205,10 @@ class QuantLinear(nn.Module):
         quantize = self._lib.quantize_q16 if wide else self._lib.quantize_q8
         quantize(x.data_ptr(), rows, cols, xq.data_ptr(), scales.data_ptr(), sums_ptr)
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
-        gemm = self._lib.gemm_quant16 if wide else self._lib.gemm_quant
+        if not wide:
+            gemm = self._lib.gemm_quant
+        else:  # the batch kernel is faster from 8 rows, but its rows depend on the row count
+            gemm = self._lib.gemm_quant16 if self.row_invariant else self._lib.gemm_quant16_batch
         gemm(self.qweight.data_ptr(), self.fmt, self.out_features, cols, xq.data_ptr(),
              scales.data_ptr(), sums_ptr, rows, y.data_ptr(), self.out_features)
         return y

@@ -96,6 +96,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quantize_q16.restype = None
     lib.gemm_quant16.argtypes = [p, c_int, i64, i64, p, p, p, i64, p, i64]
     lib.gemm_quant16.restype = None
+    lib.gemm_quant16_batch.argtypes = lib.gemm_quant16.argtypes
+    lib.gemm_quant16_batch.restype = None
 
 
 def load_library(source: Path) -> ctypes.CDLL:

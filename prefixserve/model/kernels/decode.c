@@ -127,7 +127,7 @@ typedef struct {
 static void linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
                    const float *x, int64_t B, const Quantized *q, float *y) {
     quantize_q16(x, B, K, q->xq, q->xd, q->xs);
-    gemm_quant16(W, (int)fmt, N, K, q->xq, q->xd, q->xs, B, y, N);
+    gemm_quant16_batch(W, (int)fmt, N, K, q->xq, q->xd, q->xs, B, y, N);
     if (bias) {
         for (int64_t b = 0; b < B; b++) {
             for (int64_t n = 0; n < N; n++) y[b * N + n] += bias[n];
@@ -163,6 +163,83 @@ static inline int64_t slot_of(const DecodeModel *m, const DecodeBatch *s, int64_
  * threads too. (At most 64 query heads per KV head: prefixserve.model.fused_decode checks.) */
 #define CHUNK 256
 
+/* q . k * scale for a head of D floats: unrolled for the common head sizes. */
+#ifdef __AVX2__
+#define DEFINE_DOT(DD)                                                                         \
+    static inline float dot_##DD(const float *a, const float *b) {                             \
+        __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();                               \
+        for (int v = 0; v < DD; v += 16) {                                                     \
+            x = _mm256_fmadd_ps(_mm256_loadu_ps(a + v), _mm256_loadu_ps(b + v), x);            \
+            y = _mm256_fmadd_ps(_mm256_loadu_ps(a + v + 8), _mm256_loadu_ps(b + v + 8), y);    \
+        }                                                                                      \
+        return hsum(_mm256_add_ps(x, y));                                                      \
+    }
+DEFINE_DOT(64)
+DEFINE_DOT(128)
+#endif
+
+static inline float head_dot(const float *a, const float *b, int64_t D) {
+#ifdef __AVX2__
+    if (D == 64) return dot_64(a, b);
+    if (D == 128) return dot_128(a, b);
+#endif
+    return dot(a, b, D);
+}
+
+/* The first position of the next block after t, or t1 if that comes first. */
+static inline int64_t run_end(int64_t t, int64_t t1, int64_t bs) {
+    int64_t end = (t / bs + 1) * bs;
+    return end < t1 ? end : t1;
+}
+
+/* out [D] = sum over positions [t0, t1) of p[t - t0] * v_t, the values of KV head g. The
+ * accumulators stay in registers for the common head sizes. */
+#ifdef __AVX2__
+#define DEFINE_VALUES(DD)                                                                      \
+    static void values_##DD(const float *kv, const int64_t *table, int64_t bs, int64_t stride,  \
+                            int64_t base, int64_t t0, int64_t t1, const float *p, float *out) { \
+        __m256 acc[DD / 8];                                                                    \
+        for (int v = 0; v < DD / 8; v++) acc[v] = _mm256_setzero_ps();                         \
+        for (int64_t t = t0; t < t1;) {                                                        \
+            int64_t end = run_end(t, t1, bs);                                                  \
+            const float *row = kv + (table[t / bs] * bs + t % bs) * stride + base;             \
+            for (; t < end; t++, row += stride) {                                              \
+                __m256 w = _mm256_set1_ps(p[t - t0]);                                          \
+                for (int v = 0; v < DD / 8; v++) {                                             \
+                    acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * v), acc[v]);         \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int v = 0; v < DD / 8; v++) _mm256_storeu_ps(out + 8 * v, acc[v]);                \
+    }
+DEFINE_VALUES(64)
+DEFINE_VALUES(128)
+#endif
+
+static void head_values(const float *kv, const int64_t *table, int64_t bs, int64_t stride,
+                        int64_t base, int64_t D, int64_t t0, int64_t t1, const float *p,
+                        float *out) {
+#ifdef __AVX2__
+    if (D == 64) {
+        values_64(kv, table, bs, stride, base, t0, t1, p, out);
+        return;
+    }
+    if (D == 128) {
+        values_128(kv, table, bs, stride, base, t0, t1, p, out);
+        return;
+    }
+#endif
+    memset(out, 0, (size_t)D * sizeof(float));
+    for (int64_t t = t0; t < t1;) {
+        int64_t end = run_end(t, t1, bs);
+        const float *row = kv + (table[t / bs] * bs + t % bs) * stride + base;
+        for (; t < end; t++, row += stride) {
+            float w = p[t - t0];
+            for (int64_t d = 0; d < D; d++) out[d] += w * row[d];
+        }
+    }
+}
+
 /* Partial attention of the `group` query heads q [group, D] that share KV head g, over
  * positions [t0, t1) of row b: for head r, mx[r] = the largest score, sm[r] = sum of
  * exp(score - mx[r]) and out [r * D ...] = that sum weighted by the values. scores holds
@@ -175,11 +252,11 @@ static void attend_chunk(const DecodeModel *m, const DecodeBatch *s, float *kv, 
     const int64_t *table = s->tables + s->rows[b] * s->table_stride;
     float scale = 1.0f / sqrtf((float)D);
     for (int64_t t = t0; t < t1;) {
-        int64_t end = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
+        int64_t end = run_end(t, t1, bs);
         const float *k = cache_row(m, kv, 0, table[t / bs] * bs + t % bs, g);
         for (; t < end; t++, k += stride) {
             for (int64_t r = 0; r < group; r++) {
-                scores[r * CHUNK + t - t0] = dot(q + r * D, k, D) * scale;
+                scores[r * CHUNK + t - t0] = head_dot(q + r * D, k, D) * scale;
             }
         }
     }
@@ -191,17 +268,8 @@ static void attend_chunk(const DecodeModel *m, const DecodeBatch *s, float *kv, 
         for (int64_t i = 0; i < n; i++) total += row[i];
         mx[r] = top;
         sm[r] = total;
-    }
-    memset(out, 0, (size_t)(group * D) * sizeof(float));
-    for (int64_t t = t0; t < t1;) {
-        int64_t end = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-        const float *v = cache_row(m, kv, 1, table[t / bs] * bs + t % bs, g);
-        for (; t < end; t++, v += stride) {
-            for (int64_t r = 0; r < group; r++) {
-                float p = scores[r * CHUNK + t - t0], *o = out + r * D;
-                for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
-            }
-        }
+        head_values(kv + m->num_slots * stride, table, bs, stride, g * D, D, t0, t1, row,
+                    out + r * D);
     }
 }
 
@@ -235,7 +303,9 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, float *kv, con
         float mx[64], sm[64], *o = malloc((size_t)(group * D) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            int64_t c = task % chunks, g = task / chunks % m->kv_heads, b = task / chunks / m->kv_heads;
+            /* rows vary fastest: rows that share their first blocks (a system prompt) read
+             * them in consecutive tasks, mostly from cache */
+            int64_t b = task % s->B, g = task / s->B % m->kv_heads, c = task / s->B / m->kv_heads;
             int64_t n = s->pos[b] + 1, t0 = c * CHUNK, t1 = t0 + CHUNK < n ? t0 + CHUNK : n;
             if (t0 >= n) continue;
             const float *q = qkv + b * qkv_width + g * group * D;

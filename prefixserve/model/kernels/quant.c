@@ -21,6 +21,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -358,7 +359,9 @@ static void rows_q4_1_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq
             memcpy(m + r, br + 2, 2);
         }
         __m256 mf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m));
-        offsets = _mm256_fmadd_ps(mf, _mm256_set1_ps(xs[b]), offsets);
+        /* multiply, then add: the rounding of tile_q16's scalar sums, so that a row's result
+         * does not depend on the number of rows (the deterministic mode relies on it) */
+        offsets = _mm256_add_ps(offsets, _mm256_mul_ps(mf, _mm256_set1_ps(xs[b])));
     }
     float off[8];
     _mm256_storeu_ps(off, offsets);
@@ -418,6 +421,95 @@ void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t
                      ldy);
         }
     }
+}
+
+#ifdef __AVX2__
+/* Sums of each of 8 vectors of 8 int32, as one vector (lane r: the sum of v[r]). */
+static inline __m256i hsum8_epi32(const __m256i *v) {
+    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* ab: rows 0-3 in each 128-bit half (low: elements 0-3, high: 4-7 of each row), cd: 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                            _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* Outputs y[t * ldy] of weight row w for 8 activation rows t (K apart in xq). The block sums of
+ * the 8 rows are reduced to one vector per block (lane t: row t), so the block's scales apply
+ * once per block for all rows: dT and sT hold each block's 8 activation scales and sums
+ * (dT[b * 8 + t]). */
+static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *dT,
+                      const float *sT, int64_t K, int64_t nb, float *y, int64_t ldy) {
+    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        __m256i lo, hi, p[8];
+        if (fmt == FMT_Q4_1) {
+            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 4)));
+            lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
+            hi = _mm256_srli_epi16(both, 4);
+        } else {
+            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 2)));
+            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 18)));
+        }
+        for (int t = 0; t < 8; t++) {
+            const int16_t *a = xq + t * K + b * QK;
+            p[t] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)a)),
+                                    _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 16))));
+        }
+        __m256 d = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), _mm256_loadu_ps(dT + b * 8));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hsum8_epi32(p)), acc);
+        if (fmt == FMT_Q4_1) {
+            offsets = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_float(w + 2)),
+                                      _mm256_loadu_ps(sT + b * 8), offsets);
+        }
+    }
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
+    for (int t = 0; t < 8; t++) y[t * ldy] = out[t];
+}
+#endif
+
+/*
+ * As gemm_quant16, faster for M >= 8: activation rows go 8 at a time through tile8_q16. A row's
+ * result then depends on whether it falls in a tile of 8 (another order of float sums), so this
+ * is not row-invariant: the deterministic mode uses gemm_quant16.
+ */
+void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
+                        const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
+#ifdef __AVX2__
+    int64_t nb = K / QK, tiles = M / 8;
+    float *dT = tiles ? malloc((size_t)(2 * tiles * nb * 8) * sizeof(float)) : NULL;
+    if (!dT) {
+        gemm_quant16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
+        return;
+    }
+    float *sT = dT + tiles * nb * 8;
+    for (int64_t i = 0; i < tiles; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            for (int t = 0; t < 8; t++) {
+                dT[(i * nb + b) * 8 + t] = xd[(i * 8 + t) * nb + b];
+                sT[(i * nb + b) * 8 + t] = xs[(i * 8 + t) * nb + b];
+            }
+        }
+    }
+    int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *w = W + n * row_bytes;
+        for (int64_t i = 0; i < tiles; i++) {
+            tile8_q16(w, fmt, xq + i * 8 * K, dT + i * nb * 8, sT + i * nb * 8, K, nb,
+                      y + i * 8 * ldy + n, ldy);
+        }
+        for (int64_t m = tiles * 8; m < M; m += TILE) {
+            int rows = M - m < TILE ? (int)(M - m) : TILE;
+            tile_q16(w, fmt, xq + m * K, xd + m * nb, xs + m * nb, K, nb, rows, y + m * ldy + n,
+                     ldy);
+        }
+    }
+    free(dT);
+#else
+    gemm_quant16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
+#endif
 }
 
 /* Outputs of weight row w for activation rows [m0, M). */
