@@ -7,7 +7,8 @@ the whole layer stack to one C function that reads the cache in place. The embed
 the final norm and the logits stay in torch.
 
 It applies (:func:`unsupported` says why not) to a Llama-family :class:`CausalLM` on CPU with
-float32 activations and cache, every projection packed (:class:`QuantLinear`, so not wrapped by
+float32 or bfloat16 activations and cache (the layers compute in float32 either way), every
+projection packed (:class:`QuantLinear`, so not wrapped by
 LoRA), one KV cache group of full attention and no Q/K norm; and per step (the runner checks)
 when every sequence adds one token and none asks for prompt logits. ``--enforce-eager`` turns
 it off. The deterministic mode never uses it (its attention has its own reduction order).
@@ -31,6 +32,10 @@ from prefixserve.model.llama import CausalLM, DecoderLayer
 from prefixserve.model.quant import QuantLinear
 
 _SOURCE = Path(__file__).with_name("kernels") / "decode.c"
+#: Activation and cache dtypes of the fused step. With bfloat16 the layers compute in float32
+#: (norm weights and biases are copied to float32 once) and K/V are rounded to bfloat16 as
+#: they are written, as torch rounds them.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Layer(ctypes.Structure):
@@ -47,6 +52,7 @@ class _Model(ctypes.Structure):
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+                ("kv_bf16", ctypes.c_int64),
                 ("eps", ctypes.c_double), ("inv_freq", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -90,8 +96,8 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     config = model.config
     reasons = [
         (kv_cache.device.type != "cpu", "not on CPU"),
-        (kv_cache.dtype != torch.float32 or model.norm.weight.dtype != torch.float32,
-         "activations or cache not float32"),
+        (kv_cache.dtype not in SUPPORTED_DTYPES or model.norm.weight.dtype != kv_cache.dtype,
+         "activations or cache neither float32 nor bfloat16"),
         (model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None,
          "sliding-window attention"),
         (config.qk_norm, "Q/K norm"),
@@ -129,30 +135,34 @@ class FusedDecode:
         self.model = _Model(
             len(model.layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
-            kv_cache.shape[2], config.rms_norm_eps, self._keep[1].data_ptr(), layers)
+            kv_cache.shape[2], int(kv_cache.dtype == torch.bfloat16), config.rms_norm_eps,
+            self._keep[1].data_ptr(), layers)
+        self.dtype = kv_cache.dtype
 
     def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> _Layer:
-        def bias(p: QuantLinear) -> int | None:
-            if p.bias is None:
-                return None
-            kept = p.bias.detach().float().contiguous()
+        def as_float(tensor: torch.Tensor) -> int:
+            kept = tensor.detach().float().contiguous()  # a copy unless already float32
             self._keep.append(kept)
             return kept.data_ptr()
 
+        def bias(p: QuantLinear) -> int | None:
+            return None if p.bias is None else as_float(p.bias)
+
         projections = [cast(QuantLinear, p) for p in _projections(layer)]
-        norms = [layer.input_norm.weight.detach(), layer.post_attn_norm.weight.detach()]
-        assert cache.is_contiguous() and all(n.is_contiguous() for n in norms)
-        return _Layer(*(n.data_ptr() for n in norms), *(p.qweight.data_ptr() for p in projections),
+        assert cache.is_contiguous()
+        norms = [as_float(layer.input_norm.weight), as_float(layer.post_attn_norm.weight)]
+        return _Layer(*norms, *(p.qweight.data_ptr() for p in projections),
                       *(p.fmt for p in projections), *(bias(p) for p in projections),
                       cache.data_ptr())
 
     def run(self, hidden: torch.Tensor, positions: list[int], tables: torch.Tensor,
             rows: list[int]) -> torch.Tensor:
-        """The decoder layers over ``hidden`` (the embeddings ``[B, hidden]``, float32), in
-        place. Row b is at position ``positions[b]``, its block table row ``rows[b]`` of
-        ``tables`` (long, ``[num_rows, width]``), covering that position. Writes each row's
-        K/V into the cache; returns ``hidden``, now the last layer's output."""
-        hidden = hidden.contiguous()
+        """The decoder layers over ``hidden`` (the embeddings ``[B, hidden]``). Row b is at
+        position ``positions[b]``, its block table row ``rows[b]`` of ``tables`` (long,
+        ``[num_rows, width]``), covering that position. Writes each row's K/V into the cache;
+        returns the last layer's output, in the model's dtype."""
+        given = hidden.dtype
+        hidden = hidden.float().contiguous()
         pos_t = torch.tensor(positions, dtype=torch.int64)
         rows_t = torch.tensor(rows, dtype=torch.int64)
         batch = _Batch(len(positions), pos_t.data_ptr(), tables.data_ptr(), rows_t.data_ptr(),
@@ -160,4 +170,4 @@ class FusedDecode:
         if self._lib.decode_forward(ctypes.byref(self.model), ctypes.byref(batch),
                                     hidden.data_ptr()) != 0:
             raise MemoryError("the fused decode step could not allocate its scratch memory")
-        return hidden
+        return hidden.to(given)

@@ -42,12 +42,12 @@ typedef struct {
     const float *o_bias;
     const float *gate_up_bias;
     const float *down_bias;
-    float *kv;
+    void *kv;
 } DecodeLayer;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t block_size, num_slots;
+    int64_t block_size, num_slots, kv_bf16;
     double eps;
     const float *inv_freq; /* [head_dim / 2] rotary inverse frequencies */
     const DecodeLayer *layers;
@@ -148,9 +148,26 @@ static void rotate(float *x, int64_t n_heads, int64_t D, const float *cos_, cons
     }
 }
 
-static inline float *cache_row(const DecodeModel *m, float *kv, int64_t which, int64_t slot,
-                               int64_t kv_head) {
-    return kv + ((which * m->num_slots + slot) * m->kv_heads + kv_head) * m->head_dim;
+/* The cache holds float32 or, with kv_bf16 set, bfloat16 (the upper half of a float32,
+ * rounded to nearest even as torch rounds). Offsets below are in elements. */
+static inline int64_t cache_offset(const DecodeModel *m, int64_t which, int64_t slot,
+                                   int64_t kv_head) {
+    return ((which * m->num_slots + slot) * m->kv_heads + kv_head) * m->head_dim;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
 }
 
 static inline int64_t slot_of(const DecodeModel *m, const DecodeBatch *s, int64_t b, int64_t p) {
@@ -163,115 +180,133 @@ static inline int64_t slot_of(const DecodeModel *m, const DecodeBatch *s, int64_
  * threads too. (At most 64 query heads per KV head: prefixserve.model.fused_decode checks.) */
 #define CHUNK 256
 
-/* q . k * scale for a head of D floats: unrolled for the common head sizes. */
-#ifdef __AVX2__
-#define DEFINE_DOT(DD)                                                                         \
-    static inline float dot_##DD(const float *a, const float *b) {                             \
-        __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();                               \
-        for (int v = 0; v < DD; v += 16) {                                                     \
-            x = _mm256_fmadd_ps(_mm256_loadu_ps(a + v), _mm256_loadu_ps(b + v), x);            \
-            y = _mm256_fmadd_ps(_mm256_loadu_ps(a + v + 8), _mm256_loadu_ps(b + v + 8), y);    \
-        }                                                                                      \
-        return hsum(_mm256_add_ps(x, y));                                                      \
-    }
-DEFINE_DOT(64)
-DEFINE_DOT(128)
-#endif
-
-static inline float head_dot(const float *a, const float *b, int64_t D) {
-#ifdef __AVX2__
-    if (D == 64) return dot_64(a, b);
-    if (D == 128) return dot_128(a, b);
-#endif
-    return dot(a, b, D);
-}
-
 /* The first position of the next block after t, or t1 if that comes first. */
 static inline int64_t run_end(int64_t t, int64_t t1, int64_t bs) {
     int64_t end = (t / bs + 1) * bs;
     return end < t1 ? end : t1;
 }
 
-/* out [D] = sum over positions [t0, t1) of p[t - t0] * v_t, the values of KV head g. The
- * accumulators stay in registers for the common head sizes. */
+/* Eight cache elements as floats. */
 #ifdef __AVX2__
-#define DEFINE_VALUES(DD)                                                                      \
-    static void values_##DD(const float *kv, const int64_t *table, int64_t bs, int64_t stride,  \
-                            int64_t base, int64_t t0, int64_t t1, const float *p, float *out) { \
+#define LOAD_f32(p) _mm256_loadu_ps(p)
+#define LOAD_bf16(p)                                                                           \
+    _mm256_castsi256_ps(_mm256_slli_epi32(                                                     \
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+#define SCALAR_f32(x) (x)
+#define SCALAR_bf16(x) bf16_to_float(x)
+
+/* For cache element type T (f32: float, bf16: uint16_t) and head size DD (0: any, scalar):
+ *   dot_DD_T(q, k, D): q . k;
+ *   values_DD_T(...): out [D] = sum over positions [t0, t1) of p[t - t0] * v_t, the values at
+ *     element offset base of each position's slot (stride elements per slot), accumulated in
+ *     registers for DD 64 and 128. */
+#define DEFINE_SCALAR(T, C)                                                                    \
+    static float dot_0_##T(const float *a, const C *b, int64_t D) {                             \
+        float total = 0.0f;                                                                    \
+        for (int64_t d = 0; d < D; d++) total += a[d] * SCALAR_##T(b[d]);                      \
+        return total;                                                                          \
+    }                                                                                          \
+    static void values_0_##T(const C *kv, const int64_t *table, int64_t bs, int64_t stride,    \
+                             int64_t base, int64_t D, int64_t t0, int64_t t1, const float *p,  \
+                             float *out) {                                                     \
+        memset(out, 0, (size_t)D * sizeof(float));                                             \
+        for (int64_t t = t0; t < t1;) {                                                        \
+            int64_t end = run_end(t, t1, bs);                                                  \
+            const C *row = kv + (table[t / bs] * bs + t % bs) * stride + base;                 \
+            for (; t < end; t++, row += stride) {                                              \
+                float w = p[t - t0];                                                           \
+                for (int64_t d = 0; d < D; d++) out[d] += w * SCALAR_##T(row[d]);              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+DEFINE_SCALAR(f32, float)
+DEFINE_SCALAR(bf16, uint16_t)
+
+#ifdef __AVX2__
+#define DEFINE_VECTOR(DD, T, C)                                                                \
+    static inline float dot_##DD##_##T(const float *a, const C *b) {                           \
+        __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();                               \
+        for (int v = 0; v < DD; v += 16) {                                                     \
+            x = _mm256_fmadd_ps(_mm256_loadu_ps(a + v), LOAD_##T(b + v), x);                   \
+            y = _mm256_fmadd_ps(_mm256_loadu_ps(a + v + 8), LOAD_##T(b + v + 8), y);           \
+        }                                                                                      \
+        return hsum(_mm256_add_ps(x, y));                                                      \
+    }                                                                                          \
+    static void values_##DD##_##T(const C *kv, const int64_t *table, int64_t bs,               \
+                                  int64_t stride, int64_t base, int64_t t0, int64_t t1,        \
+                                  const float *p, float *out) {                                \
         __m256 acc[DD / 8];                                                                    \
         for (int v = 0; v < DD / 8; v++) acc[v] = _mm256_setzero_ps();                         \
         for (int64_t t = t0; t < t1;) {                                                        \
             int64_t end = run_end(t, t1, bs);                                                  \
-            const float *row = kv + (table[t / bs] * bs + t % bs) * stride + base;             \
+            const C *row = kv + (table[t / bs] * bs + t % bs) * stride + base;                 \
             for (; t < end; t++, row += stride) {                                              \
                 __m256 w = _mm256_set1_ps(p[t - t0]);                                          \
                 for (int v = 0; v < DD / 8; v++) {                                             \
-                    acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * v), acc[v]);         \
+                    acc[v] = _mm256_fmadd_ps(w, LOAD_##T(row + 8 * v), acc[v]);                \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
         for (int v = 0; v < DD / 8; v++) _mm256_storeu_ps(out + 8 * v, acc[v]);                \
     }
-DEFINE_VALUES(64)
-DEFINE_VALUES(128)
+DEFINE_VECTOR(64, f32, float)
+DEFINE_VECTOR(128, f32, float)
+DEFINE_VECTOR(64, bf16, uint16_t)
+DEFINE_VECTOR(128, bf16, uint16_t)
 #endif
-
-static void head_values(const float *kv, const int64_t *table, int64_t bs, int64_t stride,
-                        int64_t base, int64_t D, int64_t t0, int64_t t1, const float *p,
-                        float *out) {
-#ifdef __AVX2__
-    if (D == 64) {
-        values_64(kv, table, bs, stride, base, t0, t1, p, out);
-        return;
-    }
-    if (D == 128) {
-        values_128(kv, table, bs, stride, base, t0, t1, p, out);
-        return;
-    }
-#endif
-    memset(out, 0, (size_t)D * sizeof(float));
-    for (int64_t t = t0; t < t1;) {
-        int64_t end = run_end(t, t1, bs);
-        const float *row = kv + (table[t / bs] * bs + t % bs) * stride + base;
-        for (; t < end; t++, row += stride) {
-            float w = p[t - t0];
-            for (int64_t d = 0; d < D; d++) out[d] += w * row[d];
-        }
-    }
-}
 
 /* Partial attention of the `group` query heads q [group, D] that share KV head g, over
  * positions [t0, t1) of row b: for head r, mx[r] = the largest score, sm[r] = sum of
  * exp(score - mx[r]) and out [r * D ...] = that sum weighted by the values. scores holds
- * group * CHUNK floats. */
-static void attend_chunk(const DecodeModel *m, const DecodeBatch *s, float *kv, int64_t b,
-                         int64_t g, const float *q, int64_t group, int64_t t0, int64_t t1,
-                         float *scores, float *out, float *mx, float *sm) {
-    int64_t D = m->head_dim, bs = m->block_size, n = t1 - t0;
-    int64_t stride = m->kv_heads * D;
-    const int64_t *table = s->tables + s->rows[b] * s->table_stride;
-    float scale = 1.0f / sqrtf((float)D);
-    for (int64_t t = t0; t < t1;) {
-        int64_t end = run_end(t, t1, bs);
-        const float *k = cache_row(m, kv, 0, table[t / bs] * bs + t % bs, g);
-        for (; t < end; t++, k += stride) {
-            for (int64_t r = 0; r < group; r++) {
-                scores[r * CHUNK + t - t0] = head_dot(q + r * D, k, D) * scale;
-            }
-        }
+ * group * CHUNK floats. One definition per cache element type. */
+#ifdef __AVX2__
+#define HEAD_DOT(T, a, b, D)                                                                   \
+    ((D) == 64 ? dot_64_##T(a, b) : (D) == 128 ? dot_128_##T(a, b) : dot_0_##T(a, b, D))
+#define HEAD_VALUES(T, kv, table, bs, stride, base, D, t0, t1, p, out)                         \
+    do {                                                                                       \
+        if ((D) == 64) values_64_##T(kv, table, bs, stride, base, t0, t1, p, out);             \
+        else if ((D) == 128) values_128_##T(kv, table, bs, stride, base, t0, t1, p, out);      \
+        else values_0_##T(kv, table, bs, stride, base, D, t0, t1, p, out);                     \
+    } while (0)
+#else
+#define HEAD_DOT(T, a, b, D) dot_0_##T(a, b, D)
+#define HEAD_VALUES(T, kv, table, bs, stride, base, D, t0, t1, p, out)                         \
+    values_0_##T(kv, table, bs, stride, base, D, t0, t1, p, out)
+#endif
+
+#define DEFINE_ATTEND(T, C)                                                                    \
+    static void attend_chunk_##T(const DecodeModel *m, const DecodeBatch *s, const C *kv,       \
+                                 int64_t b, int64_t g, const float *q, int64_t group,           \
+                                 int64_t t0, int64_t t1, float *scores, float *out, float *mx,  \
+                                 float *sm) {                                                   \
+        int64_t D = m->head_dim, bs = m->block_size, n = t1 - t0;                              \
+        int64_t stride = m->kv_heads * D;                                                      \
+        const int64_t *table = s->tables + s->rows[b] * s->table_stride;                       \
+        float scale = 1.0f / sqrtf((float)D);                                                  \
+        for (int64_t t = t0; t < t1;) {                                                        \
+            int64_t end = run_end(t, t1, bs);                                                  \
+            const C *k = kv + cache_offset(m, 0, table[t / bs] * bs + t % bs, g);              \
+            for (; t < end; t++, k += stride) {                                                \
+                for (int64_t r = 0; r < group; r++) {                                          \
+                    scores[r * CHUNK + t - t0] = HEAD_DOT(T, q + r * D, k, D) * scale;         \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t r = 0; r < group; r++) {                                                  \
+            float *row = scores + r * CHUNK, top = -INFINITY, total = 0.0f;                    \
+            for (int64_t i = 0; i < n; i++) top = row[i] > top ? row[i] : top;                 \
+            for (int64_t i = 0; i < n; i++) row[i] -= top;                                     \
+            exp_inplace(row, n);                                                               \
+            for (int64_t i = 0; i < n; i++) total += row[i];                                   \
+            mx[r] = top;                                                                       \
+            sm[r] = total;                                                                     \
+            HEAD_VALUES(T, kv + m->num_slots * stride, table, bs, stride, g * D, D, t0, t1,    \
+                        row, out + r * D);                                                     \
+        }                                                                                      \
     }
-    for (int64_t r = 0; r < group; r++) {
-        float *row = scores + r * CHUNK, top = -INFINITY, total = 0.0f;
-        for (int64_t i = 0; i < n; i++) top = row[i] > top ? row[i] : top;
-        for (int64_t i = 0; i < n; i++) row[i] -= top;
-        exp_inplace(row, n);
-        for (int64_t i = 0; i < n; i++) total += row[i];
-        mx[r] = top;
-        sm[r] = total;
-        head_values(kv + m->num_slots * stride, table, bs, stride, g * D, D, t0, t1, row,
-                    out + r * D);
-    }
-}
+DEFINE_ATTEND(f32, float)
+DEFINE_ATTEND(bf16, uint16_t)
 
 /* Merges the chunks' partial results of one query head (each D + 2 floats: out, max, sum). */
 static void merge_chunks(const float *parts, int64_t chunks, int64_t D, float *out) {
@@ -293,8 +328,9 @@ static void merge_chunks(const float *parts, int64_t chunks, int64_t D, float *o
 
 /* Attention of every row's query heads over its context; out is [B, heads * D]. parts holds
  * B * heads * chunks * (D + 2) floats, chunks = ceil(longest context / CHUNK). */
-static void attention(const DecodeModel *m, const DecodeBatch *s, float *kv, const float *qkv,
-                      int64_t qkv_width, float *out, int64_t chunks, float *parts) {
+static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv,
+                      const float *qkv, int64_t qkv_width, float *out, int64_t chunks,
+                      float *parts) {
     int64_t D = m->head_dim, group = m->heads / m->kv_heads, part = D + 2;
     int64_t tasks = s->B * m->kv_heads * chunks;
 #pragma omp parallel if (tasks > 1)
@@ -309,7 +345,11 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, float *kv, con
             int64_t n = s->pos[b] + 1, t0 = c * CHUNK, t1 = t0 + CHUNK < n ? t0 + CHUNK : n;
             if (t0 >= n) continue;
             const float *q = qkv + b * qkv_width + g * group * D;
-            attend_chunk(m, s, kv, b, g, q, group, t0, t1, scores, o, mx, sm);
+            if (m->kv_bf16) {
+                attend_chunk_bf16(m, s, kv, b, g, q, group, t0, t1, scores, o, mx, sm);
+            } else {
+                attend_chunk_f32(m, s, kv, b, g, q, group, t0, t1, scores, o, mx, sm);
+            }
             for (int64_t r = 0; r < group; r++) {
                 float *dst = parts + ((b * m->heads + g * group + r) * chunks + c) * part;
                 memcpy(dst, o + r * D, (size_t)D * sizeof(float));
@@ -329,14 +369,22 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, float *kv, con
     }
 }
 
-static void write_kv(const DecodeModel *m, const DecodeBatch *s, float *kv, const float *qkv,
+static void write_kv(const DecodeModel *m, const DecodeBatch *s, void *kv, const float *qkv,
                      int64_t qkv_width) {
     int64_t D = m->head_dim, kv_size = m->kv_heads * D, q_size = m->heads * D;
     for (int64_t b = 0; b < s->B; b++) {
         int64_t slot = slot_of(m, s, b, s->pos[b]);
         const float *k = qkv + b * qkv_width + q_size;
-        memcpy(cache_row(m, kv, 0, slot, 0), k, (size_t)kv_size * sizeof(float));
-        memcpy(cache_row(m, kv, 1, slot, 0), k + kv_size, (size_t)kv_size * sizeof(float));
+        for (int64_t which = 0; which < 2; which++) {
+            const float *src = k + which * kv_size;
+            int64_t at = cache_offset(m, which, slot, 0);
+            if (m->kv_bf16) {
+                uint16_t *dst = (uint16_t *)kv + at;
+                for (int64_t i = 0; i < kv_size; i++) dst[i] = float_to_bf16(src[i]);
+            } else {
+                memcpy((float *)kv + at, src, (size_t)kv_size * sizeof(float));
+            }
+        }
     }
 }
 
