@@ -21,7 +21,11 @@ without native bfloat16: the path before packed weights). Resident weight bytes,
 tokens/s of a 1,024-token prompt, greedy decode tokens/s of 1 sequence (after 32 and after
 1,024 prompt tokens), of 8 and of 16 (prefill excluded); medians with ranges and ratios.
 With ``--llama-bench PATH`` llama.cpp's ``llama-bench`` then runs on the same GGUF file
-(``-p 1024 -n 128 -r 3``, the same threads) and the ratios to it are printed:
+(``-p 1024 -n 128 -r 3``, the same threads) and the ratios to it are printed.
+
+Part 4 measures what bounds one sequence's decode step: the memory read bandwidth of the
+machine (a torch sum over 512 MiB) against the rate at which the M = 1 products read their
+packed weights (all layers' products, and the head).
 
     .venv/bin/python benchmarks/bench_quant.py --parts 3 --repeat 3 \
         --llama-bench /work/llamacpp-build/bin/llama-bench
@@ -44,6 +48,7 @@ import torch
 
 import prefixserve.model.quant as quant
 from prefixserve import LLM
+from prefixserve.model import fused_decode
 from prefixserve.model.attention import build_metadata
 from prefixserve.model.config import default_model_path
 from prefixserve.model.loader import load_model
@@ -210,9 +215,37 @@ def part_llama_bench(binary: str, threads: int, ours: dict[str, float]) -> None:
               f"prefixserve (fused) {ours_rate:.1f} | {ours_rate / rate:.2f}x |")
 
 
+def part_bandwidth(repeat: int) -> None:
+    """What bounds a decode step of one sequence: the machine's memory read bandwidth (a torch
+    sum over 512 MiB, far more than any cache) against the rate at which the fused decode
+    layers (at one position of context: their products, plus norms and a trivial attention)
+    and the head read the default model's packed weights, each weight once per pass as in a
+    decode step."""
+    print("\n## Part 4: memory read bandwidth vs one sequence's decode step")
+    big = torch.ones(2**27, dtype=torch.float32)
+    llm = LLM(weights="auto", num_blocks=16)
+    runner = llm.engine.runner
+    model = runner.model
+    fused = fused_decode.FusedDecode(model, runner.kv_cache, runner.block_size)
+    x = torch.randn(1, model.config.hidden_size)
+    tables = torch.zeros((1, 4), dtype=torch.long)
+    head = model.embed_tokens.head if model.lm_head is None else model.lm_head
+    layer_bytes = sum(b.numel() for layer in model.layers for b in layer.buffers())
+    rows = [("torch sum, 512 MiB float32", lambda: big.sum(), big.numel() * 4),
+            (f"fused layers ({len(model.layers)}), 1 position",
+             lambda: fused.run(x.clone(), [0], tables, [0]),
+             layer_bytes),
+            ("head (one product, M = 1)", lambda: head(x), head.qweight.numel())]
+    print("| what | ms per pass | bytes read | GB/s |")
+    print("|---|---|---|---|")
+    for label, fn, nbytes in rows:
+        ms = median_us(fn, repeat, calls=5) / 1e3
+        print(f"| {label} | {ms:.2f} | {nbytes / 2**20:.1f} MiB | {nbytes / ms / 1e6:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="1,2,3", help="comma-separated parts to run")
+    parser.add_argument("--parts", default="1,2,3,4", help="comma-separated parts to run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--positions", type=int, default=2048)
@@ -228,6 +261,8 @@ def main() -> None:
         part_kernels(args.repeat)
     if 2 in parts:
         part_accuracy(args.positions)
+    if 4 in parts:
+        part_bandwidth(args.repeat)
     if 3 in parts:
         ours = part_engine(args.repeat)
         if args.llama_bench:
