@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import fused_decode
+from prefixserve.model import fused_decode, quant_kernels
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.quant import FMT_Q4_1, FMT_Q8_0, QuantLinear, pack_float
@@ -229,3 +229,17 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     assert calls == [] and MIN_SPLIT_CONTEXT > 5
     runner.execute([SeqBatchInput([6], 5, [0], seq_id="a")])
     assert calls == [1]
+
+
+def test_a_kernel_that_does_not_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel file that fails to compile gives no library and its own compiler message (the
+    fused path reports it as its reason); a second ``get`` does not try again."""
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "broken.c"
+    source.write_text("int broken( {\n")
+    declared: list[object] = []
+    library = quant_kernels.KernelLibrary(source, declared.append)
+    assert library.get() is None and declared == []
+    assert library.error is not None and "broken.c:1" in library.error  # the compiler's line
+    source.write_text("int fine(void) { return 1; }\n")
+    assert library.get() is None  # tried once per process

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,34 +109,20 @@ class KeyTables:
     pos_of_row: torch.Tensor
 
 
-class _Library:
-    """The attention kernel, built and loaded at first use."""
-
-    def __init__(self) -> None:
-        self.lib: ctypes.CDLL | None = None
-
-    def get(self) -> ctypes.CDLL:
-        if self.lib is None:
-            lib = quant_kernels.load_library(_SOURCE)
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.invariant_attention.argtypes = [p, i64, i64, i64, p, p, ctypes.c_int, i64, i64,
-                                                p, i64, p, p, ctypes.c_float, p]
-            lib.invariant_attention.restype = None
-            self.lib = lib
-        return self.lib
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.invariant_attention.argtypes = [p, i64, i64, i64, p, p, ctypes.c_int, i64, i64, p, i64,
+                                        p, p, ctypes.c_float, p]
+    lib.invariant_attention.restype = None
 
 
-_library = _Library()
+_library = quant_kernels.KernelLibrary(_SOURCE, _declare)
 
 
 def attention_kernel_error() -> str | None:
     """None when the attention kernel builds and loads here, else why not."""
-    try:
-        _library.get()
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", None) or str(exc)
-        return f"{type(exc).__name__}: {detail}".strip()
-    return None
+    _library.get()
+    return _library.error
 
 
 def invariant_attention(q: torch.Tensor, layer_cache: torch.Tensor, keys: KeyTables,
@@ -154,7 +139,11 @@ def invariant_attention(q: torch.Tensor, layer_cache: torch.Tensor, keys: KeyTab
     out = torch.empty_like(query)
     k_cache, v_cache = layer_cache[0].contiguous(), layer_cache[1].contiguous()
     tables = keys.tables.contiguous()
-    _library.get().invariant_attention(
+    lib = _library.get()
+    if lib is None:
+        raise RuntimeError(f"the deterministic attention kernel cannot be built: "
+                           f"{_library.error}")
+    lib.invariant_attention(
         query.data_ptr(), rows, heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         int(layer_cache.dtype == torch.bfloat16), layer_cache.shape[2], block_size,
         tables.data_ptr(), tables.shape[1], keys.table_of_row.data_ptr(),

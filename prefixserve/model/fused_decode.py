@@ -62,21 +62,13 @@ class _Batch(ctypes.Structure):
                 ("rows", ctypes.c_void_p), ("table_stride", ctypes.c_int64)]
 
 
-_library: list[ctypes.CDLL | None] = []
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.decode_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch),
+                                   ctypes.c_void_p]
+    lib.decode_forward.restype = ctypes.c_int
 
 
-def _kernels() -> ctypes.CDLL | None:
-    """``decode.c`` built and loaded (once per process); None when it cannot be built."""
-    if not _library:
-        try:
-            lib = quant_kernels.load_library(_SOURCE)
-            lib.decode_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch),
-                                           ctypes.c_void_p]
-            lib.decode_forward.restype = ctypes.c_int
-            _library.append(lib)
-        except (OSError, RuntimeError, quant_kernels.subprocess.SubprocessError):
-            _library.append(None)
-    return _library[0]
+_library = quant_kernels.KernelLibrary(_SOURCE, _declare)
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
@@ -111,8 +103,8 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     for failed, reason in reasons:
         if failed:
             return reason
-    if _kernels() is None:
-        return f"the decode kernel cannot be built: {quant_kernels.build_error()}"
+    if _library.get() is None:
+        return f"the decode kernel cannot be built: {_library.error}"
     return None
 
 
@@ -122,7 +114,7 @@ class FusedDecode:
     into the model's weights and the cache: build it again if either is replaced."""
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
-        lib = _kernels()
+        lib = _library.get()
         assert lib is not None, "check unsupported() first"
         self._lib = lib
         config = model.config

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +33,28 @@ FMT_Q8_0 = 1
 
 
 @dataclass
-class _State:
+class KernelLibrary:
+    """One C file of ``kernels/``, built and loaded at the first :meth:`get` (once per process):
+    ``declare`` sets its functions' argument types. :meth:`get` returns None where it cannot
+    be built or loaded, and ``error`` then says why."""
+
+    source: Path
+    declare: Callable[[ctypes.CDLL], None]
     lib: ctypes.CDLL | None = None
     tried: bool = False
     error: str | None = None
 
-
-_state = _State()
+    def get(self) -> ctypes.CDLL | None:
+        if not self.tried:
+            self.tried = True
+            try:
+                lib = load_library(self.source)
+                self.declare(lib)
+                self.lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", None) or str(exc)
+                self.error = f"{type(exc).__name__}: {detail}".strip()
+        return self.lib
 
 
 def cache_dir() -> Path:
@@ -127,24 +143,14 @@ def _source_text(source: Path) -> bytes:
     return text
 
 
-def _load() -> ctypes.CDLL:
-    lib = load_library(_SOURCE)
-    _declare(lib)
-    return lib
+_quant = KernelLibrary(_SOURCE, _declare)
 
 
 def kernels() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None if it cannot be built."""
-    if not _state.tried:
-        _state.tried = True
-        try:
-            _state.lib = _load()
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", None) or str(exc)
-            _state.error = f"{type(exc).__name__}: {detail}".strip()
-    return _state.lib
+    return _quant.get()
 
 
 def build_error() -> str | None:
     """Why :func:`kernels` returned None (None while it has not been tried or it worked)."""
-    return _state.error
+    return _quant.error
