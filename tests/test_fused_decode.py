@@ -18,6 +18,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.model import fused_decode, quant_kernels
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import CausalLM
+from prefixserve.model.lora import install_lora
 from prefixserve.model.quant import FMT_Q4_1, FMT_Q8_0, QuantLinear, pack_float
 from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInput
 
@@ -143,12 +144,30 @@ def test_where_the_fused_path_does_not_apply() -> None:
     assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16)) is None
     assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16,
                                                        dtype=torch.bfloat16)) == \
-        "activations or cache neither float32 nor bfloat16"  # the model's norms are float32
+        "activations and cache not both float32 or both bfloat16"  # the norms are float32
     runner = ModelRunner(config, model, 8, 4, torch.float32, "cpu", deterministic=True)
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0])])
     assert runner.fused_decode_reason is None  # a prefill step decides nothing
     runner.execute([SeqBatchInput([4], 3, [0, 1])])
     assert runner.fused_decode_reason == "deterministic mode" and runner._fused is None
+
+
+def test_adapters_installed_after_the_fused_layers_turn_them_off() -> None:
+    """LoRA wraps the projections that the fused layers read directly: once a runner has
+    adapters, its decode steps run eagerly even if the fused layers were already built."""
+    config = tiny_config()
+    model = packed_model(config)
+    runner = ModelRunner(config, model, 8, 4, torch.float32, "cpu")
+    runner.execute([SeqBatchInput([1, 2, 3], 0, [0, 1], seq_id="a")])
+    runner.execute([SeqBatchInput([4], 3, [0, 1], seq_id="a")])
+    fused = runner._fused
+    assert fused is not None and runner.fused_decode_reason is None
+    calls: list[int] = []
+    run = fused.run
+    fused.run = lambda *a: calls.append(1) or run(*a)  # type: ignore
+    runner.lora = install_lora(model, config, 1, 4)
+    runner.execute([SeqBatchInput([5], 4, [0, 1], seq_id="a")])
+    assert calls == [] and runner.fused_decode_reason == "LoRA adapters"
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:",

@@ -89,7 +89,7 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     reasons = [
         (kv_cache.device.type != "cpu", "not on CPU"),
         (kv_cache.dtype not in SUPPORTED_DTYPES or model.norm.weight.dtype != kv_cache.dtype,
-         "activations or cache neither float32 nor bfloat16"),
+         "activations and cache not both float32 or both bfloat16"),
         (model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None,
          "sliding-window attention"),
         (config.qk_norm, "Q/K norm"),

@@ -220,8 +220,6 @@ class ModelRunner:
         """The sequences of this step that go through the fused decode layers: every one that
         adds one token (and wants no prompt logits) when all of them do, or when their contexts
         add up to ``MIN_SPLIT_CONTEXT`` tokens; none if the fused step does not apply."""
-        if self.lora is not None:
-            return []
         decoding = [i for i, s in enumerate(seqs)
                     if len(s.token_ids) == 1 and not s.need_prompt_logits]
         if not decoding or not self._fused_ready():
@@ -232,12 +230,15 @@ class ModelRunner:
         return decoding
 
     def _fused_ready(self) -> bool:
-        """Whether the fused decode layers apply to this runner (built at the first call)."""
+        """Whether the fused decode layers apply to this runner (built at the first call;
+        adapters installed later turn them off)."""
+        if self.lora is not None:
+            self.fused_decode_reason = "LoRA adapters"
+            return False
         if self._fused is None and self.fused_decode_reason is None:
-            reason = fused_decode.unsupported(self.model, self.kv_cache)
-            if self.enforce_eager or self.deterministic or self.lora is not None:
-                reason = ("enforce_eager" if self.enforce_eager else
-                          "deterministic mode" if self.deterministic else "LoRA adapters")
+            reason = ("enforce_eager" if self.enforce_eager else
+                      "deterministic mode" if self.deterministic else
+                      fused_decode.unsupported(self.model, self.kv_cache))
             if reason is None:
                 assert isinstance(self.model, CausalLM)
                 self._fused = fused_decode.FusedDecode(self.model, self.kv_cache,
