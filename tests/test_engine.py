@@ -4,6 +4,7 @@ design's rules; blocks always come back."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -275,5 +276,36 @@ def test_async_loop_waits_instead_of_spinning_when_nothing_can_be_scheduled(
         assert not engine.has_unfinished_requests()
     finally:
         llm.shutdown()
+    monkeypatch.undo()
+    assert_idle(cached)
+
+
+def test_async_llm_builds_its_engine_in_the_engine_thread(
+        cached: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine (and so the model's first OpenMP work) is built by the thread that steps it:
+    two threads running OpenMP give libgomp two thread pools on the same cores, which made the
+    fused decode step 2-4x slower in the server (``AsyncLLM._run``). A build error reaches the
+    constructor's caller, and no engine thread is left behind."""
+    built_in: list[int] = []
+
+    def build(config: object) -> object:
+        built_in.append(threading.get_ident())
+        return cached.engine
+
+    monkeypatch.setattr(async_llm, "LLMEngine", build)
+    llm = AsyncLLM(log_stats_interval=None)
+    try:
+        assert built_in == [llm._thread.ident] != [threading.get_ident()]
+    finally:
+        llm.shutdown()
+
+    def fail(config: object) -> object:
+        raise ValueError("no such model")
+
+    monkeypatch.setattr(async_llm, "LLMEngine", fail)
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLM(log_stats_interval=None)
+    assert threading.active_count() == threads
     monkeypatch.undo()
     assert_idle(cached)
