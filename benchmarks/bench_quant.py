@@ -25,7 +25,9 @@ With ``--llama-bench PATH`` llama.cpp's ``llama-bench`` then runs on the same GG
 
 Part 4 measures what bounds one sequence's decode step: the memory read bandwidth of the
 machine (a torch sum over 512 MiB) against the rate at which the M = 1 products read their
-packed weights (all layers' products, and the head).
+packed weights (all layers' products, and the head). Part 5 times the fused decode layers from
+the thread that loaded the model and from another one (why the server's engine thread loads
+the model itself).
 
     .venv/bin/python benchmarks/bench_quant.py --parts 3 --repeat 3 \
         --llama-bench /work/llamacpp-build/bin/llama-bench
@@ -39,6 +41,7 @@ import math
 import random
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -243,9 +246,34 @@ def part_bandwidth(repeat: int) -> None:
         print(f"| {label} | {ms:.2f} | {nbytes / 2**20:.1f} MiB | {nbytes / ms / 1e6:.1f} |")
 
 
+def part_threads(repeat: int) -> None:
+    """The fused decode layers (one sequence, one position of context) timed from the thread
+    that loaded the model and from another thread, as the server ran them before its engine
+    thread loaded the model itself (two OpenMP thread pools on the same cores)."""
+    print("\n## Part 5: the fused step from the loading thread vs from another thread")
+    llm = LLM(weights="auto", num_blocks=16)
+    runner = llm.engine.runner
+    fused = fused_decode.FusedDecode(runner.model, runner.kv_cache, runner.block_size)
+    x = torch.randn(1, runner.model.config.hidden_size)
+    tables = torch.zeros((1, 4), dtype=torch.long)
+
+    def step() -> None:
+        fused.run(x.clone(), [0], tables, [0])
+
+    results: dict[str, float] = {"loading thread": median_us(step, repeat) / 1e3}
+    other = threading.Thread(target=lambda: results.update(
+        {"another thread": median_us(step, repeat) / 1e3}))
+    other.start()
+    other.join()
+    print("| thread | ms per step |")
+    print("|---|---|")
+    for name, ms in results.items():
+        print(f"| {name} | {ms:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="1,2,3,4", help="comma-separated parts to run")
+    parser.add_argument("--parts", default="1,2,3,4,5", help="comma-separated parts to run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--positions", type=int, default=2048)
@@ -263,6 +291,8 @@ def main() -> None:
         part_accuracy(args.positions)
     if 4 in parts:
         part_bandwidth(args.repeat)
+    if 5 in parts:
+        part_threads(args.repeat)
     if 3 in parts:
         ours = part_engine(args.repeat)
         if args.llama_bench:

@@ -70,8 +70,8 @@ class AsyncLLM:
         libgomp keeps a thread pool per thread that starts parallel regions, and with two pools
         (a model loaded in one thread and run in another) there are more OpenMP threads than
         cores, so libgomp's workers spin only briefly before they sleep and every parallel
-        region pays a wakeup. Measured on 2 cores: a fused decode step took 9.8 ms from the
-        loading thread and 22-43 ms from another one."""
+        region pays a wakeup. Measured on 2 cores: a fused decode step took 8.5-8.7 ms from the
+        loading thread and 23-31 ms from another one (``benchmarks/bench_quant.py --parts 5``)."""
         try:
             self.engine = LLMEngine(config)
         except BaseException as exc:  # handed to the constructor, which raises it
