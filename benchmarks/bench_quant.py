@@ -27,7 +27,14 @@ Part 4 measures what bounds one sequence's decode step: the memory read bandwidt
 machine (a torch sum over 512 MiB) against the rate at which the M = 1 products read their
 packed weights (all layers' products, and the head). Part 5 times the fused decode layers from
 the thread that loaded the model and from another one (why the server's engine thread loads
-the model itself).
+the model itself). Part 6 splits the fused step of 16 sequences at ~1,100 tokens of context
+into products and attention, with and without shared prefixes; ``--compare-kernel PATH`` times
+another ``decode.c`` beside this one, e.g. an earlier commit's (it includes ``quant.c``, so copy
+that beside it):
+
+    mkdir -p /tmp/k && git show REV:prefixserve/model/kernels/decode.c > /tmp/k/decode.c
+    cp prefixserve/model/kernels/quant.c /tmp/k/
+    .venv/bin/python benchmarks/bench_quant.py --parts 6 --compare-kernel /tmp/k/decode.c
 
     .venv/bin/python benchmarks/bench_quant.py --parts 3 --repeat 3 \
         --llama-bench /work/llamacpp-build/bin/llama-bench
@@ -51,7 +58,7 @@ import torch
 
 import prefixserve.model.quant as quant
 from prefixserve import LLM
-from prefixserve.model import fused_decode
+from prefixserve.model import fused_decode, quant_kernels
 from prefixserve.model.attention import build_metadata
 from prefixserve.model.config import default_model_path
 from prefixserve.model.loader import load_model
@@ -271,14 +278,85 @@ def part_threads(repeat: int) -> None:
         print(f"| {name} | {ms:.2f} |")
 
 
+#: Part 6's batch: the decode step of side_by_side at 16 clients on shared-prefix traffic
+#: (a 1,024-token system prompt, a 64-token question, up to 64 tokens of answer).
+LONG_ROWS, LONG_CONTEXT, LONG_SHARED = 16, 1100, 1024
+
+
+def long_tables(groups: int, block_size: int) -> tuple[torch.Tensor, int]:
+    """Block tables of LONG_ROWS rows of LONG_CONTEXT + 1 positions: row b shares its first
+    LONG_SHARED positions with the rows of its group (b % groups), or nothing when groups is
+    0. Returns the tables and how many distinct blocks they hold."""
+    width = LONG_CONTEXT // block_size + 1
+    tables = torch.zeros((LONG_ROWS, width), dtype=torch.long)
+    shared: dict[tuple[int, int], int] = {}
+    count = 0
+    for b in range(LONG_ROWS):
+        for j in range(width):
+            key = (b % groups, j) if groups and j < LONG_SHARED // block_size else (-1 - b, j)
+            if key not in shared:
+                count += 1
+                shared[key] = count
+            tables[b, j] = shared[key]
+    return tables, count
+
+
+def part_long_contexts(repeat: int, compare: str | None) -> None:
+    """Where the fused decode step of 16 sequences at ~1,100 tokens of context goes: its
+    layers at one position of context (the products), and at 1,100 with no shared blocks,
+    with the rows in 7 groups sharing a 1,024-token prefix (side_by_side's shared-prefix
+    traffic at 16 clients) and all sharing one. Attention is the difference from one position;
+    bytes are the distinct K/V bytes it reads. With ``compare`` (another ``decode.c``, e.g.
+    an earlier commit's) both kernels run, interleaved."""
+    print(f"\n## Part 6: {LONG_ROWS} sequences at {LONG_CONTEXT} tokens of context")
+    llm = LLM(weights="auto", num_blocks=LONG_ROWS * (LONG_CONTEXT // 16 + 2))
+    runner = llm.engine.runner
+    fused = fused_decode.FusedDecode(runner.model, runner.kv_cache, runner.block_size)
+    kernels = {"this kernel": fused._lib}
+    if compare:
+        other = quant_kernels.KernelLibrary(Path(compare), fused_decode._declare).get()
+        assert other is not None, f"{compare} did not build"
+        kernels["compared"] = other
+    config = runner.model.config
+    block_bytes = (runner.block_size * len(runner.model.layers) * 2 * config.num_key_value_heads
+                   * config.head_dim * runner.kv_cache.element_size())
+    x = torch.randn(LONG_ROWS, config.hidden_size)
+    cases = [("1 position", 0, 0), ("1,100, nothing shared", 0, LONG_CONTEXT),
+             ("1,100, 7 prefix groups", 7, LONG_CONTEXT), ("1,100, one prefix", 1, LONG_CONTEXT)]
+    times: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeat):
+        for label, groups, pos in cases:
+            tables, _ = long_tables(groups, runner.block_size)
+            for name, lib in kernels.items():
+                fused._lib = lib
+                runs = times.setdefault((label, name), [])
+                runs.append(median_us(lambda pos=pos, tables=tables: fused.run(
+                    x.clone(), [pos] * LONG_ROWS, tables, list(range(LONG_ROWS))), 1, 3) / 1e3)
+    fused._lib = kernels["this kernel"]
+    print("| context | kernel | step ms | attention ms | K/V read | GB/s |")
+    print("|---|---|---|---|---|---|")
+    for label, groups, pos in cases:
+        for name in kernels:
+            step = statistics.median(times[(label, name)])
+            attention = step - statistics.median(times[(cases[0][0], name)])
+            blocks = long_tables(groups, runner.block_size)[1] if pos else 0
+            nbytes = blocks * block_bytes
+            rate = f"{nbytes / attention / 1e6:.1f}" if pos and attention > 0 else ""
+            print(f"| {label} | {name} | {step:.1f} ({min(times[(label, name)]):.1f}-"
+                  f"{max(times[(label, name)]):.1f}) | {attention:.1f} | "
+                  f"{nbytes / 2**20:.0f} MiB | {rate} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="1,2,3,4,5", help="comma-separated parts to run")
+    parser.add_argument("--parts", default="1,2,3,4,5,6", help="comma-separated parts to run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--positions", type=int, default=2048)
     parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: run it on the "
                         "same file after part 3 and print the ratios")
+    parser.add_argument("--compare-kernel", help="part 6: another decode.c to time beside "
+                        "this one (e.g. `git show REV:prefixserve/model/kernels/decode.c`)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -293,6 +371,8 @@ def main() -> None:
         part_bandwidth(args.repeat)
     if 5 in parts:
         part_threads(args.repeat)
+    if 6 in parts:
+        part_long_contexts(args.repeat, args.compare_kernel)
     if 3 in parts:
         ours = part_engine(args.repeat)
         if args.llama_bench:

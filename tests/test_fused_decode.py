@@ -2,9 +2,10 @@
 
 It must compute what the eager layer stack computes: the same logits up to float rounding and
 the same K/V written into the cache, for batches of sequences with different context lengths
-(some longer than one attention chunk of the kernel), shuffled and shared blocks, GQA groups
-of 2 and 3 and QKV biases; greedy tokens of the default model must not change; and it must
-stay out of the way wherever it does not apply.
+(some longer than one attention chunk of the kernel), shuffled and shared blocks (a shared
+chunk, which the kernel reads once for all its rows), GQA groups of 2 and 3 and QKV biases;
+greedy tokens of the default model must not change; and it must stay out of the way wherever
+it does not apply.
 """
 
 from __future__ import annotations
@@ -67,24 +68,30 @@ def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> Cau
 def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: int,
         seed: int = 1, dtype: torch.dtype = torch.float32
         ) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
-    """Three sequences (contexts around 37, 300 and 530 tokens, the third sharing the first's
-    first 256 tokens and their blocks) prefilled, then five decode steps of all three; the
-    logits of each decode step and the cache at the end."""
+    """Five sequences prefilled, then five decode steps of all five; the logits of each decode
+    step and the cache at the end. Contexts: ~300 tokens; ~37; ~530, sharing the first's first
+    256 tokens and their blocks (one attention chunk, which the kernel reads once for both);
+    ~300, as long as the first but sharing nothing; ~300, sharing only the first's first
+    block, so a chunk that starts alike but is not the same."""
     rng = random.Random(seed)
-    num_blocks = 1100 // block_size
+    num_blocks = 2000 // block_size
     runner = ModelRunner(config, model, num_blocks, block_size, dtype, "cpu",
                          enforce_eager=enforce_eager)
     free = list(range(num_blocks))
     rng.shuffle(free)
     first = [rng.randrange(config.vocab_size) for _ in range(300)]
     prompts = [first, [rng.randrange(config.vocab_size) for _ in range(37)],
-               first[:CHUNK] + [rng.randrange(config.vocab_size) for _ in range(274)]]
+               first[:CHUNK] + [rng.randrange(config.vocab_size) for _ in range(274)],
+               [rng.randrange(config.vocab_size) for _ in range(300)],
+               first[:block_size] + [rng.randrange(config.vocab_size)
+                                     for _ in range(300 - block_size)]]
     tables = []
     for prompt in prompts:
         need = (len(prompt) + 5) // block_size + 1
         tables.append([free.pop() for _ in range(need)])
     shared = CHUNK // block_size
     tables[2][:shared] = tables[0][:shared]
+    tables[4][0] = tables[0][0]
     for i, prompt in enumerate(prompts):
         runner.execute([SeqBatchInput(prompt, 0, tables[i], seq_id=i)])
     logits = []

@@ -93,9 +93,7 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
         (model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None,
          "sliding-window attention"),
         (config.qk_norm, "Q/K norm"),
-        (config.num_attention_heads % config.num_key_value_heads != 0
-         or config.num_attention_heads // config.num_key_value_heads > 64,
-         "uneven GQA groups, or more than 64 query heads per KV head"),
+        (config.num_attention_heads % config.num_key_value_heads != 0, "uneven GQA groups"),
         (config.head_dim % 2 != 0, "odd head_dim"),
         (any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)),
          "a projection not packed (dense weights or a LoRA wrapper)"),

@@ -89,12 +89,35 @@ static inline __m256 exp8(__m256 x) {
 #endif
 
 /* y[i] = exp(x[i]) for n floats, in place. */
-static void exp_inplace(float *x, int64_t n) {
+/* x[i] = exp(x[i] - max x) for i < n; returns the max and sets *total to the sum. */
+static float softmax_weights(float *x, int64_t n, float *total) {
     int64_t i = 0;
+    float top = -INFINITY, sum = 0.0f;
 #ifdef __AVX2__
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+    __m256 t8 = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) t8 = _mm256_max_ps(t8, _mm256_loadu_ps(x + i));
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    t4 = _mm_max_ss(t4, _mm_shuffle_ps(t4, t4, 1));
+    top = _mm_cvtss_f32(t4);
 #endif
-    for (; i < n; i++) x[i] = expf(x[i]);
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
+    i = 0;
+#ifdef __AVX2__
+    __m256 s8 = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
+        _mm256_storeu_ps(x + i, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    sum = hsum(s8);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - top);
+        sum += x[i];
+    }
+    *total = sum;
+    return top;
 }
 
 static float dot(const float *a, const float *b, int64_t n) {
@@ -175,9 +198,9 @@ static inline int64_t slot_of(const DecodeModel *m, const DecodeBatch *s, int64_
     return table[p / m->block_size] * m->block_size + p % m->block_size;
 }
 
-/* Keys of a row are attended in chunks of this many positions, each chunk a task of its own,
- * and the chunks' partial results merged: a single sequence's attention then spreads over the
- * threads too. (At most 64 query heads per KV head: prefixserve.model.fused_decode checks.) */
+/* Contexts are attended in chunks of this many positions, each chunk a task of its own (or of
+ * the group of rows that share it), and the chunks' partial results merged: a single
+ * sequence's attention then spreads over the threads too. */
 #define CHUNK 256
 
 /* The first position of the next block after t, or t1 if that comes first. */
@@ -198,32 +221,36 @@ static inline int64_t run_end(int64_t t, int64_t t1, int64_t bs) {
 
 /* For cache element type T (f32: float, bf16: uint16_t) and head size DD (0: any, scalar):
  *   dot_DD_T(q, k, D): q . k;
- *   values_DD_T(...): out [D] = sum over positions [t0, t1) of p[t - t0] * v_t, the values at
- *     element offset base of each position's slot (stride elements per slot), accumulated in
- *     registers for DD 64 and 128. */
+ *   vacc_DD_T(row, stride, count, p, out): out [D] += sum over i < count of p[i] * row_i, the
+ *     values of count consecutive slots stride elements apart, accumulated in registers for
+ *     DD 64 and 128;
+ *   scores8_DD_T(q, k, stride, scale, out) (DD 64 and 128): out [8] = scale * q . k_i for eight
+ *     consecutive keys stride elements apart. */
 #define DEFINE_SCALAR(T, C)                                                                    \
     static float dot_0_##T(const float *a, const C *b, int64_t D) {                             \
         float total = 0.0f;                                                                    \
         for (int64_t d = 0; d < D; d++) total += a[d] * SCALAR_##T(b[d]);                      \
         return total;                                                                          \
     }                                                                                          \
-    static void values_0_##T(const C *kv, const int64_t *table, int64_t bs, int64_t stride,    \
-                             int64_t base, int64_t D, int64_t t0, int64_t t1, const float *p,  \
-                             float *out) {                                                     \
-        memset(out, 0, (size_t)D * sizeof(float));                                             \
-        for (int64_t t = t0; t < t1;) {                                                        \
-            int64_t end = run_end(t, t1, bs);                                                  \
-            const C *row = kv + (table[t / bs] * bs + t % bs) * stride + base;                 \
-            for (; t < end; t++, row += stride) {                                              \
-                float w = p[t - t0];                                                           \
-                for (int64_t d = 0; d < D; d++) out[d] += w * SCALAR_##T(row[d]);              \
-            }                                                                                  \
+    static void vacc_0_##T(const C *row, int64_t stride, int64_t count, const float *p,       \
+                           int64_t D, float *out) {                                            \
+        for (int64_t t = 0; t < count; t++, row += stride) {                                   \
+            for (int64_t d = 0; d < D; d++) out[d] += p[t] * SCALAR_##T(row[d]);               \
         }                                                                                      \
     }
 DEFINE_SCALAR(f32, float)
 DEFINE_SCALAR(bf16, uint16_t)
 
 #ifdef __AVX2__
+/* The eight horizontal sums of a[0..7], in order, as one vector. */
+static inline __m256 sum8(const __m256 *a) {
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
+                         _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 #define DEFINE_VECTOR(DD, T, C)                                                                \
     static inline float dot_##DD##_##T(const float *a, const C *b) {                           \
         __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();                               \
@@ -233,22 +260,29 @@ DEFINE_SCALAR(bf16, uint16_t)
         }                                                                                      \
         return hsum(_mm256_add_ps(x, y));                                                      \
     }                                                                                          \
-    static void values_##DD##_##T(const C *kv, const int64_t *table, int64_t bs,               \
-                                  int64_t stride, int64_t base, int64_t t0, int64_t t1,        \
-                                  const float *p, float *out) {                                \
+    static inline void vacc_##DD##_##T(const C *row, int64_t stride, int64_t count,          \
+                                       const float *p, float *out) {                           \
         __m256 acc[DD / 8];                                                                    \
-        for (int v = 0; v < DD / 8; v++) acc[v] = _mm256_setzero_ps();                         \
-        for (int64_t t = t0; t < t1;) {                                                        \
-            int64_t end = run_end(t, t1, bs);                                                  \
-            const C *row = kv + (table[t / bs] * bs + t % bs) * stride + base;                 \
-            for (; t < end; t++, row += stride) {                                              \
-                __m256 w = _mm256_set1_ps(p[t - t0]);                                          \
-                for (int v = 0; v < DD / 8; v++) {                                             \
-                    acc[v] = _mm256_fmadd_ps(w, LOAD_##T(row + 8 * v), acc[v]);                \
-                }                                                                              \
+        for (int v = 0; v < DD / 8; v++) acc[v] = _mm256_loadu_ps(out + 8 * v);                \
+        for (int64_t t = 0; t < count; t++, row += stride) {                                   \
+            __m256 w = _mm256_set1_ps(p[t]);                                                   \
+            for (int v = 0; v < DD / 8; v++) {                                                 \
+                acc[v] = _mm256_fmadd_ps(w, LOAD_##T(row + 8 * v), acc[v]);                    \
             }                                                                                  \
         }                                                                                      \
         for (int v = 0; v < DD / 8; v++) _mm256_storeu_ps(out + 8 * v, acc[v]);                \
+    }                                                                                          \
+    static inline void scores8_##DD##_##T(const float *q, const C *k, int64_t stride,          \
+                                          float scale, float *out) {                           \
+        __m256 a[8];                                                                           \
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();                                \
+        for (int v = 0; v < DD; v += 8) {                                                      \
+            __m256 x = _mm256_loadu_ps(q + v);                                                 \
+            for (int i = 0; i < 8; i++) {                                                      \
+                a[i] = _mm256_fmadd_ps(x, LOAD_##T(k + i * stride + v), a[i]);                 \
+            }                                                                                  \
+        }                                                                                      \
+        _mm256_storeu_ps(out, _mm256_mul_ps(sum8(a), _mm256_set1_ps(scale)));                  \
     }
 DEFINE_VECTOR(64, f32, float)
 DEFINE_VECTOR(128, f32, float)
@@ -263,46 +297,138 @@ DEFINE_VECTOR(128, bf16, uint16_t)
 #ifdef __AVX2__
 #define HEAD_DOT(T, a, b, D)                                                                   \
     ((D) == 64 ? dot_64_##T(a, b) : (D) == 128 ? dot_128_##T(a, b) : dot_0_##T(a, b, D))
-#define HEAD_VALUES(T, kv, table, bs, stride, base, D, t0, t1, p, out)                         \
+#define HEAD_VACC(T, row, stride, count, p, D, out)                                           \
     do {                                                                                       \
-        if ((D) == 64) values_64_##T(kv, table, bs, stride, base, t0, t1, p, out);             \
-        else if ((D) == 128) values_128_##T(kv, table, bs, stride, base, t0, t1, p, out);      \
-        else values_0_##T(kv, table, bs, stride, base, D, t0, t1, p, out);                     \
+        if ((D) == 64) vacc_64_##T(row, stride, count, p, out);                                \
+        else if ((D) == 128) vacc_128_##T(row, stride, count, p, out);                         \
+        else vacc_0_##T(row, stride, count, p, D, out);                                        \
+    } while (0)
+/* Scores of eight consecutive positions (keys stride elements apart) for head sizes 64 and
+ * 128; FAST8 says whether the head size has it. */
+#define FAST8(D) ((D) == 64 || (D) == 128)
+#define HEAD_SCORES8(T, q, k, stride, scale, D, out)                                           \
+    do {                                                                                       \
+        if ((D) == 64) scores8_64_##T(q, k, stride, scale, out);                               \
+        else scores8_128_##T(q, k, stride, scale, out);                                        \
     } while (0)
 #else
+#define FAST8(D) 0
+#define HEAD_SCORES8(T, q, k, stride, scale, D, out) ((void)0)
 #define HEAD_DOT(T, a, b, D) dot_0_##T(a, b, D)
-#define HEAD_VALUES(T, kv, table, bs, stride, base, D, t0, t1, p, out)                         \
-    values_0_##T(kv, table, bs, stride, base, D, t0, t1, p, out)
+#define HEAD_VACC(T, row, stride, count, p, D, out) vacc_0_##T(row, stride, count, p, D, out)
 #endif
 
+/* Rows that attend over the same positions [t0, t1) of the same blocks: a chunk of a system
+ * prompt they share, or a chunk of one row alone. Each group's keys and values are read once
+ * for all its rows. members[first .. first + count) are its rows, in increasing order. */
+typedef struct {
+    int64_t c, t0, t1, first, count;
+} ChunkGroup;
+
+/* A step's chunk groups and each thread's attention scratch (thread_floats floats each: scores,
+ * outputs, maxima, sums and query pointers of up to `queries` queries). */
+typedef struct {
+    ChunkGroup *groups;
+    int64_t *members;
+    int64_t *chunk_first; /* [chunks + 1]: the first group of each chunk, then count */
+    int64_t count, queries, thread_floats;
+    float *per_thread;
+} ChunkGroups;
+
+/* Whether rows a and b hold the same blocks for positions [t0, t1). */
+static int same_blocks(const DecodeModel *m, const DecodeBatch *s, int64_t a, int64_t b,
+                       int64_t t0, int64_t t1) {
+    const int64_t *ta = s->tables + s->rows[a] * s->table_stride;
+    const int64_t *tb = s->tables + s->rows[b] * s->table_stride;
+    for (int64_t j = t0 / m->block_size; j <= (t1 - 1) / m->block_size; j++) {
+        if (ta[j] != tb[j]) return 0;
+    }
+    return 1;
+}
+
+/* Splits every row's context into chunks of CHUNK positions and groups the rows of each chunk
+ * that share it. groups and members hold B * chunks entries, taken B; returns the number of
+ * groups. The same for every layer, so built once a step. */
+static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
+                            ChunkGroup *groups, int64_t *members, int64_t *chunk_first,
+                            char *taken) {
+    int64_t count = 0, used = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t t0 = c * CHUNK;
+        chunk_first[c] = count;
+        memset(taken, 0, (size_t)s->B);
+        for (int64_t b = 0; b < s->B; b++) {
+            int64_t n = s->pos[b] + 1, t1 = t0 + CHUNK < n ? t0 + CHUNK : n;
+            if (taken[b] || t0 >= n) continue;
+            ChunkGroup *gr = &groups[count++];
+            *gr = (ChunkGroup){c, t0, t1, used, 1};
+            members[used++] = b;
+            for (int64_t o = b + 1; o < s->B; o++) {
+                int64_t on = s->pos[o] + 1, o1 = t0 + CHUNK < on ? t0 + CHUNK : on;
+                if (taken[o] || o1 != t1 || !same_blocks(m, s, b, o, t0, t1)) continue;
+                taken[o] = 1;
+                members[used++] = o;
+                gr->count++;
+            }
+        }
+    }
+    chunk_first[chunks] = count;
+    return count;
+}
+
+/* Partial attention over a group's positions [t0, t1) of the query heads that share KV head
+ * g, for each of its rows: query j (row members[j / group], head g * group + j % group) gets
+ * mx[j] = its largest score, sm[j] = the sum of exp(score - mx[j]) and out [j * D ...] = that
+ * sum weighted by the values. scores holds Q * CHUNK floats and q Q pointers, Q = rows *
+ * group. One definition per cache element type.
+ *
+ * A row alone is bound by memory: its keys are scored a position at a time and its values
+ * added head by head. A group of rows is bound by arithmetic, its keys and values being read
+ * from memory once for all of them: it scores eight positions at a time against every query
+ * and adds each block of values into every query's output while the block sits in L1. (On
+ * the row alone, both measured slower: benchmarks/RESULTS.md, issue 11, round 3.) */
 #define DEFINE_ATTEND(T, C)                                                                    \
-    static void attend_chunk_##T(const DecodeModel *m, const DecodeBatch *s, const C *kv,       \
-                                 int64_t b, int64_t g, const float *q, int64_t group,           \
-                                 int64_t t0, int64_t t1, float *scores, float *out, float *mx,  \
-                                 float *sm) {                                                   \
-        int64_t D = m->head_dim, bs = m->block_size, n = t1 - t0;                              \
-        int64_t stride = m->kv_heads * D;                                                      \
-        const int64_t *table = s->tables + s->rows[b] * s->table_stride;                       \
+    static void attend_group_##T(const DecodeModel *m, const DecodeBatch *s, const C *kv,       \
+                                 const ChunkGroup *gr, const int64_t *members, int64_t g,       \
+                                 const float *qkv, int64_t qkv_width, const float **q,          \
+                                 float *scores, float *out, float *mx, float *sm) {             \
+        int64_t D = m->head_dim, bs = m->block_size, t0 = gr->t0, t1 = gr->t1, n = t1 - t0;    \
+        int64_t group = m->heads / m->kv_heads, Q = gr->count * group;                         \
+        int64_t stride = m->kv_heads * D, shared = gr->count > 1;                              \
+        const int64_t *table = s->tables + s->rows[members[0]] * s->table_stride;              \
+        for (int64_t j = 0; j < Q; j++) {                                                      \
+            q[j] = qkv + members[j / group] * qkv_width + (g * group + j % group) * D;         \
+        }                                                                                      \
         float scale = 1.0f / sqrtf((float)D);                                                  \
         for (int64_t t = t0; t < t1;) {                                                        \
             int64_t end = run_end(t, t1, bs);                                                  \
             const C *k = kv + cache_offset(m, 0, table[t / bs] * bs + t % bs, g);              \
+            for (; shared && FAST8(D) && t + 8 <= end; t += 8, k += 8 * stride) {              \
+                for (int64_t j = 0; j < Q; j++) {                                              \
+                    HEAD_SCORES8(T, q[j], k, stride, scale, D, scores + j * CHUNK + t - t0);   \
+                }                                                                              \
+            }                                                                                  \
             for (; t < end; t++, k += stride) {                                                \
-                for (int64_t r = 0; r < group; r++) {                                          \
-                    scores[r * CHUNK + t - t0] = HEAD_DOT(T, q + r * D, k, D) * scale;         \
+                for (int64_t j = 0; j < Q; j++) {                                              \
+                    scores[j * CHUNK + t - t0] = HEAD_DOT(T, q[j], k, D) * scale;              \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        for (int64_t r = 0; r < group; r++) {                                                  \
-            float *row = scores + r * CHUNK, top = -INFINITY, total = 0.0f;                    \
-            for (int64_t i = 0; i < n; i++) top = row[i] > top ? row[i] : top;                 \
-            for (int64_t i = 0; i < n; i++) row[i] -= top;                                     \
-            exp_inplace(row, n);                                                               \
-            for (int64_t i = 0; i < n; i++) total += row[i];                                   \
-            mx[r] = top;                                                                       \
-            sm[r] = total;                                                                     \
-            HEAD_VALUES(T, kv + m->num_slots * stride, table, bs, stride, g * D, D, t0, t1,    \
-                        row, out + r * D);                                                     \
+        for (int64_t j = 0; j < Q; j++) {                                                      \
+            mx[j] = softmax_weights(scores + j * CHUNK, n, &sm[j]);                            \
+            memset(out + j * D, 0, (size_t)D * sizeof(float));                                 \
+        }                                                                                      \
+        int64_t per_pass = shared ? Q : 1; /* queries served by one pass over the values */    \
+        for (int64_t j0 = 0; j0 < Q; j0 += per_pass) {                                         \
+            for (int64_t t = t0; t < t1;) {                                                    \
+                int64_t end = run_end(t, t1, bs);                                              \
+                const C *v = kv + cache_offset(m, 1, table[t / bs] * bs + t % bs, g);          \
+                for (int64_t j = j0; j < j0 + per_pass; j++) {                                 \
+                    HEAD_VACC(T, v, stride, end - t, scores + j * CHUNK + t - t0, D,           \
+                              out + j * D);                                                    \
+                }                                                                              \
+                t = end;                                                                       \
+            }                                                                                  \
         }                                                                                      \
     }
 DEFINE_ATTEND(f32, float)
@@ -327,38 +453,43 @@ static void merge_chunks(const float *parts, int64_t chunks, int64_t D, float *o
 }
 
 /* Attention of every row's query heads over its context; out is [B, heads * D]. parts holds
- * B * heads * chunks * (D + 2) floats, chunks = ceil(longest context / CHUNK). */
+ * B * heads * chunks * (D + 2) floats, chunks = ceil(longest context / CHUNK). A task is one
+ * group of rows sharing a chunk (group_chunks) and one KV head, handed out chunk by chunk
+ * (the large groups of shared first chunks first), within a chunk KV head by KV head, and
+ * within a head group by group, so that two threads read different rows at a time. */
 static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv,
                       const float *qkv, int64_t qkv_width, float *out, int64_t chunks,
-                      float *parts) {
+                      float *parts, const ChunkGroups *cg) {
     int64_t D = m->head_dim, group = m->heads / m->kv_heads, part = D + 2;
-    int64_t tasks = s->B * m->kv_heads * chunks;
+    int64_t tasks = cg->count * m->kv_heads;
 #pragma omp parallel if (tasks > 1)
     {
-        float *scores = malloc((size_t)(group * CHUNK) * sizeof(float));
-        float mx[64], sm[64], *o = malloc((size_t)(group * D) * sizeof(float));
+        float *scores = cg->per_thread + (int64_t)omp_get_thread_num() * cg->thread_floats;
+        float *o = scores + cg->queries * CHUNK, *mx = o + cg->queries * D, *sm = mx + cg->queries;
+        const float **q = (const float **)(sm + cg->queries);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            /* rows vary fastest: rows that share their first blocks (a system prompt) read
-             * them in consecutive tasks, mostly from cache */
-            int64_t b = task % s->B, g = task / s->B % m->kv_heads, c = task / s->B / m->kv_heads;
-            int64_t n = s->pos[b] + 1, t0 = c * CHUNK, t1 = t0 + CHUNK < n ? t0 + CHUNK : n;
-            if (t0 >= n) continue;
-            const float *q = qkv + b * qkv_width + g * group * D;
+            /* chunk by chunk, KV head by KV head, then the chunk's groups */
+            int64_t c = 0;
+            while (task >= cg->chunk_first[c + 1] * m->kv_heads) c++;
+            int64_t first = cg->chunk_first[c], in_chunk = cg->chunk_first[c + 1] - first;
+            int64_t local = task - first * m->kv_heads;
+            const ChunkGroup *gr = &cg->groups[first + local % in_chunk];
+            int64_t g = local / in_chunk;
+            const int64_t *rows = cg->members + gr->first;
             if (m->kv_bf16) {
-                attend_chunk_bf16(m, s, kv, b, g, q, group, t0, t1, scores, o, mx, sm);
+                attend_group_bf16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm);
             } else {
-                attend_chunk_f32(m, s, kv, b, g, q, group, t0, t1, scores, o, mx, sm);
+                attend_group_f32(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm);
             }
-            for (int64_t r = 0; r < group; r++) {
-                float *dst = parts + ((b * m->heads + g * group + r) * chunks + c) * part;
-                memcpy(dst, o + r * D, (size_t)D * sizeof(float));
-                dst[D] = mx[r];
-                dst[D + 1] = sm[r];
+            for (int64_t j = 0; j < gr->count * group; j++) {
+                int64_t b = rows[j / group], h = g * group + j % group;
+                float *dst = parts + ((b * m->heads + h) * chunks + gr->c) * part;
+                memcpy(dst, o + j * D, (size_t)D * sizeof(float));
+                dst[D] = mx[j];
+                dst[D + 1] = sm[j];
             }
         }
-        free(scores);
-        free(o);
     }
     for (int64_t b = 0; b < s->B; b++) {
         int64_t used = (s->pos[b] + 1 + CHUNK - 1) / CHUNK;
@@ -424,7 +555,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
 }
 
 static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
-                          float *x, Scratch *sc, int64_t chunks) {
+                          float *x, Scratch *sc, int64_t chunks, const ChunkGroups *cg) {
     int64_t B = s->B, H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t q_size = m->heads * D, qkv_width = q_size + 2 * m->kv_heads * D;
     float eps = (float)m->eps;
@@ -435,7 +566,7 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
                sc->sin_ + b * D / 2);
     }
     write_kv(m, s, L->kv, sc->qkv, qkv_width);
-    attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts);
+    attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts, cg);
     linear(L->o, L->o_fmt, H, q_size, L->o_bias, sc->attn, B, &sc->q, sc->delta);
     for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
     rmsnorm(x, L->post_norm, B, H, eps, sc->h);
@@ -448,16 +579,43 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
     for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
 }
 
+/* The step's chunk groups and attention scratch, one allocation; 0, or -1 when out of memory. */
+static int groups_alloc(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
+                        ChunkGroups *cg) {
+    int64_t slots = s->B * chunks, queries = s->B * (m->heads / m->kv_heads);
+    int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
+    int64_t threads = omp_get_max_threads();
+    cg->queries = queries;
+    cg->thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers + 16;
+    size_t bytes = (size_t)slots * (sizeof(ChunkGroup) + sizeof(int64_t)) +
+                   (size_t)(chunks + 1) * sizeof(int64_t) + (size_t)s->B +
+                   (size_t)(threads * cg->thread_floats) * sizeof(float) + 64;
+    char *p = malloc(bytes);
+    if (!p) return -1;
+    cg->groups = (ChunkGroup *)p;
+    cg->members = (int64_t *)(cg->groups + slots);
+    cg->chunk_first = cg->members + slots;
+    cg->per_thread = (float *)(cg->chunk_first + chunks + 1);
+    char *taken = (char *)(cg->per_thread + threads * cg->thread_floats);
+    cg->count = group_chunks(m, s, chunks, cg->groups, cg->members, cg->chunk_first, taken);
+    return 0;
+}
+
 /* Runs every layer over x [B, hidden] (the embeddings in, the last layer's output out).
  * Returns 0, or -1 when scratch memory could not be allocated (x is then unchanged). */
 int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
     Scratch sc;
+    ChunkGroups cg;
     int64_t half = m->head_dim / 2, max_context = 1;
     for (int64_t b = 0; b < s->B; b++) {
         if (s->pos[b] + 1 > max_context) max_context = s->pos[b] + 1;
     }
     int64_t chunks = (max_context + CHUNK - 1) / CHUNK;
     if (scratch_alloc(m, s->B, chunks, &sc)) return -1;
+    if (groups_alloc(m, s, chunks, &cg)) {
+        free(sc.base);
+        return -1;
+    }
     for (int64_t b = 0; b < s->B; b++) {
         for (int64_t i = 0; i < half; i++) {
             float angle = (float)s->pos[b] * m->inv_freq[i];
@@ -465,8 +623,10 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
             sc.sin_[b * half + i] = sinf(angle);
         }
     }
-    for (int64_t l = 0; l < m->num_layers; l++) layer_forward(m, &m->layers[l], s, x, &sc,
-                                                              chunks);
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        layer_forward(m, &m->layers[l], s, x, &sc, chunks, &cg);
+    }
+    free(cg.groups);
     free(sc.base);
     return 0;
 }
