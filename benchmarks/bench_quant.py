@@ -11,8 +11,9 @@ calls each, in microseconds. It is the measurement behind ``quant.SMALL_M``.
 Part 2 runs the default model over ``--positions`` tokens of natural text (this repository's
 docs), ``SMALL_M`` positions per forward so every product takes the packed kernel, and compares
 the next-token argmax and the perplexity with the dense float32 model of the same GGUF file
-(teacher forcing: every model sees the same tokens). It is the measurement behind
-``quant.ACTIVATION_BITS``.
+(teacher forcing: every model sees the same tokens), with 16- and 8-bit activations and with
+a float16 and a bfloat16 KV cache. It is the measurement behind ``quant.ACTIVATION_BITS``
+and ``--kv-cache-dtype``.
 
 Part 3 is the engine on the default model three ways, interleaved run by run: packed weights
 (``--weights auto``) with the fused decode step, packed weights with ``--enforce-eager`` (the
@@ -124,12 +125,14 @@ def text_tokens(count: int) -> list[int]:
     return ids[: count + 1]
 
 
-def next_token_logits(weights: str, ids: list[int], rows: int) -> torch.Tensor:
-    """Logits of every position after the first, computed ``rows`` positions per forward."""
+def next_token_logits(weights: str, ids: list[int], rows: int,
+                      cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits of every position after the first, computed ``rows`` positions per forward, the
+    KV cache in ``cache_dtype``."""
     config, net = load_model(None, torch.float32, "cpu", weights)
     block_size, blocks = 16, len(ids) // 16 + 2
     cache = torch.zeros(config.num_hidden_layers, 2, blocks * block_size,
-                        config.num_key_value_heads, config.head_dim)
+                        config.num_key_value_heads, config.head_dim, dtype=cache_dtype)
     table = list(range(blocks))
     out = []
     with torch.inference_mode():
@@ -154,16 +157,17 @@ def part_accuracy(positions: int) -> None:
     targets = torch.tensor(ids[1:])
     reference = next_token_logits("bf16", ids, 256)
     top1 = reference.argmax(-1)
-    print("| activations | top-1 agreement | positions that differ | perplexity | reference "
-          "perplexity |")
-    print("|---|---|---|---|---|")
-    for bits in (16, 8):
+    print("| activations | KV cache | top-1 agreement | positions that differ | perplexity | "
+          "reference perplexity |")
+    print("|---|---|---|---|---|---|")
+    for bits, cache in ((16, torch.float32), (8, torch.float32), (16, torch.float16),
+                        (16, torch.bfloat16)):
         quant.ACTIVATION_BITS = bits
-        logits = next_token_logits("auto", ids, quant.SMALL_M)
+        logits = next_token_logits("auto", ids, quant.SMALL_M, cache)
         same = (logits.argmax(-1) == top1).float().mean().item()
         differ = int((logits.argmax(-1) != top1).sum())
-        print(f"| {bits}-bit | {same:.2%} | {differ} | {perplexity(logits, targets):.3f} | "
-              f"{perplexity(reference, targets):.3f} |")
+        print(f"| {bits}-bit | {str(cache).removeprefix('torch.')} | {same:.2%} | {differ} | "
+              f"{perplexity(logits, targets):.3f} | {perplexity(reference, targets):.3f} |")
     quant.ACTIVATION_BITS = 16
 
 
@@ -302,14 +306,23 @@ def long_tables(groups: int, block_size: int) -> tuple[torch.Tensor, int]:
 
 
 def part_long_contexts(repeat: int, compare: str | None) -> None:
+    """Part 6 with a float32 cache (and the compared kernel, which may predate float16), then
+    with a float16 cache."""
+    long_contexts(repeat, compare, "float32")
+    long_contexts(repeat, None, "float16")
+
+
+def long_contexts(repeat: int, compare: str | None, cache: str) -> None:
     """Where the fused decode step of 16 sequences at ~1,100 tokens of context goes: its
     layers at one position of context (the products), and at 1,100 with no shared blocks,
     with the rows in 7 groups sharing a 1,024-token prefix (side_by_side's shared-prefix
-    traffic at 16 clients) and all sharing one. Attention is the difference from one position;
-    bytes are the distinct K/V bytes it reads. With ``compare`` (another ``decode.c``, e.g.
-    an earlier commit's) both kernels run, interleaved."""
-    print(f"\n## Part 6: {LONG_ROWS} sequences at {LONG_CONTEXT} tokens of context")
-    llm = LLM(weights="auto", num_blocks=LONG_ROWS * (LONG_CONTEXT // 16 + 2))
+    traffic at 16 clients) and all sharing one, the KV cache in ``cache``. Attention is the
+    difference from one position; bytes are the distinct K/V bytes it reads. With ``compare``
+    (another ``decode.c``, e.g. an earlier commit's) both kernels run, interleaved."""
+    print(f"\n## Part 6: {LONG_ROWS} sequences at {LONG_CONTEXT} tokens of context, "
+          f"{cache} KV cache")
+    llm = LLM(weights="auto", kv_cache_dtype=cache,
+              num_blocks=LONG_ROWS * (LONG_CONTEXT // 16 + 2))
     runner = llm.engine.runner
     fused = fused_decode.FusedDecode(runner.model, runner.kv_cache, runner.block_size)
     kernels = {"this kernel": fused._lib}

@@ -119,10 +119,12 @@ def servers(args: argparse.Namespace, port: int, slots: int) -> list[Server]:
     common = ["--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads),
               "--max-num-seqs", str(args.parallel), "--disable-access-log",
               "--log-stats-interval", "0"]
+    extra = shlex.split(args.prefixserve_args)
     all_servers = [
-        Server("prefixserve", [*PREFIXSERVE, "serve", args.model, *common], []),
+        Server("prefixserve", [*PREFIXSERVE, "serve", args.model, *common, *extra], []),
         Server("prefixserve-nocache",
-               [*PREFIXSERVE, "serve", args.model, *common, "--no-enable-prefix-caching"], []),
+               [*PREFIXSERVE, "serve", args.model, *common, *extra,
+                "--no-enable-prefix-caching"], []),
         Server("llamacpp",
                [args.llamacpp_python, "-m", "llama_cpp.server", "--model", args.model,
                 "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
@@ -332,6 +334,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llamacpp-python", default=DEFAULT_LLAMACPP_PYTHON,
                         help="python of the venv with llama-cpp-python[server]")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefixserve-args", default="", metavar="ARGS",
+                        help="more flags for prefixserve serve, e.g. '--kv-cache-dtype float16'")
     parser.add_argument("--parallel", type=int, default=16,
                         help="sequences a server runs at once (prefixserve --max-num-seqs)")
     parser.add_argument("--n-ctx", type=int, default=8192,

@@ -66,7 +66,7 @@ def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> Cau
 
 
 def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: int,
-        seed: int = 1, dtype: torch.dtype = torch.float32
+        seed: int = 1, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
         ) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
     """Five sequences prefilled, then five decode steps of all five; the logits of each decode
     step and the cache at the end. Contexts: ~300 tokens; ~37; ~530, sharing the first's first
@@ -76,7 +76,7 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     rng = random.Random(seed)
     num_blocks = 2000 // block_size
     runner = ModelRunner(config, model, num_blocks, block_size, dtype, "cpu",
-                         enforce_eager=enforce_eager)
+                         enforce_eager=enforce_eager, kv_cache_dtype=kv_dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     first = [rng.randrange(config.vocab_size) for _ in range(300)]
@@ -102,15 +102,23 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     return logits, runner.kv_cache, runner
 
 
-CASES = {
-    "q4_1-gqa2": (tiny_config(), FMT_Q4_1, 16, torch.float32),
-    "q8_0-gqa2": (tiny_config(), FMT_Q8_0, 16, torch.float32),
+#: (config, weight format, block size, activations, cache (None: the activations' dtype)).
+CASES: dict[str, tuple[ModelConfig, int, int, torch.dtype, torch.dtype | None]] = {
+    "q4_1-gqa2": (tiny_config(), FMT_Q4_1, 16, torch.float32, None),
+    "q8_0-gqa2": (tiny_config(), FMT_Q8_0, 16, torch.float32, None),
     "q4_1-gqa3-bias-block4": (tiny_config(heads=6, kv_heads=2, bias=True), FMT_Q4_1, 4,
-                              torch.float32),
-    "q4_1-gqa2-bfloat16": (tiny_config(), FMT_Q4_1, 16, torch.bfloat16),
-    "q4_1-head64": (tiny_config(heads=2, kv_heads=1, head_dim=64), FMT_Q4_1, 16, torch.float32),
+                              torch.float32, None),
+    "q4_1-gqa2-bfloat16": (tiny_config(), FMT_Q4_1, 16, torch.bfloat16, None),
+    "q4_1-head64": (tiny_config(heads=2, kv_heads=1, head_dim=64), FMT_Q4_1, 16, torch.float32,
+                    None),
     "q4_1-head128-bfloat16": (tiny_config(heads=2, kv_heads=1, head_dim=128), FMT_Q4_1, 16,
-                              torch.bfloat16),
+                              torch.bfloat16, None),
+    "q4_1-gqa3-float16-cache": (tiny_config(heads=6, kv_heads=2), FMT_Q4_1, 16, torch.float32,
+                                torch.float16),
+    "q4_1-head64-float16-cache": (tiny_config(heads=4, kv_heads=2, head_dim=64), FMT_Q4_1, 16,
+                                  torch.float32, torch.float16),
+    "q4_1-head128-bfloat16-cache": (tiny_config(heads=2, kv_heads=1, head_dim=128), FMT_Q4_1,
+                                    16, torch.float32, torch.bfloat16),
 }
 #: With bfloat16 the eager path rounds every activation to bfloat16 (8 bits of mantissa) and
 #: the fused one computes in float32, rounding only the K/V it writes: both tolerances are
@@ -118,17 +126,25 @@ CASES = {
 #: in reading the bfloat16 cache (one element off) fails them; a wrong rounding mode of the
 #: K/V written (half a unit in the last place) is below this noise and is not caught here.
 BF16_TOL = {"logits": 0.05, "kv": 0.05}
+#: With a float16 cache beside float32 activations both paths compute K/V in float32 and round
+#: them to float16 as they write them; where the two float32 values straddle a rounding
+#: boundary they land one float16 step apart (2^-11 of the value), and the logits follow.
+F16_TOL = {"logits": 2e-3, "kv": 1e-3}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fused_decode_matches_the_eager_layers(case: str) -> None:
     """Logits of every decode step and the K/V written agree with the eager path; the fused
     path really ran (and the eager one did not)."""
-    config, fmt, block_size, dtype = CASES[case]
+    config, fmt, block_size, dtype, kv_dtype = CASES[case]
     model = packed_model(config, fmt).to(dtype)
-    fused, fused_cache, fused_runner = run(model, config, False, block_size, dtype=dtype)
-    eager, eager_cache, eager_runner = run(model, config, True, block_size, dtype=dtype)
-    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
+    fused, fused_cache, fused_runner = run(model, config, False, block_size, dtype=dtype,
+                                           kv_dtype=kv_dtype)
+    eager, eager_cache, eager_runner = run(model, config, True, block_size, dtype=dtype,
+                                           kv_dtype=kv_dtype)
+    assert fused_cache.dtype == (kv_dtype or dtype)
+    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if torch.bfloat16 in (dtype, kv_dtype)
+                         else (F16_TOL["logits"], F16_TOL["kv"]) if kv_dtype == torch.float16
                          else (LOGIT_TOL, KV_TOL))
     assert fused_runner.fused_decode_reason is None and fused_runner._fused is not None
     assert eager_runner.fused_decode_reason == "enforce_eager" and eager_runner._fused is None
@@ -141,17 +157,21 @@ def test_fused_decode_matches_the_eager_layers(case: str) -> None:
 
 
 def test_where_the_fused_path_does_not_apply() -> None:
-    """Dense projections, bfloat16, the deterministic mode and LoRA keep the eager path, and
-    the runner says why; a prefill step never runs fused."""
+    """Dense projections, float16 activations, a float64 cache, the deterministic mode and LoRA
+    keep the eager path, and the runner says why; a prefill step never runs fused."""
     config = tiny_config()
     dense = CausalLM(config).eval()
     assert fused_decode.unsupported(dense, torch.zeros(2, 2, 8, 2, 16)) == \
         "a projection not packed (dense weights or a LoRA wrapper)"
     model = packed_model(config)
     assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16)) is None
-    assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16,
-                                                       dtype=torch.bfloat16)) == \
-        "activations and cache not both float32 or both bfloat16"  # the norms are float32
+    for cache_dtype in (torch.bfloat16, torch.float16):  # beside float32 activations
+        assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16,
+                                                           dtype=cache_dtype)) is None
+    assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16, dtype=torch.float64)) \
+        == "a KV cache not float32, bfloat16 or float16"
+    assert fused_decode.unsupported(packed_model(config).half(), torch.zeros(2, 2, 8, 2, 16)) \
+        == "activations not float32 or bfloat16"
     runner = ModelRunner(config, model, 8, 4, torch.float32, "cpu", deterministic=True)
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0])])
     assert runner.fused_decode_reason is None  # a prefill step decides nothing

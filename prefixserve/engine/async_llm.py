@@ -118,6 +118,11 @@ class AsyncLLM:
         """The dtype the model computes in."""
         return self.engine.dtype
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache holds."""
+        return self.engine.kv_cache_dtype
+
     def validate_prompt(self, token_ids: Sequence[int], max_tokens: int | None) -> None:
         """Raises ``RequestError`` unless the prompt could run (see
         ``LLMEngine.validate_prompt``); safe from any thread."""

@@ -46,6 +46,8 @@ class EngineConfig:
     None: unbounded); a request that does not fit the room left is refused.
     ``dtype`` defaults to ``"auto"``: bfloat16 where the CPU computes it natively (AVX512-BF16 or
     AMX), float32 elsewhere; float32 gives bit-stable results across batch shapes.
+    ``kv_cache_dtype`` is the KV cache's (default ``"auto"``: ``dtype``'s); float16 or bfloat16
+    beside float32 activations halve the cache's memory and what attention reads.
     ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
     dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
@@ -71,6 +73,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     weights: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool | None = None
@@ -113,12 +116,7 @@ class EngineConfig:
         if self.prefix_caching_hash_algo not in (*HASH_ALGOS, None):
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
                              f"got {self.prefix_caching_hash_algo!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError("dtype must be auto, float32, bfloat16 or float16, got "
-                             f"{self.dtype!r}")
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, "
-                             f"got {self.weights!r}")
+        self._check_dtypes()
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -133,6 +131,16 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_tiers()
+
+    def _check_dtypes(self) -> None:
+        """``dtype``, ``kv_cache_dtype`` and ``weights``."""
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got "
+                                 f"{getattr(self, name)!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, "
+                             f"got {self.weights!r}")
 
     def _check_tiers(self) -> None:
         """The cache tiers' settings (docs/DESIGN.md section 17)."""

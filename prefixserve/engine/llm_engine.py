@@ -52,7 +52,7 @@ from prefixserve.engine.tier_manager import (
     tier_hash_root,
 )
 from prefixserve.model.config import resolve_model_path
-from prefixserve.model.dtypes import resolve_dtype
+from prefixserve.model.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.model.lora import install_lora
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
@@ -101,6 +101,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self.model_config, model = load_model(config.model, self.dtype, config.device,
                                                 config.weights)
@@ -108,13 +109,13 @@ class LLMEngine:
             num_blocks = config.num_blocks
         else:
             memory = parse_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
-            num_blocks = ModelRunner.num_blocks_for_memory(self.model_config, self.dtype,
+            num_blocks = ModelRunner.num_blocks_for_memory(self.model_config, self.kv_cache_dtype,
                                                            config.block_size, memory)
         if num_blocks < 2:
             raise ValueError("kv_cache_memory is too small for two KV blocks")
         self.runner = ModelRunner(self.model_config, model, num_blocks, config.block_size,
                                   self.dtype, config.device, config.deterministic,
-                                  config.enforce_eager)
+                                  config.enforce_eager, self.kv_cache_dtype)
         namespace = self._tier_namespace(config)
         self.kv_cache_manager, capacity = make_engine_kv_cache(
             self.model_config, num_blocks, config,
@@ -157,7 +158,7 @@ class LLMEngine:
             return None
         identity = model_identity(resolve_model_path(config.model), self.dtype, config.weights,
                                   config.block_size, self.runner.kv_cache.shape,
-                                  config.hash_algo)
+                                  config.hash_algo, self.kv_cache_dtype)
         return namespace_of(identity)
 
     # ------------------------------------------------------------------ what the engine is

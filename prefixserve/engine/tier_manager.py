@@ -69,13 +69,16 @@ RECORD_FORMAT = 1
 
 
 def model_identity(model_path: str, dtype: torch.dtype, weights: str, block_size: int,
-                   kv_shape: Sequence[int], hash_algo: str) -> dict[str, Any]:
+                   kv_shape: Sequence[int], hash_algo: str,
+                   kv_cache_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """What must be equal for two processes to use each other's blocks: the model files'
-    SHA-256, the KV dtype, the weight mode, the block size, the KV layout per block and the
-    chain's hash algorithm (and the PYTHONHASHSEED the builtin hash depends on)."""
+    SHA-256, the activations' dtype (K/V computed in another differ), the KV cache's dtype
+    (None: the activations'), the weight mode, the block size, the KV layout per block and
+    the chain's hash algorithm (and the PYTHONHASHSEED the builtin hash depends on)."""
     return {
         "model_sha256": _files_digest(model_path),
         "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(kv_cache_dtype or dtype).removeprefix("torch."),
         "weights": weights,
         "block_size": block_size,
         "kv_layout": [int(kv_shape[0]), int(kv_shape[1]), int(kv_shape[3]), int(kv_shape[4])],

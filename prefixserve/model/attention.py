@@ -301,15 +301,19 @@ def _padded_group(rows_t: torch.Tensor | None, tables: list[list[int]], lens: li
 def write_kv(
     layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``) at their slots."""
-    layer_cache[0].index_copy_(0, slot_mapping, k)
-    layer_cache[1].index_copy_(0, slot_mapping, v)
+    """Store ``k``/``v`` (``[num_tokens, kv_heads, head_dim]``) at their slots, rounded to the
+    cache's dtype where it differs from the activations' (``--kv-cache-dtype``)."""
+    dtype = layer_cache.dtype
+    layer_cache[0].index_copy_(0, slot_mapping, k.to(dtype))
+    layer_cache[1].index_copy_(0, slot_mapping, v.to(dtype))
 
 
 def _gather(
-    layer_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_keys: int
+    layer_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_keys: int,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first ``num_keys`` positions of the given blocks (one gather for both).
+    """K and V of the first ``num_keys`` positions of the given blocks (one gather for both),
+    in ``dtype`` (the activations').
 
     ``block_tables`` is ``[blocks]`` or ``[B, blocks]``; K and V come back as
     ``[..., num_keys, kv_heads, head_dim]``.
@@ -319,8 +323,17 @@ def _gather(
     # on CPU than advanced indexing of the 5-D view, which gathers element-wise.
     rows = layer_cache.view(2, shape[1] // block_size, -1).index_select(1, block_tables.reshape(-1))
     blocks = rows.view(2, *block_tables.shape, block_size, *shape[2:])
-    kv = blocks.flatten(-4, -3)[..., :num_keys, :, :]
+    kv = blocks.flatten(-4, -3)[..., :num_keys, :, :].to(dtype)
     return kv[0], kv[1]
+
+
+def as_cached(x: torch.Tensor, layer_cache: torch.Tensor) -> torch.Tensor:
+    """``x`` as the cache holds it: rounded to the cache's dtype and back where the two differ,
+    so that K/V a step uses as computed equal what a later step (or a prefix-cache hit) reads
+    back, and caching never changes a result."""
+    if layer_cache.dtype == x.dtype:
+        return x
+    return x.to(layer_cache.dtype).to(x.dtype)
 
 
 def paged_attention(
@@ -361,13 +374,13 @@ def _decode_attention(
     grouped-query attention) are passed to SDPA as that head's queries: ``[B, kv_heads, group,
     head_dim]`` against ``[B, kv_heads, keys, head_dim]``. Same result as SDPA's own GQA
     broadcast, and 3x faster for bfloat16 on CPU, where that path is slow."""
-    keys, values = _gather(layer_cache, group.block_tables, block_size, group.num_keys)
+    keys, values = _gather(layer_cache, group.block_tables, block_size, group.num_keys, q.dtype)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     query = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if group.shared is not None:
         def read(block_tables: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return _gather(layer_cache, block_tables, block_size, num_keys)
+            return _gather(layer_cache, block_tables, block_size, num_keys, q.dtype)
 
         out = two_pass_decode(query, keys, values, group.mask, group.shared, read)
     else:
@@ -387,11 +400,11 @@ def _prefill_attention(
 ) -> torch.Tensor:
     query = q[seq.start : seq.end].transpose(0, 1)[None]
     if not seq.cached:
-        keys = k[seq.start : seq.end]
-        values = v[seq.start : seq.end]
+        keys = as_cached(k[seq.start : seq.end], layer_cache)
+        values = as_cached(v[seq.start : seq.end], layer_cache)
     else:
         assert seq.block_table is not None  # a cached sequence's K/V are read from its blocks
-        keys, values = _gather(layer_cache, seq.block_table, block_size, seq.num_keys)
+        keys, values = _gather(layer_cache, seq.block_table, block_size, seq.num_keys, q.dtype)
     out = F.scaled_dot_product_attention(
         query,
         keys.transpose(0, 1)[None],

@@ -1,4 +1,5 @@
-"""Which floating-point type the weights and the KV cache use.
+"""Which floating-point type the weights and the KV cache use (``--dtype``, and
+``--kv-cache-dtype`` for the cache when it should differ).
 
 ``"auto"`` (the default) picks bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX
 tiles: about twice as fast as float32 and half the memory), and float32 elsewhere: on a CPU
@@ -18,6 +19,13 @@ DTYPE_NAMES = ("auto", *DTYPES)
 def cpu_has_native_bfloat16() -> bool:
     """Whether this CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX tiles)."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_kv_cache_dtype(name: str, activations: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for ``name`` (one of ``DTYPE_NAMES``): ``"auto"`` is the
+    activations' dtype; float16 or bfloat16 beside float32 activations halve the bytes a
+    decode step reads (K/V are rounded as they are written, and read back as float32)."""
+    return activations if name == "auto" else DTYPES[name]
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:

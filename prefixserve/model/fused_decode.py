@@ -7,8 +7,8 @@ the whole layer stack to one C function that reads the cache in place. The embed
 the final norm and the logits stay in torch.
 
 It applies (:func:`unsupported` says why not) to a Llama-family :class:`CausalLM` on CPU with
-float32 or bfloat16 activations and cache (the layers compute in float32 either way), every
-projection packed (:class:`QuantLinear`, so not wrapped by
+float32 or bfloat16 activations (the layers compute in float32 either way) and a float32,
+bfloat16 or float16 cache, every projection packed (:class:`QuantLinear`, so not wrapped by
 LoRA), one KV cache group of full attention and no Q/K norm; and per step (the runner checks)
 when every sequence adds one token and none asks for prompt logits. ``--enforce-eager`` turns
 it off. The deterministic mode never uses it (its attention has its own reduction order).
@@ -32,10 +32,13 @@ from prefixserve.model.llama import CausalLM, DecoderLayer
 from prefixserve.model.quant import QuantLinear
 
 _SOURCE = Path(__file__).with_name("kernels") / "decode.c"
-#: Activation and cache dtypes of the fused step. With bfloat16 the layers compute in float32
-#: (norm weights and biases are copied to float32 once) and K/V are rounded to bfloat16 as
-#: they are written, as torch rounds them.
+#: Activation dtypes of the fused step. With bfloat16 the layers compute in float32 (norm
+#: weights and biases are copied to float32 once).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+#: Cache dtypes the kernel reads and writes (``kv_type`` of ``decode.c``), any of them beside
+#: either activation dtype (``--kv-cache-dtype``); K/V are rounded to the 16-bit types as they
+#: are written (to nearest even, as torch rounds) and attention reads them back.
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class _Layer(ctypes.Structure):
@@ -52,7 +55,7 @@ class _Model(ctypes.Structure):
                 ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
-                ("kv_bf16", ctypes.c_int64),
+                ("kv_type", ctypes.c_int64),
                 ("eps", ctypes.c_double), ("inv_freq", ctypes.c_void_p),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -88,8 +91,8 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     config = model.config
     reasons = [
         (kv_cache.device.type != "cpu", "not on CPU"),
-        (kv_cache.dtype not in SUPPORTED_DTYPES or model.norm.weight.dtype != kv_cache.dtype,
-         "activations and cache not both float32 or both bfloat16"),
+        (model.norm.weight.dtype not in SUPPORTED_DTYPES, "activations not float32 or bfloat16"),
+        (kv_cache.dtype not in KV_TYPES, "a KV cache not float32, bfloat16 or float16"),
         (model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None,
          "sliding-window attention"),
         (config.qk_norm, "Q/K norm"),
@@ -125,7 +128,7 @@ class FusedDecode:
         self.model = _Model(
             len(model.layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
-            kv_cache.shape[2], int(kv_cache.dtype == torch.bfloat16), config.rms_norm_eps,
+            kv_cache.shape[2], KV_TYPES[kv_cache.dtype], config.rms_norm_eps,
             self._keep[1].data_ptr(), layers)
         self.dtype = kv_cache.dtype
 

@@ -101,6 +101,7 @@ class ModelRunner:
         device: torch.device | str,
         deterministic: bool = False,
         enforce_eager: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -108,9 +109,13 @@ class ModelRunner:
             raise ValueError(
                 f"model activations are {model.norm.weight.dtype}, the cache would be {dtype}"
             )
+        kv_dtype = kv_cache_dtype or dtype
         self.deterministic = deterministic
         if deterministic:
             _check_deterministic(dtype, torch.device(device))
+            if kv_dtype != dtype:
+                raise ValueError("the deterministic mode needs the KV cache in the "
+                                 f"activations' dtype ({dtype}), not {kv_dtype}")
             if config.sliding_window is not None:
                 raise ValueError("the deterministic mode does not support sliding-window "
                                  "attention yet")
@@ -130,7 +135,7 @@ class ModelRunner:
                 config.num_key_value_heads,
                 config.head_dim,
             ),
-            dtype=dtype,
+            dtype=kv_dtype,
             device=self.device,
         )
         self.block_tables = [BlockTables(num_blocks, self.device) for _ in self.layout.groups]

