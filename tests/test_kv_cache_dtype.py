@@ -5,6 +5,8 @@ take it say so."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -116,7 +118,19 @@ def test_settings_that_cannot_take_it_say_so() -> None:
         LLM(dtype="float32", kv_cache_dtype="bfloat16", deterministic=True, num_blocks=8)
 
 
-def test_the_flag_reaches_the_engine_and_the_tier_identity() -> None:
+def test_engines_with_another_cache_dtype_use_another_tier_namespace(
+        engines: dict[str, LLM], tmp_path) -> None:
+    """Blocks a float16 cache wrote to a disk or Redis tier are never loaded into a float32
+    cache of the same model: the engine puts its cache dtype into the tiers' key namespace."""
+    namespaces = set()
+    for name in ("float32", "float16"):
+        engine = engines[name].engine
+        with_tier = dataclasses.replace(engine.config, kv_disk_dir=str(tmp_path))
+        namespaces.add(engine._tier_namespace(with_tier))
+    assert None not in namespaces and len(namespaces) == 2
+
+
+def test_the_flag_reaches_the_engine_config_and_the_identity_names_the_cache_dtype() -> None:
     parser = build_parser()
     args = parser.parse_args(["serve", "--kv-cache-dtype", "float16"])
     assert engine_config(args).kv_cache_dtype == "float16"
