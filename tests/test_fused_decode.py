@@ -66,13 +66,14 @@ def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> Cau
 
 
 def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: int,
-        seed: int = 1, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None
-        ) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
+        seed: int = 1, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
+        extra: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
     """Five sequences prefilled, then five decode steps of all five; the logits of each decode
     step and the cache at the end. Contexts: ~300 tokens; ~37; ~530, sharing the first's first
     256 tokens and their blocks (one attention chunk, which the kernel reads once for both);
     ~300, as long as the first but sharing nothing; ~300, sharing only the first's first
-    block, so a chunk that starts alike but is not the same."""
+    block, so a chunk that starts alike but is not the same. ``extra`` more sequences of 20
+    to 60 tokens make the batch as many rows larger."""
     rng = random.Random(seed)
     num_blocks = 2000 // block_size
     runner = ModelRunner(config, model, num_blocks, block_size, dtype, "cpu",
@@ -85,6 +86,8 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
                [rng.randrange(config.vocab_size) for _ in range(300)],
                first[:block_size] + [rng.randrange(config.vocab_size)
                                      for _ in range(300 - block_size)]]
+    prompts += [[rng.randrange(config.vocab_size) for _ in range(20 + 7 * i)]
+                for i in range(extra)]
     tables = []
     for prompt in prompts:
         need = (len(prompt) + 5) // block_size + 1
@@ -154,6 +157,22 @@ def test_fused_decode_matches_the_eager_layers(case: str) -> None:
                                    msg=lambda m, step=step: f"decode step {step}: {m}")
     torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
                                atol=kv_tol * float(eager_cache.abs().max()))
+
+
+@pytest.mark.parametrize("fmt", [FMT_Q4_1, FMT_Q8_0], ids=["q4_1", "q8_0"])
+def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int) -> None:
+    """Eleven rows: the products take eight rows at a time through another kernel (its
+    activation scales regrouped by eight) and the last three through the one of smaller
+    batches; with QKV biases, which both add."""
+    config = tiny_config(heads=6, kv_heads=2, bias=True)
+    model = packed_model(config, fmt)
+    fused, fused_cache, fused_runner = run(model, config, False, 16, extra=6)
+    eager, eager_cache, _ = run(model, config, True, 16, extra=6)
+    assert fused_runner._fused is not None and fused[0].shape[0] == 11
+    for got, want in zip(fused, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL * float(want.abs().max()))
+    torch.testing.assert_close(fused_cache, eager_cache, rtol=0,
+                               atol=KV_TOL * float(eager_cache.abs().max()))
 
 
 def test_where_the_fused_path_does_not_apply() -> None:

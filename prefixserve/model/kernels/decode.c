@@ -14,8 +14,13 @@
  *   write k, v at each row's slot;  a = softmax(q k^T / sqrt(D)) v over the row's context
  *   x += a Wo^T (+ b);  h = rmsnorm(x) * post_norm;  gu = h Wgu^T (+ b)
  *   x += (silu(gate) * up) Wdown^T (+ b)
- * The result is x before the final norm, as CausalLM.forward returns it. Only float32
- * activations and cache; prefixserve.model.fused_decode decides when this path applies.
+ * The result is x before the final norm, as CausalLM.forward returns it. Float32 activations;
+ * prefixserve.model.fused_decode decides when this path applies.
+ *
+ * Threads: the whole pass is one OpenMP parallel region. The products and attention are
+ * shared out among its threads (orphaned `omp for` loops), the row-wise steps between them
+ * run on one thread (`omp single`); each ends in a barrier. For one row, forking and joining
+ * a team per product cost more than the barriers do.
  *
  * Built and loaded like quant.c (prefixserve.model.quant_kernels.load_library); the build key
  * covers both files.
@@ -140,21 +145,66 @@ static void rmsnorm(const float *x, const float *w, int64_t B, int64_t H, float 
     }
 }
 
-/* Scratch of one call: 16-bit activations and their block scales and sums. */
+/* Scratch of one product: 16-bit activations, their block scales and sums, and for 8 rows or
+ * more the scales and sums regrouped 8 rows at a time (dT, sT: tile8_q16's layout). */
 typedef struct {
     int16_t *xq;
-    float *xd, *xs;
+    float *xd, *xs, *dT, *sT;
 } Quantized;
 
-/* y [B, N] = x [B, K] W^T (+ bias), W packed in format fmt. */
-static void linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
-                   const float *x, int64_t B, const Quantized *q, float *y) {
+/* Rounds x [B, K] to 16 bits per block of 32 for a product (one thread). */
+static void quantize_rows(const float *x, int64_t B, int64_t K, Quantized *q) {
+    int64_t nb = K / QK;
     quantize_q16(x, B, K, q->xq, q->xd, q->xs);
-    gemm_quant16_batch(W, (int)fmt, N, K, q->xq, q->xd, q->xs, B, y, N);
-    if (bias) {
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t n = 0; n < N; n++) y[b * N + n] += bias[n];
+    for (int64_t i = 0; i < B / 8; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            for (int t = 0; t < 8; t++) {
+                q->dT[(i * nb + b) * 8 + t] = q->xd[(i * 8 + t) * nb + b];
+                q->sT[(i * nb + b) * 8 + t] = q->xs[(i * 8 + t) * nb + b];
+            }
         }
+    }
+}
+
+/* y [B, N] = x [B, K] W^T (+ bias), W packed in format fmt, x as quantize_rows left it: the
+ * output rows shared out among the threads of the enclosing parallel region, every one of
+ * which must call it (an orphaned `omp for`, a barrier at its end). Each output is what
+ * gemm_quant16_batch computes. */
+static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
+                        const Quantized *q, int64_t B, float *y) {
+    int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+#ifdef __AVX2__
+    if (B == 1 && N % ROWS == 0) {
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n += ROWS) {
+            if (fmt == FMT_Q4_1) {
+                rows_q4_1_q16(W + n * row_bytes, row_bytes, q->xq, q->xd, q->xs, nb, y + n);
+            } else {
+                rows_q8_0_q16(W + n * row_bytes, row_bytes, q->xq, q->xd, nb, y + n);
+            }
+            for (int r = 0; bias && r < ROWS; r++) y[n + r] += bias[n + r];
+        }
+        return;
+    }
+    int64_t tiles = B / 8;
+#else
+    int64_t tiles = 0;
+#endif
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *w = W + n * row_bytes;
+#ifdef __AVX2__
+        for (int64_t i = 0; i < tiles; i++) {
+            tile8_q16(w, (int)fmt, q->xq + i * 8 * K, q->dT + i * nb * 8, q->sT + i * nb * 8, K,
+                      nb, y + i * 8 * N + n, N);
+        }
+#endif
+        for (int64_t m = tiles * 8; m < B; m += TILE) {
+            int rows = B - m < TILE ? (int)(B - m) : TILE;
+            tile_q16(w, (int)fmt, q->xq + m * K, q->xd + m * nb, q->xs + m * nb, K, nb, rows,
+                     y + m * N + n, N);
+        }
+        for (int64_t b = 0; bias && b < B; b++) y[b * N + n] += bias[n];
     }
 }
 
@@ -539,13 +589,13 @@ static void merge_chunks(const float *parts, int64_t chunks, int64_t D, float *o
  * B * heads * chunks * (D + 2) floats, chunks = ceil(longest context / CHUNK). A task is one
  * group of rows sharing a chunk (group_chunks) and one KV head, handed out chunk by chunk
  * (the large groups of shared first chunks first), within a chunk KV head by KV head, and
- * within a head group by group, so that two threads read different rows at a time. */
+ * within a head group by group, so that two threads read different rows at a time. Called
+ * by every thread of the enclosing parallel region, as team_linear. */
 static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv,
                       const float *qkv, int64_t qkv_width, float *out, int64_t chunks,
                       float *parts, const ChunkGroups *cg) {
     int64_t D = m->head_dim, group = m->heads / m->kv_heads, part = D + 2;
     int64_t tasks = cg->count * m->kv_heads;
-#pragma omp parallel if (tasks > 1)
     {
         float *scores = cg->per_thread + (int64_t)omp_get_thread_num() * cg->thread_floats;
         float *o = scores + cg->queries * CHUNK, *mx = o + cg->queries * D, *sm = mx + cg->queries;
@@ -580,12 +630,10 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv
             }
         }
     }
-    for (int64_t b = 0; b < s->B; b++) {
-        int64_t used = (s->pos[b] + 1 + CHUNK - 1) / CHUNK;
-        for (int64_t h = 0; h < m->heads; h++) {
-            merge_chunks(parts + (b * m->heads + h) * chunks * part, used, D,
-                         out + (b * m->heads + h) * D);
-        }
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < s->B * m->heads; bh++) {
+        int64_t used = (s->pos[bh / m->heads] + 1 + CHUNK - 1) / CHUNK;
+        merge_chunks(parts + bh * chunks * part, used, D, out + bh * D);
     }
 }
 
@@ -613,6 +661,21 @@ static void write_kv(const DecodeModel *m, const DecodeBatch *s, void *kv, const
 
 static float silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* out[i] = silu(gate[i]) * up[i] for i < n. */
+static void silu_mul(const float *gate, const float *up, int64_t n, float *out) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_xor_ps(g, sign));
+        __m256 v = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(v, _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = silu(gate[i]) * up[i];
+}
+
 /* Scratch buffers of a forward pass, one allocation. */
 typedef struct {
     float *h, *qkv, *attn, *gu, *act, *delta, *cos_, *sin_, *parts;
@@ -624,7 +687,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D, widest = I > H ? I : H;
     if (m->heads * D > widest) widest = m->heads * D;
-    int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + D) + 2 * B * widest / QK
+    int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + D) + 4 * B * widest / QK
                      + B * m->heads * chunks * (D + 2);
     int64_t bytes = floats * (int64_t)sizeof(float) + B * widest * (int64_t)sizeof(int16_t) + 64;
     char *p = malloc((size_t)bytes);
@@ -641,34 +704,60 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->sin_ = f; f += B * D / 2;
     sc->q.xd = f; f += B * widest / QK;
     sc->q.xs = f; f += B * widest / QK;
+    sc->q.dT = f; f += B * widest / QK;
+    sc->q.sT = f; f += B * widest / QK;
     sc->parts = f; f += B * m->heads * chunks * (D + 2);
     sc->q.xq = (int16_t *)f;
     return 0;
 }
 
+/* One decoder layer over x [B, hidden], called by every thread of the step's parallel region:
+ * the products and attention are shared out (team_linear, attention), the small row-wise
+ * steps between them run on one thread (`omp single`), each ending in a barrier. The last
+ * product's output is left in sc->delta, added to x by the next layer (or decode_forward)
+ * so that one barrier serves both. */
 static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
-                          float *x, Scratch *sc, int64_t chunks, const ChunkGroups *cg) {
+                          float *x, Scratch *sc, int64_t chunks, const ChunkGroups *cg,
+                          int add_delta) {
     int64_t B = s->B, H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t q_size = m->heads * D, qkv_width = q_size + 2 * m->kv_heads * D;
     float eps = (float)m->eps;
-    rmsnorm(x, L->input_norm, B, H, eps, sc->h);
-    linear(L->qkv, L->qkv_fmt, qkv_width, H, L->qkv_bias, sc->h, B, &sc->q, sc->qkv);
-    for (int64_t b = 0; b < B; b++) {
-        rotate(sc->qkv + b * qkv_width, m->heads + m->kv_heads, D, sc->cos_ + b * D / 2,
-               sc->sin_ + b * D / 2);
+#pragma omp single
+    {
+        if (add_delta) {
+            for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
+        }
+        rmsnorm(x, L->input_norm, B, H, eps, sc->h);
+        quantize_rows(sc->h, B, H, &sc->q);
     }
-    write_kv(m, s, L->kv, sc->qkv, qkv_width);
+    team_linear(L->qkv, L->qkv_fmt, qkv_width, H, L->qkv_bias, &sc->q, B, sc->qkv);
+#pragma omp single
+    {
+        for (int64_t b = 0; b < B; b++) {
+            rotate(sc->qkv + b * qkv_width, m->heads + m->kv_heads, D, sc->cos_ + b * D / 2,
+                   sc->sin_ + b * D / 2);
+        }
+        write_kv(m, s, L->kv, sc->qkv, qkv_width);
+    }
     attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts, cg);
-    linear(L->o, L->o_fmt, H, q_size, L->o_bias, sc->attn, B, &sc->q, sc->delta);
-    for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
-    rmsnorm(x, L->post_norm, B, H, eps, sc->h);
-    linear(L->gate_up, L->gate_up_fmt, 2 * I, H, L->gate_up_bias, sc->h, B, &sc->q, sc->gu);
-    for (int64_t b = 0; b < B; b++) {
-        const float *gate = sc->gu + b * 2 * I, *up = gate + I;
-        for (int64_t i = 0; i < I; i++) sc->act[b * I + i] = silu(gate[i]) * up[i];
+#pragma omp single
+    quantize_rows(sc->attn, B, q_size, &sc->q);
+    team_linear(L->o, L->o_fmt, H, q_size, L->o_bias, &sc->q, B, sc->delta);
+#pragma omp single
+    {
+        for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
+        rmsnorm(x, L->post_norm, B, H, eps, sc->h);
+        quantize_rows(sc->h, B, H, &sc->q);
     }
-    linear(L->down, L->down_fmt, H, I, L->down_bias, sc->act, B, &sc->q, sc->delta);
-    for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
+    team_linear(L->gate_up, L->gate_up_fmt, 2 * I, H, L->gate_up_bias, &sc->q, B, sc->gu);
+#pragma omp single
+    {
+        for (int64_t b = 0; b < B; b++) {
+            silu_mul(sc->gu + b * 2 * I, sc->gu + b * 2 * I + I, I, sc->act + b * I);
+        }
+        quantize_rows(sc->act, B, I, &sc->q);
+    }
+    team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta);
 }
 
 /* The step's chunk groups and attention scratch, one allocation; 0, or -1 when out of memory. */
@@ -716,9 +805,15 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
             sc.sin_[b * half + i] = sinf(angle);
         }
     }
-    for (int64_t l = 0; l < m->num_layers; l++) {
-        layer_forward(m, &m->layers[l], s, x, &sc, chunks, &cg);
+    /* one parallel region for every layer: a fork and join per product cost more than the
+     * products of one row (benchmarks/RESULTS.md, issue 11, round 4) */
+#pragma omp parallel
+    {
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            layer_forward(m, &m->layers[l], s, x, &sc, chunks, &cg, l > 0);
+        }
     }
+    for (int64_t i = 0; i < s->B * m->hidden; i++) x[i] += sc.delta[i];
     free(cg.groups);
     free(sc.base);
     return 0;

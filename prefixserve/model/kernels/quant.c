@@ -70,6 +70,43 @@ static void quantize_blocks(const float *x, int64_t M, int64_t K, float top, int
     for (int64_t b = 0; b < nb; b++) {
         const float *src = x + b * QK;
         float amax = 0.0f;
+#ifdef __AVX2__
+        /* the same values as the scalar loop below: max is exact, and the conversion rounds
+         * to nearest even as lrintf does in the default rounding mode */
+        __m256 sign = _mm256_set1_ps(-0.0f), top8 = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8) {
+            top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + j)));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        float scale = amax / top;
+        float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        __m256 inv8 = _mm256_set1_ps(inv);
+        __m256i v[4], total = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * j), inv8));
+            total = _mm256_add_epi32(total, v[j]);
+        }
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total),
+                                   _mm256_extracti128_si256(total, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        int sum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+        if (wide) {
+            /* packs saturate, but |v| <= top fits: only the lane order needs the permute */
+            __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xd8);
+            __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[2], v[3]), 0xd8);
+            _mm256_storeu_si256((__m256i *)((int16_t *)q + b * QK), lo);
+            _mm256_storeu_si256((__m256i *)((int16_t *)q + b * QK + 16), hi);
+        } else {
+            for (int j = 0; j < 4; j++) {
+                __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v[j]),
+                                              _mm256_extracti128_si256(v[j], 1));
+                _mm_storel_epi64((__m128i *)((int8_t *)q + b * QK + 8 * j),
+                                 _mm_packs_epi16(w16, w16));
+            }
+        }
+#else
         for (int j = 0; j < QK; j++) {
             float a = fabsf(src[j]);
             amax = a > amax ? a : amax;
@@ -86,6 +123,7 @@ static void quantize_blocks(const float *x, int64_t M, int64_t K, float top, int
             }
             sum += v;
         }
+#endif
         d[b] = scale;
         s[b] = scale * (float)sum;
     }
