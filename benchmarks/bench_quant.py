@@ -26,9 +26,10 @@ With ``--llama-bench PATH`` llama.cpp's ``llama-bench`` then runs on the same GG
 
 Part 4 measures what bounds one sequence's decode step: the memory read bandwidth of the
 machine (a torch sum over 512 MiB) against the rate at which the M = 1 products read their
-packed weights (all layers' products, and the head). Part 5 times the fused decode layers from
-the thread that loaded the model and from another one (why the server's engine thread loads
-the model itself). Part 6 splits the fused step of 16 sequences at ~1,100 tokens of context
+packed weights (all layers' products, and the head); with ``--compare-kernel PATH`` it also
+times another ``decode.c``'s layers beside this one's. Part 5 times the fused decode layers
+from the thread that loaded the model and from another one (why the server's engine thread
+loads the model itself). Part 6 splits the fused step of 16 sequences at ~1,100 tokens of context
 into products and attention, with and without shared prefixes; ``--compare-kernel PATH`` times
 another ``decode.c`` beside this one, e.g. an earlier commit's (it includes ``quant.c``, so copy
 that beside it):
@@ -229,12 +230,13 @@ def part_llama_bench(binary: str, threads: int, ours: dict[str, float]) -> None:
               f"prefixserve (fused) {ours_rate:.1f} | {ours_rate / rate:.2f}x |")
 
 
-def part_bandwidth(repeat: int) -> None:
+def part_bandwidth(repeat: int, compare: str | None = None) -> None:
     """What bounds a decode step of one sequence: the machine's memory read bandwidth (a torch
     sum over 512 MiB, far more than any cache) against the rate at which the fused decode
     layers (at one position of context: their products, plus norms and a trivial attention)
     and the head read the default model's packed weights, each weight once per pass as in a
-    decode step."""
+    decode step. With ``compare`` (another ``decode.c``) its layers are timed too, each
+    repeat interleaved with this kernel's."""
     print("\n## Part 4: memory read bandwidth vs one sequence's decode step")
     big = torch.ones(2**27, dtype=torch.float32)
     llm = LLM(weights="auto", num_blocks=16)
@@ -250,6 +252,19 @@ def part_bandwidth(repeat: int) -> None:
              lambda: fused.run(x.clone(), [0], tables, [0]),
              layer_bytes),
             ("head (one product, M = 1)", lambda: head(x), head.qweight.numel())]
+    if compare:
+        other = quant_kernels.KernelLibrary(Path(compare), fused_decode._declare).get()
+        assert other is not None, f"{compare} did not build"
+        libs = {"this kernel": fused._lib, "compared": other}
+        layers: dict[str, list[float]] = {name: [] for name in libs}
+        for _ in range(repeat):
+            for name, lib in libs.items():
+                fused._lib = lib
+                layers[name].append(median_us(rows[1][1], 1, calls=5) / 1e3)
+        fused._lib = libs["this kernel"]
+        for name, runs in layers.items():
+            print(f"fused layers, {name}: {statistics.median(runs):.2f} ms "
+                  f"({min(runs):.2f}-{max(runs):.2f}), median (range) of {repeat}")
     print("| what | ms per pass | bytes read | GB/s |")
     print("|---|---|---|---|")
     for label, fn, nbytes in rows:
@@ -368,8 +383,8 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=2048)
     parser.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: run it on the "
                         "same file after part 3 and print the ratios")
-    parser.add_argument("--compare-kernel", help="part 6: another decode.c to time beside "
-                        "this one (e.g. `git show REV:prefixserve/model/kernels/decode.c`)")
+    parser.add_argument("--compare-kernel", help="parts 4 and 6: another decode.c to time "
+                        "beside this one (e.g. `git show REV:prefixserve/model/kernels/decode.c`)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -381,7 +396,7 @@ def main() -> None:
     if 2 in parts:
         part_accuracy(args.positions)
     if 4 in parts:
-        part_bandwidth(args.repeat)
+        part_bandwidth(args.repeat, args.compare_kernel)
     if 5 in parts:
         part_threads(args.repeat)
     if 6 in parts:

@@ -370,8 +370,12 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
  * apart): four independent accumulators, the activations loaded once for all of them. The
  * one-row kernel of decode steps, where tile_q16 would run a single dependent chain. */
 #define ROWS 4
+/* Bytes ahead of each row's block that the one-row kernels prefetch. The rows of a group lie
+ * next to each other, so this reaches about a dozen rows ahead: a decode step's products are
+ * short (0.2-1 MB each, split over the threads) and stream from memory, and 320 bytes left
+ * the fused layers of one row 1.2x slower (benchmarks/RESULTS.md, issue 11, round 4). */
 #ifndef PREFETCH
-#define PREFETCH 320
+#define PREFETCH 4096
 #endif
 /* v with its 16-bit lane r (0-3) set to x; r is a constant once the caller's loop unrolls. */
 static inline __m128i insert16(__m128i v, uint16_t x, int r) {
