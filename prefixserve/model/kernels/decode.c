@@ -154,16 +154,8 @@ typedef struct {
 
 /* Rounds x [B, K] to 16 bits per block of 32 for a product (one thread). */
 static void quantize_rows(const float *x, int64_t B, int64_t K, Quantized *q) {
-    int64_t nb = K / QK;
     quantize_q16(x, B, K, q->xq, q->xd, q->xs);
-    for (int64_t i = 0; i < B / 8; i++) {
-        for (int64_t b = 0; b < nb; b++) {
-            for (int t = 0; t < 8; t++) {
-                q->dT[(i * nb + b) * 8 + t] = q->xd[(i * 8 + t) * nb + b];
-                q->sT[(i * nb + b) * 8 + t] = q->xs[(i * 8 + t) * nb + b];
-            }
-        }
-    }
+    regroup8(q->xd, q->xs, B, K / QK, q->dT, q->sT);
 }
 
 /* y [B, N] = x [B, K] W^T (+ bias), W packed in format fmt, x as quantize_rows left it: the
@@ -177,33 +169,16 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
     if (B == 1 && N % ROWS == 0) {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += ROWS) {
-            if (fmt == FMT_Q4_1) {
-                rows_q4_1_q16(W + n * row_bytes, row_bytes, q->xq, q->xd, q->xs, nb, y + n);
-            } else {
-                rows_q8_0_q16(W + n * row_bytes, row_bytes, q->xq, q->xd, nb, y + n);
-            }
+            rows_q16(W, (int)fmt, row_bytes, n, q->xq, q->xd, q->xs, nb, y);
             for (int r = 0; bias && r < ROWS; r++) y[n + r] += bias[n + r];
         }
         return;
     }
-    int64_t tiles = B / 8;
-#else
-    int64_t tiles = 0;
 #endif
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t *w = W + n * row_bytes;
-#ifdef __AVX2__
-        for (int64_t i = 0; i < tiles; i++) {
-            tile8_q16(w, (int)fmt, q->xq + i * 8 * K, q->dT + i * nb * 8, q->sT + i * nb * 8, K,
-                      nb, y + i * 8 * N + n, N);
-        }
-#endif
-        for (int64_t m = tiles * 8; m < B; m += TILE) {
-            int rows = B - m < TILE ? (int)(B - m) : TILE;
-            tile_q16(w, (int)fmt, q->xq + m * K, q->xd + m * nb, q->xs + m * nb, K, nb, rows,
-                     y + m * N + n, N);
-        }
+        batch_row_q16(W + n * row_bytes, (int)fmt, K, q->xq, q->xd, q->xs, q->dT, q->sT, B,
+                      y + n, N);
         for (int64_t b = 0; bias && b < B; b++) y[b * N + n] += bias[n];
     }
 }

@@ -450,6 +450,19 @@ static void rows_q8_0_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq
 }
 #endif
 
+#ifdef __AVX2__
+/* Outputs y[n .. n + ROWS) of weight rows n .. n + ROWS for one activation row. */
+static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_t n,
+                            const int16_t *xq, const float *xd, const float *xs, int64_t nb,
+                            float *y) {
+    if (fmt == FMT_Q4_1) {
+        rows_q4_1_q16(W + n * row_bytes, row_bytes, xq, xd, xs, nb, y + n);
+    } else {
+        rows_q8_0_q16(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
+    }
+}
+#endif
+
 /* As gemm_quant, with activations from quantize_q16. */
 void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                   const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
@@ -459,13 +472,7 @@ void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t
 #ifdef __AVX2__
     if (M == 1 && N % ROWS == 0) {
 #pragma omp parallel for schedule(static) if (parallel)
-        for (int64_t n = 0; n < N; n += ROWS) {
-            if (fmt == FMT_Q4_1) {
-                rows_q4_1_q16(W + n * row_bytes, row_bytes, xq, xd, xs, nb, y + n);
-            } else {
-                rows_q8_0_q16(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
-            }
-        }
+        for (int64_t n = 0; n < N; n += ROWS) rows_q16(W, fmt, row_bytes, n, xq, xd, xs, nb, y);
         return;
     }
 #endif
@@ -526,22 +533,11 @@ static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float 
 }
 #endif
 
-/*
- * As gemm_quant16, faster for M >= 8: activation rows go 8 at a time through tile8_q16. A row's
- * result then depends on whether it falls in a tile of 8 (another order of float sums), so this
- * is not row-invariant: the deterministic mode uses gemm_quant16.
- */
-void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
-                        const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
-#ifdef __AVX2__
-    int64_t nb = K / QK, tiles = M / 8;
-    float *dT = tiles ? malloc((size_t)(2 * tiles * nb * 8) * sizeof(float)) : NULL;
-    if (!dT) {
-        gemm_quant16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
-        return;
-    }
-    float *sT = dT + tiles * nb * 8;
-    for (int64_t i = 0; i < tiles; i++) {
+/* The block scales xd and sums xs of M activation rows (nb blocks each) regrouped eight rows
+ * at a time for tile8_q16: dT[(i * nb + b) * 8 + t] is row 8 i + t's scale of block b. */
+static void regroup8(const float *xd, const float *xs, int64_t M, int64_t nb, float *dT,
+                     float *sT) {
+    for (int64_t i = 0; i < M / 8; i++) {
         for (int64_t b = 0; b < nb; b++) {
             for (int t = 0; t < 8; t++) {
                 dT[(i * nb + b) * 8 + t] = xd[(i * 8 + t) * nb + b];
@@ -549,24 +545,49 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
             }
         }
     }
+}
+
+/* Outputs y[m * ldy] of weight row w for M activation rows: eight at a time through tile8_q16
+ * (dT, sT from regroup8; AVX2 only), the rest in tiles of TILE. */
+static void batch_row_q16(const uint8_t *w, int fmt, int64_t K, const int16_t *xq,
+                          const float *xd, const float *xs, const float *dT, const float *sT,
+                          int64_t M, float *y, int64_t ldy) {
+    int64_t nb = K / QK, m = 0;
+#ifdef __AVX2__
+    for (; m + 8 <= M; m += 8) {
+        tile8_q16(w, fmt, xq + m * K, dT + m * nb, sT + m * nb, K, nb, y + m * ldy, ldy);
+    }
+#else
+    (void)dT;
+    (void)sT;
+#endif
+    for (; m < M; m += TILE) {
+        int rows = M - m < TILE ? (int)(M - m) : TILE;
+        tile_q16(w, fmt, xq + m * K, xd + m * nb, xs + m * nb, K, nb, rows, y + m * ldy, ldy);
+    }
+}
+
+/*
+ * As gemm_quant16, faster for M >= 8: activation rows go 8 at a time through tile8_q16. A row's
+ * result then depends on whether it falls in a tile of 8 (another order of float sums), so this
+ * is not row-invariant: the deterministic mode uses gemm_quant16.
+ */
+void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
+                        const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
+    int64_t nb = K / QK, tiles = M / 8;
+    float *dT = tiles ? malloc((size_t)(2 * tiles * nb * 8) * sizeof(float)) : NULL;
+    if (!dT) {
+        gemm_quant16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
+        return;
+    }
+    float *sT = dT + tiles * nb * 8;
+    regroup8(xd, xs, M, nb, dT, sT);
     int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t *w = W + n * row_bytes;
-        for (int64_t i = 0; i < tiles; i++) {
-            tile8_q16(w, fmt, xq + i * 8 * K, dT + i * nb * 8, sT + i * nb * 8, K, nb,
-                      y + i * 8 * ldy + n, ldy);
-        }
-        for (int64_t m = tiles * 8; m < M; m += TILE) {
-            int rows = M - m < TILE ? (int)(M - m) : TILE;
-            tile_q16(w, fmt, xq + m * K, xd + m * nb, xs + m * nb, K, nb, rows, y + m * ldy + n,
-                     ldy);
-        }
+        batch_row_q16(W + n * row_bytes, fmt, K, xq, xd, xs, dT, sT, M, y + n, ldy);
     }
     free(dT);
-#else
-    gemm_quant16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
-#endif
 }
 
 /* Outputs of weight row w for activation rows [m0, M). */
