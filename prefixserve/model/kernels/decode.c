@@ -19,8 +19,8 @@
  *
  * Threads: the whole pass is one OpenMP parallel region. The products and attention are
  * shared out among its threads (orphaned `omp for` loops), the row-wise steps between them
- * run on one thread (`omp single`); each ends in a barrier. For one row, forking and joining
- * a team per product cost more than the barriers do.
+ * run on one thread (`omp single`); each ends in a barrier, which costs less than forking
+ * and joining a team for each product did.
  *
  * Built and loaded like quant.c (prefixserve.model.quant_kernels.load_library); the build key
  * covers both files.
@@ -780,8 +780,9 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
             sc.sin_[b * half + i] = sinf(angle);
         }
     }
-    /* one parallel region for every layer: a fork and join per product cost more than the
-     * products of one row (benchmarks/RESULTS.md, issue 11, round 4) */
+    /* one parallel region for every layer: a team forked per product (about 150 a step), with
+     * the scalar rounding, left one row's layers 1.2x slower (benchmarks/RESULTS.md, issue 11,
+     * round 4) */
 #pragma omp parallel
     {
         for (int64_t l = 0; l < m->num_layers; l++) {
