@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from engine_helpers import prompts
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine import async_llm
@@ -17,16 +18,6 @@ from prefixserve.engine.scheduler import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-SYSTEM = ("You are a careful assistant for a small bakery. Answer questions about opening hours, "
-          "bread, cakes and prices politely and briefly. The bakery opens at seven and closes at "
-          "six, except on Sundays when it closes at noon. ")
-QUESTIONS = ["What time do you open?", "Do you sell rye bread?", "Is there a cake for ten?",
-             "Are you open on Sunday afternoon?"]
-
-
-def prompts(llm: LLM) -> list[list[int]]:
-    tok = llm.get_tokenizer()
-    return [tok.encode(SYSTEM + q) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from engine_helpers import prompts
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.cli import build_parser
@@ -19,11 +20,6 @@ from prefixserve.model.llama import CausalLM
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.server.launch import engine_config
 
-SYSTEM = ("You are a careful assistant for a small bakery. Answer questions about opening hours, "
-          "bread, cakes and prices politely and briefly. The bakery opens at seven and closes at "
-          "six, except on Sundays when it closes at noon. ")
-QUESTIONS = ["What time do you open?", "Do you sell rye bread?", "Is there a cake for ten?",
-             "Are you open on Sunday afternoon?"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 MEMORY = "32MiB"
 
@@ -38,11 +34,6 @@ def engines() -> dict[str, LLM]:
         "float16-uncached": LLM(dtype="float32", kv_cache_dtype="float16",
                                 kv_cache_memory=MEMORY, enable_prefix_caching=False),
     }
-
-
-def prompts(llm: LLM) -> list[list[int]]:
-    tok = llm.get_tokenizer()
-    return [tok.encode(SYSTEM + q) for q in QUESTIONS]
 
 
 def test_a_float16_cache_holds_twice_the_blocks_in_the_same_memory(
