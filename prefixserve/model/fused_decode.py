@@ -130,7 +130,6 @@ class FusedDecode:
             config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
             kv_cache.shape[2], KV_TYPES[kv_cache.dtype], config.rms_norm_eps,
             self._keep[1].data_ptr(), layers)
-        self.dtype = kv_cache.dtype
 
     def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> _Layer:
         def as_float(tensor: torch.Tensor) -> int:
