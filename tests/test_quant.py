@@ -47,6 +47,7 @@ from prefixserve.model.loader import _cat, load_model
 from prefixserve.model.quant import (
     FMT_Q4_1,
     FMT_Q8_0,
+    FORMAT_NAMES,
     SMALL_M,
     PackedWeight,
     QuantEmbedding,
@@ -237,6 +238,47 @@ def test_expand_path_in_slices(lib, monkeypatch: pytest.MonkeyPatch) -> None:
                       f"{qtype.name} sliced")
 
 
+def tie_blocks() -> PackedWeight:
+    """Q8_0 rows whose values d * q land on bfloat16 ties: d = 1 + 2^-8 (halfway between two
+    bfloat16 values, rounds down to even) and 1 + 3 * 2^-8 (halfway, rounds up to even), times
+    every q in [-127, 127]; then a row of ordinary values (d = 0.01)."""
+    rows = []
+    for d in (1 + 2**-8, 1 + 3 * 2**-8, 0.01):
+        q = np.resize(np.arange(-127, 128, dtype=np.int8), 256).reshape(8, 32)
+        scale = np.full((8, 1), d, dtype=np.float16).view(np.uint8).reshape(8, 2)
+        rows.append(np.concatenate([scale, q.view(np.uint8)], axis=1).reshape(-1))
+    return PackedWeight(FMT_Q8_0, torch.from_numpy(np.stack(rows)), 256)
+
+
+def test_expand_to_bfloat16_rounds_like_torch(lib) -> None:
+    """``dequantize_bf16`` gives the bits of the float32 expansion converted by torch (round to
+    nearest even, ties included), for both formats."""
+    for packed in (tie_blocks(), packed_case(Q.Q4_1)[2], packed_case(Q.Q8_0)[2]):
+        layer = QuantLinear(packed)
+        want = layer._expand(0, packed.rows).to(torch.bfloat16)
+        got = layer._expand(0, packed.rows, torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), FORMAT_NAMES[packed.fmt]
+
+
+def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
+    """A bfloat16 input of more than SMALL_M rows (a bfloat16 model's prefill) multiplies the
+    weight expanded to bfloat16 with torch's bfloat16 GEMM: exactly what the dense path computes
+    from the same weight, in bfloat16, bias included."""
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        layer = QuantLinear(packed, bias=True)
+        with torch.no_grad():
+            layer.bias.copy_(torch.linspace(-1, 1, ROWS))
+        x = activations(SMALL_M + 5).bfloat16()
+        dense = dequantize_packed(packed).to(torch.bfloat16)
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        want = x @ dense.t()
+        want += layer.bias
+        assert torch.equal(y, want), qtype.name
+
+
 @pytest.mark.parametrize("m", (1, 3, 4, 7))
 def test_8bit_activation_kernel(m: int, lib) -> None:
     """The 8-bit-activation kernel (``activation_bits = 8``, llama.cpp's choice) within its
@@ -272,14 +314,29 @@ def test_quant_linear_input_layouts_and_bias(lib) -> None:
     assert layer(torch.empty(0, COLS)).shape == (0, ROWS)
 
 
-def test_portable_c_path_matches(lib, tmp_path: Path) -> None:
-    """quant.c built without ``-march=native`` (no AVX2/F16C: the scalar code and the software
-    fp16 decode) gives the same products within the same bounds."""
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("build", ("portable", "avx2"))
+def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
+    """quant.c built for another ISA than the native one gives the same products within the
+    same bounds, and the same bfloat16 expansion: ``portable`` without ``-march=native`` (no
+    AVX2/F16C: the scalar code and the software fp16 decode), ``avx2`` native without AVX-512
+    (the AVX2 kernels, which an AVX-512 machine's own build leaves out; skipped elsewhere)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    target = tmp_path / "portable.so"
-    flags = ["-mno-avx2", "-mno-f16c"] if platform.machine() in ("x86_64", "AMD64") else []
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    if build == "avx2" and not (x86 and {"avx2", "avx512f"} <= cpu_flags()):
+        pytest.skip("the native build is the AVX2 one, or there is none")
+    flags = {"portable": ["-mno-avx2", "-mno-f16c"] if x86 else [],
+             "avx2": ["-march=native", "-mno-avx512f"]}[build]
+    target = tmp_path / f"{build}.so"
     subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-fopenmp", "-std=c11", *flags,
                     str(quant_kernels._SOURCE), "-o", str(target), "-lm"],
                    check=True, capture_output=True, timeout=120)
@@ -288,14 +345,19 @@ def test_portable_c_path_matches(lib, tmp_path: Path) -> None:
     for qtype in (Q.Q4_0, Q.Q8_0):
         _, ref, packed = packed_case(qtype)
         w64 = ref.astype(np.float64)
-        for m, bits in ((1, 16), (5, 16), (5, 8), (SMALL_M + 1, 16)):
+        for m, bits in ((1, 16), (5, 16), (5, 8), (SMALL_M, 16), (SMALL_M + 1, 16)):
             layer = QuantLinear(packed)
             layer._lib = portable
             layer.activation_bits = bits
             x = activations(m)
             x64 = x.double().numpy()
             assert_within(layer(x), x64 @ w64.T, product_bound(x64, np.abs(w64), bits),
-                          f"portable {qtype.name} M={m} bits={bits}")
+                          f"{build} {qtype.name} M={m} bits={bits}")
+    for packed in (tie_blocks(), packed_case(Q.Q4_1)[2]):  # the scalar bfloat16 rounding
+        layer = QuantLinear(packed)
+        layer._lib = portable
+        want = layer._expand(0, packed.rows).to(torch.bfloat16).view(torch.int16)
+        assert torch.equal(layer._expand(0, packed.rows, torch.bfloat16).view(torch.int16), want)
 
 
 # ---------------------------------------------------------------------------------------------

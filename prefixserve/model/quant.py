@@ -15,7 +15,11 @@ Two packed formats (byte layouts of GGUF's blocks of 32 weights along a row, see
 :class:`QuantLinear` picks its kernel by the number of rows M of the input: up to
 :data:`SMALL_M` rows (decode steps) it runs the integer kernel over the packed blocks; above it
 (prefill) it expands slices of the weight to float32 and calls torch's float GEMM, which is
-faster there (``benchmarks/bench_quant.py`` measures the crossover).
+faster there (``benchmarks/bench_quant.py`` measures the crossover). A bfloat16 model (the
+``--dtype auto`` choice on CPUs with AVX512-BF16 or AMX) expands them to bfloat16 instead and
+calls the bfloat16 GEMM that its dense weights would: on such a CPU (AMD Zen 5) the float32 GEMM
+took 4x as long, and prefill ran at 0.40x the dense path before (benchmarks/RESULTS.md, issue
+11, round 5).
 """
 
 from __future__ import annotations
@@ -186,10 +190,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.dtype != torch.float32 or not flat.is_contiguous():
-            flat = flat.float().contiguous()
         small = flat.shape[0] <= SMALL_M or self.row_invariant
-        y = self._small(flat) if small else self._large(flat)
+        if not small and flat.dtype == torch.bfloat16 and flat.device.type == "cpu":
+            y = self._large(flat.contiguous(), torch.bfloat16)
+        else:
+            if flat.dtype != torch.float32 or not flat.is_contiguous():
+                flat = flat.float().contiguous()
+            y = self._small(flat) if small else self._large(flat, torch.float32)
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -213,21 +220,25 @@ class QuantLinear(nn.Module):
              scales.data_ptr(), sums_ptr, rows, y.data_ptr(), self.out_features)
         return y
 
-    def _large(self, x: torch.Tensor) -> torch.Tensor:
+    def _large(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Slices of the weight expanded to ``dtype`` (float32, or bfloat16 for a bfloat16
+        model: the dense path's GEMM, native on CPUs with AVX512-BF16 or AMX), then torch's
+        GEMM in that dtype."""
         n, k = self.out_features, self.in_features
         step = max(1, _SLICE_ELEMENTS // k)
         if step >= n:
-            return x @ self._expand(0, n).t()
-        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+            return x @ self._expand(0, n, dtype).t()
+        y = torch.empty((x.shape[0], n), dtype=dtype)
         for first in range(0, n, step):
             last = min(n, first + step)
-            y[:, first:last] = x @ self._expand(first, last).t()
+            y[:, first:last] = x @ self._expand(first, last, dtype).t()
         return y
 
-    def _expand(self, first: int, last: int) -> torch.Tensor:
-        out = torch.empty((last - first, self.in_features), dtype=torch.float32)
-        self._lib.dequantize(self.qweight.data_ptr(), self.fmt, self.in_features, None, first,
-                             last - first, out.data_ptr())
+    def _expand(self, first: int, last: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out = torch.empty((last - first, self.in_features), dtype=dtype)
+        expand = self._lib.dequantize_bf16 if dtype == torch.bfloat16 else self._lib.dequantize
+        expand(self.qweight.data_ptr(), self.fmt, self.in_features, None, first, last - first,
+               out.data_ptr())
         return out
 
     def extra_repr(self) -> str:

@@ -108,6 +108,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_quant.restype = None
     lib.dequantize.argtypes = [p, c_int, i64, p, i64, i64, p]
     lib.dequantize.restype = None
+    lib.dequantize_bf16.argtypes = [p, c_int, i64, p, i64, i64, p]
+    lib.dequantize_bf16.restype = None
     lib.quantize_q16.argtypes = [p, i64, i64, p, p, p]
     lib.quantize_q16.restype = None
     lib.gemm_quant16.argtypes = [p, c_int, i64, i64, p, p, p, i64, p, i64]

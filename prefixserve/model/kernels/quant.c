@@ -17,7 +17,9 @@
  * where a float GEMM is faster than these kernels.
  *
  * Built at first use by prefixserve.model.quant_kernels with the host's native ISA. The AVX2
- * path is used where the compiler targets it; a portable scalar path otherwise.
+ * path is used where the compiler targets it; a portable scalar path otherwise. Two kernels
+ * have AVX-512 forms (the eight-row product and the bfloat16 expansion), used where the
+ * compiler targets AVX512F and AVX512BW; tests build the AVX2 form there too.
  */
 #include <math.h>
 #include <stdint.h>
@@ -497,6 +499,45 @@ static inline __m256i hsum8_epi32(const __m256i *v) {
                             _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Outputs y[t * ldy] of weight row w for 8 activation rows t (K apart in xq); dT and sT hold
+ * each block's 8 activation scales and sums (dT[b * 8 + t]). At 512 bits a block of 32 weights
+ * is one vector and so is a row's block of activations: each row accumulates its scaled block
+ * sums in a vector of its own (a multiply-add, a conversion and a multiply-add with the row's
+ * broadcast scale), reduced once at the end: on AMD Zen 5 the fused step of 8 rows took 1.3x
+ * less time than with the AVX2 form, which reduces every block's sums across lanes
+ * (benchmarks/RESULTS.md, issue 11, round 5). */
+static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *dT,
+                      const float *sT, int64_t K, int64_t nb, float *y, int64_t ldy) {
+    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    __m512 acc[8];
+    __m256 offsets = _mm256_setzero_ps();
+    float scale[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        __m512i wv;
+        if (fmt == FMT_Q4_1) {
+            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 4)));
+            wv = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_and_si256(both, _mm256_set1_epi16(0x0f))),
+                _mm256_srli_epi16(both, 4), 1);
+            offsets = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_float(w + 2)),
+                                      _mm256_loadu_ps(sT + b * 8), offsets);
+        } else {
+            wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 2)));
+        }
+        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)),
+                                              _mm256_loadu_ps(dT + b * 8)));
+        for (int t = 0; t < 8; t++) {
+            __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(xq + t * K + b * QK));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(scale[t]), acc[t]);
+        }
+    }
+    float off[8];
+    _mm256_storeu_ps(off, offsets);
+    for (int t = 0; t < 8; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]) + off[t];
+}
+#else
 /* Outputs y[t * ldy] of weight row w for 8 activation rows t (K apart in xq). The block sums of
  * the 8 rows are reduced to one vector per block (lane t: row t), so the block's scales apply
  * once per block for all rows: dT and sT hold each block's 8 activation scales and sums
@@ -531,6 +572,7 @@ static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float 
     _mm256_storeu_ps(out, _mm256_add_ps(acc, offsets));
     for (int t = 0; t < 8; t++) y[t * ldy] = out[t];
 }
+#endif
 #endif
 
 /* The block scales xd and sums xs of M activation rows (nb blocks each) regrouped eight rows
@@ -640,5 +682,62 @@ void dequantize(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows ? rows[i] : first + i;
         dequant_row(W + r * row_bytes, fmt, K, out + i * K);
+    }
+}
+
+/* The bfloat16 bits of f, rounded to nearest even (f not NaN). */
+static inline uint16_t round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 floats v rounded to bfloat16 as round_bf16 does, stored at o. */
+static inline void store16_bf16(uint16_t *o, __m512 v) {
+    __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o) {
+    __m512 d = _mm512_set1_ps(fp16_to_float(blk));
+    if (fmt == FMT_Q4_1) {
+        __m512 m = _mm512_set1_ps(fp16_to_float(blk + 2));
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(0x0f)), hi = _mm512_srli_epi32(q, 4);
+        store16_bf16(o, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m));
+        store16_bf16(o + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m));
+    } else {
+        for (int h = 0; h < 2; h++) {
+            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h)));
+            store16_bf16(o + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)));
+        }
+    }
+}
+#else
+static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o) {
+    float block[QK];
+    dequant_block(blk, fmt, block);
+    for (int j = 0; j < QK; j++) o[j] = round_bf16(block[j]);
+}
+#endif
+
+/*
+ * As dequantize, into bfloat16 (each float32 value rounded to nearest even, as torch's
+ * conversion does): the large products of a bfloat16 model on a CPU with native bfloat16
+ * multiply these with a bfloat16 GEMM.
+ */
+void dequantize_bf16(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64_t first,
+                     int64_t n, uint16_t *out) {
+    int64_t row_bytes = K / QK * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int parallel = n * K >= (1 << 16);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *w = W + (rows ? rows[i] : first + i) * row_bytes;
+        uint16_t *o = out + i * K;
+        for (int64_t b = 0; b < nb; b++) dequant_block_bf16(w + b * bytes, fmt, o + b * QK);
     }
 }
