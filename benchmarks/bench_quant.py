@@ -127,10 +127,11 @@ def text_tokens(count: int) -> list[int]:
 
 
 def next_token_logits(weights: str, ids: list[int], rows: int,
-                      cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      cache_dtype: torch.dtype = torch.float32,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits of every position after the first, computed ``rows`` positions per forward, the
-    KV cache in ``cache_dtype``."""
-    config, net = load_model(None, torch.float32, "cpu", weights)
+    model in ``dtype``, the KV cache in ``cache_dtype``."""
+    config, net = load_model(None, dtype, "cpu", weights)
     block_size, blocks = 16, len(ids) // 16 + 2
     cache = torch.zeros(config.num_hidden_layers, 2, blocks * block_size,
                         config.num_key_value_heads, config.head_dim, dtype=cache_dtype)
@@ -170,6 +171,15 @@ def part_accuracy(positions: int) -> None:
         print(f"| {bits}-bit | {str(cache).removeprefix('torch.')} | {same:.2%} | {differ} | "
               f"{perplexity(logits, targets):.3f} | {perplexity(reference, targets):.3f} |")
     quant.ACTIVATION_BITS = 16
+    # A bfloat16 model: packed (on AVX512-BF16 its products of 8-16 rows take bfloat16
+    # activations) and dense (--weights bf16), both against the same float32 reference.
+    for label, weights in (("bfloat16 model, packed", "auto"), ("bfloat16 model, dense", "bf16")):
+        logits = next_token_logits(weights, ids, quant.SMALL_M, torch.bfloat16,
+                                   torch.bfloat16).float()
+        same = (logits.argmax(-1) == top1).float().mean().item()
+        differ = int((logits.argmax(-1) != top1).sum())
+        print(f"| {label} | bfloat16 | {same:.2%} | {differ} | "
+              f"{perplexity(logits, targets):.3f} | {perplexity(reference, targets):.3f} |")
 
 
 ENGINES = (("fused", {"weights": "auto"}), ("eager", {"weights": "auto", "enforce_eager": True}),

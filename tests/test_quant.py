@@ -279,6 +279,29 @@ def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
         assert torch.equal(y, want), qtype.name
 
 
+@pytest.mark.parametrize("m", (8, 13, SMALL_M))
+def test_bfloat16_batch_kernel(m: int, lib) -> None:
+    """A bfloat16 input of 8 to SMALL_M rows on a CPU with AVX512-BF16 takes the bfloat16
+    batch kernel: the products of the bfloat16 rows with the weights rounded to bfloat16 are
+    exact in float32, so the float32 sums are within float32 rounding of the float64 product
+    of the same bfloat16 values, before the output's own rounding to bfloat16."""
+    if not lib.has_bf16_batch():
+        pytest.skip("no AVX512-BF16 in this build")
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        layer = QuantLinear(packed)
+        x = activations(m).bfloat16()
+        assert layer._bf16_batch_rows(m)
+        got = layer._bf16_batch(x)
+        w = dequantize_packed(packed).to(torch.bfloat16).double()
+        want = x.double() @ w.t()
+        bound = COLS * 2**-23 * (x.double().abs() @ w.abs().t()) + 1e-30
+        assert float(((got.double() - want).abs() / bound).max()) <= 1, qtype.name
+        assert torch.equal(layer(x), got.to(torch.bfloat16))
+    layer.row_invariant = True  # the deterministic mode keeps the row-invariant kernel
+    assert not layer._bf16_batch_rows(m)
+
+
 @pytest.mark.parametrize("m", (1, 3, 4, 7))
 def test_8bit_activation_kernel(m: int, lib) -> None:
     """The 8-bit-activation kernel (``activation_bits = 8``, llama.cpp's choice) within its

@@ -19,7 +19,9 @@ faster there (``benchmarks/bench_quant.py`` measures the crossover). A bfloat16 
 ``--dtype auto`` choice on CPUs with AVX512-BF16 or AMX) expands them to bfloat16 instead and
 calls the bfloat16 GEMM that its dense weights would: on such a CPU (AMD Zen 5) the float32 GEMM
 took 4x as long, and prefill ran at 0.40x the dense path before (benchmarks/RESULTS.md, issue
-11, round 5).
+11, round 5). On a CPU with AVX512-BF16 a bfloat16 input of :data:`BF16_BATCH_ROWS` to
+:data:`SMALL_M` rows takes the bfloat16 batch kernel (``gemm_bf16_batch``: weight blocks
+expanded to bfloat16 in registers, ``vdpbf16ps``), about twice as fast there as the 16-bit one.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ SMALL_M = 16
 #: tokens those of the float32 reference (8, llama.cpp's choice on CPUs, is ~1.5x faster but
 #: moved 4% of top-1 tokens on text in ``benchmarks/bench_quant.py``).
 ACTIVATION_BITS = 16
+#: A bfloat16 input of this many rows or more (up to SMALL_M) takes the bfloat16 batch kernel
+#: where the CPU has AVX512-BF16: bfloat16 activations as the model has them, no rounding to
+#: 16-bit integers (benchmarks/RESULTS.md, issue 11, round 5). The fused decode step uses the
+#: same threshold (``BF16_BATCH_ROWS`` in ``kernels/decode.c``).
+BF16_BATCH_ROWS = 8
 #: Float32 elements of a weight slice expanded at a time for a large product (8 MiB: smaller
 #: slices slowed the GEMM down in measurements).
 _SLICE_ELEMENTS = 1 << 21
@@ -191,8 +198,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         small = flat.shape[0] <= SMALL_M or self.row_invariant
-        if not small and flat.dtype == torch.bfloat16 and flat.device.type == "cpu":
+        bf16 = flat.dtype == torch.bfloat16 and flat.device.type == "cpu"
+        if bf16 and not small:
             y = self._large(flat.contiguous(), torch.bfloat16)
+        elif bf16 and self._bf16_batch_rows(flat.shape[0]):
+            y = self._bf16_batch(flat.contiguous())
         else:
             if flat.dtype != torch.float32 or not flat.is_contiguous():
                 flat = flat.float().contiguous()
@@ -218,6 +228,22 @@ class QuantLinear(nn.Module):
             gemm = self._lib.gemm_quant16 if self.row_invariant else self._lib.gemm_quant16_batch
         gemm(self.qweight.data_ptr(), self.fmt, self.out_features, cols, xq.data_ptr(),
              scales.data_ptr(), sums_ptr, rows, y.data_ptr(), self.out_features)
+        return y
+
+    def _bf16_batch_rows(self, rows: int) -> bool:
+        """Whether a bfloat16 input of ``rows`` rows takes the bfloat16 batch kernel: from
+        :data:`BF16_BATCH_ROWS` rows, where the library has it (AVX512-BF16), not in the
+        deterministic mode."""
+        return (rows >= BF16_BATCH_ROWS and not self.row_invariant
+                and self.activation_bits == 16 and bool(self._lib.has_bf16_batch()))
+
+    def _bf16_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The bfloat16 batch kernel: weight blocks expanded to bfloat16 in registers, the
+        bfloat16 rows as they are, sums in float32."""
+        rows, cols = x.shape
+        y = torch.empty((rows, self.out_features), dtype=torch.float32)
+        self._lib.gemm_bf16_batch(self.qweight.data_ptr(), self.fmt, self.out_features, cols,
+                                  x.data_ptr(), rows, y.data_ptr(), self.out_features)
         return y
 
     def _large(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

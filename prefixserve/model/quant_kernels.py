@@ -110,6 +110,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dequantize.restype = None
     lib.dequantize_bf16.argtypes = [p, c_int, i64, p, i64, i64, p]
     lib.dequantize_bf16.restype = None
+    lib.has_bf16_batch.argtypes = []
+    lib.has_bf16_batch.restype = c_int
+    lib.round_rows_bf16.argtypes = [p, i64, p]
+    lib.round_rows_bf16.restype = None
+    lib.gemm_bf16_batch.argtypes = [p, c_int, i64, i64, p, i64, p, i64]
+    lib.gemm_bf16_batch.restype = None
     lib.quantize_q16.argtypes = [p, i64, i64, p, p, p]
     lib.quantize_q16.restype = None
     lib.gemm_quant16.argtypes = [p, c_int, i64, i64, p, p, p, i64, p, i64]

@@ -53,6 +53,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     int64_t block_size, num_slots, kv_type; /* KV_F32, KV_BF16 or KV_F16 */
+    int64_t bf16_products; /* a bfloat16 model: its batch products may take bfloat16 rows */
     double eps;
     const float *inv_freq; /* [head_dim / 2] rotary inverse frequencies */
     const DecodeLayer *layers;
@@ -148,12 +149,24 @@ static void rmsnorm(const float *x, const float *w, int64_t B, int64_t H, float 
 /* Scratch of one product: 16-bit activations, their block scales and sums, and for 8 rows or
  * more the scales and sums regrouped 8 rows at a time (dT, sT: tile8_q16's layout). */
 typedef struct {
-    int16_t *xq;
+    int16_t *xq; /* 16-bit integers per block, or bfloat16 bits when bf16 is set */
     float *xd, *xs, *dT, *sT;
+    int bf16;
 } Quantized;
 
-/* Rounds x [B, K] to 16 bits per block of 32 for a product (one thread). */
-static void quantize_rows(const float *x, int64_t B, int64_t K, Quantized *q) {
+/* Rows from which a bfloat16 model's products take bfloat16 activations (gemm_bf16_batch's
+ * kernel, AVX512-BF16 builds): the 16-bit kernel's rounding and scaling cost more there. */
+#define BF16_BATCH_ROWS 8
+
+/* Rounds x [B, K] for a product (one thread): to bfloat16 for a bfloat16 model's batch of
+ * BF16_BATCH_ROWS or more where the build has the kernel, else to 16 bits per block of 32. */
+static void quantize_rows(const DecodeModel *m, const float *x, int64_t B, int64_t K,
+                          Quantized *q) {
+    q->bf16 = m->bf16_products && B >= BF16_BATCH_ROWS && has_bf16_batch();
+    if (q->bf16) {
+        round_rows_bf16(x, B * K, (uint16_t *)q->xq);
+        return;
+    }
     quantize_q16(x, B, K, q->xq, q->xd, q->xs);
     regroup8(q->xd, q->xs, B, K / QK, q->dT, q->sT);
 }
@@ -161,7 +174,7 @@ static void quantize_rows(const float *x, int64_t B, int64_t K, Quantized *q) {
 /* y [B, N] = x [B, K] W^T (+ bias), W packed in format fmt, x as quantize_rows left it: the
  * output rows shared out among the threads of the enclosing parallel region, every one of
  * which must call it (an orphaned `omp for`, a barrier at its end). Each output is what
- * gemm_quant16_batch computes. */
+ * gemm_bf16_batch (q->bf16) or gemm_quant16_batch computes. */
 static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y) {
     int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
@@ -175,6 +188,17 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
         return;
     }
 #endif
+    if (q->bf16) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < (N + 1) / 2; i++) {
+            int64_t n0 = 2 * i, n1 = n0 + 2 < N ? n0 + 2 : N;
+            bf16_rows_range(W, (int)fmt, K, (const uint16_t *)q->xq, B, n0, n1, y, N);
+            for (int64_t n = n0; bias && n < n1; n++) {
+                for (int64_t b = 0; b < B; b++) y[b * N + n] += bias[n];
+            }
+        }
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         batch_row_q16(W + n * row_bytes, (int)fmt, K, q->xq, q->xd, q->xs, q->dT, q->sT, B,
@@ -703,7 +727,7 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
             for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
         }
         rmsnorm(x, L->input_norm, B, H, eps, sc->h);
-        quantize_rows(sc->h, B, H, &sc->q);
+        quantize_rows(m, sc->h, B, H, &sc->q);
     }
     team_linear(L->qkv, L->qkv_fmt, qkv_width, H, L->qkv_bias, &sc->q, B, sc->qkv);
 #pragma omp single
@@ -716,13 +740,13 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
     }
     attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts, cg);
 #pragma omp single
-    quantize_rows(sc->attn, B, q_size, &sc->q);
+    quantize_rows(m, sc->attn, B, q_size, &sc->q);
     team_linear(L->o, L->o_fmt, H, q_size, L->o_bias, &sc->q, B, sc->delta);
 #pragma omp single
     {
         for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
         rmsnorm(x, L->post_norm, B, H, eps, sc->h);
-        quantize_rows(sc->h, B, H, &sc->q);
+        quantize_rows(m, sc->h, B, H, &sc->q);
     }
     team_linear(L->gate_up, L->gate_up_fmt, 2 * I, H, L->gate_up_bias, &sc->q, B, sc->gu);
 #pragma omp single
@@ -730,7 +754,7 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
         for (int64_t b = 0; b < B; b++) {
             silu_mul(sc->gu + b * 2 * I, sc->gu + b * 2 * I + I, I, sc->act + b * I);
         }
-        quantize_rows(sc->act, B, I, &sc->q);
+        quantize_rows(m, sc->act, B, I, &sc->q);
     }
     team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta);
 }

@@ -635,6 +635,130 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
     free(dT);
 }
 
+/* The bfloat16 bits of f, rounded to nearest even (f not NaN). */
+static inline uint16_t round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#ifdef __AVX512BF16__
+/*
+ * Products in bfloat16 for a bfloat16 model (AVX512-BF16): each block of 32 weights is expanded
+ * to floats in registers and rounded to one vector of 32 bfloat16 (in the block's element
+ * order), the activation rows are bfloat16 (round_rows_bf16), and `vdpbf16ps` adds each pair
+ * of products into float32 lanes: one instruction for 32 multiply-adds of a row with a block,
+ * no per-block scaling (the scales are in the expanded weights). Rows go BF16_R at a time.
+ */
+#define BF16_R 8
+#define BF16_W 2
+
+/* The 32 weights of a block as bfloat16, element j in lane j. */
+static inline __m512bh block_bf16(const uint8_t *blk, int fmt) {
+    __m512 d = _mm512_set1_ps(fp16_to_float(blk)), lo, hi;
+    if (fmt == FMT_Q4_1) {
+        __m512 m = _mm512_set1_ps(fp16_to_float(blk + 2));
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0f))), m);
+        hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
+    } else {
+        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                                  _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
+        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                                  _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
+    }
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* y[t * ldy + j] for weight rows j < W2 (row_bytes apart from w) and bfloat16 activation rows
+ * t < R (K apart from x); R and W2 are constants where it is inlined. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint8_t *w, int64_t row_bytes,
+                                                            int fmt, const uint16_t *x,
+                                                            int64_t K, int R, int W2, float *y,
+                                                            int64_t ldy) {
+    int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    __m512 acc[BF16_W][BF16_R];
+    for (int j = 0; j < W2; j++) {
+        for (int t = 0; t < R; t++) acc[j][t] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m512bh wv[BF16_W];
+        for (int j = 0; j < W2; j++) {
+            const uint8_t *blk = w + j * row_bytes + b * bytes;
+            _mm_prefetch((const char *)(blk + PREFETCH), _MM_HINT_T0);
+            wv[j] = block_bf16(blk, fmt);
+        }
+        for (int t = 0; t < R; t++) {
+            __m512bh a = (__m512bh)_mm512_loadu_si512(x + t * K + b * QK);
+            for (int j = 0; j < W2; j++) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], a, wv[j]);
+        }
+    }
+    for (int j = 0; j < W2; j++) {
+        for (int t = 0; t < R; t++) y[t * ldy + j] = _mm512_reduce_add_ps(acc[j][t]);
+    }
+}
+
+#define TILE_BF16(R, W2) tile_bf16(w, row_bytes, fmt, x + m * K, K, R, W2, y + m * ldy, ldy)
+#define TILE_BF16_R(R) (W2 == 2 ? TILE_BF16(R, 2) : TILE_BF16(R, 1))
+/* tile_bf16 over all M rows: BF16_R at a time, then 4, 2, 1. */
+static void rows_bf16(const uint8_t *w, int64_t row_bytes, int fmt, const uint16_t *x,
+                      int64_t K, int64_t M, int W2, float *y, int64_t ldy) {
+    int64_t m = 0;
+    for (; m + BF16_R <= M; m += BF16_R) TILE_BF16_R(BF16_R);
+    if (m + 4 <= M) {
+        TILE_BF16_R(4);
+        m += 4;
+    }
+    if (m + 2 <= M) {
+        TILE_BF16_R(2);
+        m += 2;
+    }
+    if (m < M) TILE_BF16_R(1);
+}
+#undef TILE_BF16_R
+#undef TILE_BF16
+#endif
+
+/* Whether this build has the bfloat16 batch kernel (gemm_bf16_batch): AVX512-BF16. */
+int has_bf16_batch(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x [n] float32 to bfloat16, rounded to nearest even (as torch converts; x not NaN). */
+void round_rows_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = round_bf16(x[i]);
+}
+
+/* Outputs y[m * ldy + n] of weight rows [n0, n1) for the M bfloat16 rows x (K apart), two weight
+ * rows at a time; the caller shares the ranges out. AVX512-BF16 builds only. */
+void bf16_rows_range(const uint8_t *W, int fmt, int64_t K, const uint16_t *x, int64_t M,
+                     int64_t n0, int64_t n1, float *y, int64_t ldy) {
+#ifdef __AVX512BF16__
+    int64_t row_bytes = K / QK * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    for (int64_t n = n0; n < n1; n += BF16_W) {
+        int W2 = n1 - n < BF16_W ? (int)(n1 - n) : BF16_W;
+        rows_bf16(W + n * row_bytes, row_bytes, fmt, x, K, M, W2, y + n, ldy);
+    }
+#else
+    (void)W, (void)fmt, (void)K, (void)x, (void)M, (void)n0, (void)n1, (void)y, (void)ldy;
+#endif
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] W^T with bfloat16 activations x (round_rows_bf16) and
+ * float32 sums; AVX512-BF16 builds only (has_bf16_batch). */
+void gemm_bf16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
+                     int64_t M, float *y, int64_t ldy) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (N + 1) / 2; i++) {
+        int64_t n0 = 2 * i, n1 = n0 + 2 < N ? n0 + 2 : N;
+        bf16_rows_range(W, fmt, K, x, M, n0, n1, y, ldy);
+    }
+}
+
 /* Outputs of weight row w for activation rows [m0, M). */
 static void row_products(const uint8_t *w, int fmt, int64_t K, const int8_t *xq,
                          const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
@@ -686,13 +810,6 @@ void dequantize(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64
         int64_t r = rows ? rows[i] : first + i;
         dequant_row(W + r * row_bytes, fmt, K, out + i * K);
     }
-}
-
-/* The bfloat16 bits of f, rounded to nearest even (f not NaN). */
-static inline uint16_t round_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
