@@ -37,6 +37,7 @@ import torch
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
 from safetensors.numpy import save_file
 from torch import nn
 
@@ -337,14 +338,6 @@ def test_quant_linear_input_layouts_and_bias(lib) -> None:
     assert layer(torch.empty(0, COLS)).shape == (0, ROWS)
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
-    except OSError:
-        return set()
-
-
 @pytest.mark.parametrize("build", ("portable", "avx2"))
 def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
     """quant.c built for another ISA than the native one gives the same products within the
@@ -355,10 +348,10 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
     if compiler is None:
         pytest.skip("no C compiler")
     x86 = platform.machine() in ("x86_64", "AMD64")
-    if build == "avx2" and not (x86 and {"avx2", "avx512f"} <= cpu_flags()):
+    if build == "avx2" and not has_avx512_and_avx2():
         pytest.skip("the native build is the AVX2 one, or there is none")
     flags = {"portable": ["-mno-avx2", "-mno-f16c"] if x86 else [],
-             "avx2": ["-march=native", "-mno-avx512f"]}[build]
+             "avx2": ["-march=native", *AVX2_BUILD]}[build]
     target = tmp_path / f"{build}.so"
     subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-fopenmp", "-std=c11", *flags,
                     str(quant_kernels._SOURCE), "-o", str(target), "-lm"],

@@ -40,6 +40,9 @@ class KernelLibrary:
 
     source: Path
     declare: Callable[[ctypes.CDLL], None]
+    flags: tuple[str, ...] = ()
+    """Compiler flags after the default ones (e.g. ``-mno-avx512f``, to build another ISA's
+    kernels for a test)."""
     lib: ctypes.CDLL | None = None
     tried: bool = False
     error: str | None = None
@@ -48,7 +51,7 @@ class KernelLibrary:
         if not self.tried:
             self.tried = True
             try:
-                lib = load_library(self.source)
+                lib = load_library(self.source, self.flags)
                 self.declare(lib)
                 self.lib = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -87,12 +90,13 @@ def _flags() -> list[str]:
     return flags
 
 
-def _build(compiler: str, target: Path, source: Path = _SOURCE) -> None:
+def _build(compiler: str, target: Path, source: Path = _SOURCE,
+           extra: tuple[str, ...] = ()) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_flags(), str(source), "-o", tmp, "-lm"]
+        cmd = [compiler, *_flags(), *extra, str(source), "-o", tmp, "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -124,19 +128,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_quant16_batch.restype = None
 
 
-def load_library(source: Path) -> ctypes.CDLL:
-    """Build (once per source version and CPU) and load the C file ``source`` of
-    ``kernels/``; raises OSError, RuntimeError or SubprocessError when that fails. The caller
-    declares the argument types. (Other kernel files, e.g. the batch-invariant ones, are built
-    the same way as ``quant.c``.)"""
+def load_library(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (once per source version, flags and CPU) and load the C file ``source`` of
+    ``kernels/``, with the compiler flags ``extra`` after the default ones; raises OSError,
+    RuntimeError or SubprocessError when that fails. The caller declares the argument types.
+    (Other kernel files, e.g. the batch-invariant ones, are built the same way as
+    ``quant.c``.)"""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     text = _source_text(source)
-    key = hashlib.sha256(text + " ".join(_flags()).encode() + _cpu_signature().encode())
+    flags = " ".join([*_flags(), *extra])
+    key = hashlib.sha256(text + flags.encode() + _cpu_signature().encode())
     target = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         if compiler is None:
             raise RuntimeError(f"no C compiler (cc or gcc) found to build {source.name}")
-        _build(compiler, target, source)
+        _build(compiler, target, source, extra)
     import torch  # noqa: F401  (load torch's OpenMP runtime first, so the kernels share it)
 
     return ctypes.CDLL(str(target))

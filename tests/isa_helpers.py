@@ -1,0 +1,22 @@
+"""Which instruction sets this CPU has, for tests that build the C kernels for another one."""
+
+from __future__ import annotations
+
+import platform
+
+#: Flags that build a kernel file for this CPU without its AVX-512 forms (the AVX2 ones).
+AVX2_BUILD = ("-mno-avx512f",)
+
+
+def cpu_flags() -> set[str]:
+    """The flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
+    except OSError:
+        return set()
+
+
+def has_avx512_and_avx2() -> bool:
+    """Whether the native build is an AVX-512 one that leaves AVX2 kernels out."""
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "avx512f"} <= cpu_flags()
