@@ -265,10 +265,12 @@ def test_expand_to_bfloat16_rounds_like_torch(lib) -> None:
 def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
     """A bfloat16 input of more than SMALL_M rows (a bfloat16 model's prefill) multiplies the
     weight expanded to bfloat16 with torch's bfloat16 GEMM: exactly what the dense path computes
-    from the same weight, in bfloat16, bias included."""
+    from the same weight, in bfloat16, bias included. Where the CPU lacks the bfloat16
+    instructions (``native_bf16`` False) it keeps the float32 GEMM, which is faster there."""
     for qtype in (Q.Q4_1, Q.Q8_0):
         _, _, packed = packed_case(qtype)
         layer = QuantLinear(packed, bias=True)
+        layer.native_bf16 = True
         with torch.no_grad():
             layer.bias.copy_(torch.linspace(-1, 1, ROWS))
         x = activations(SMALL_M + 5).bfloat16()
@@ -278,6 +280,10 @@ def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
         want = x @ dense.t()
         want += layer.bias
         assert torch.equal(y, want), qtype.name
+        layer.native_bf16 = False
+        emulated = layer(x)
+        assert emulated.dtype == torch.bfloat16
+        assert torch.equal(emulated, layer(x.float()).bfloat16()), qtype.name
 
 
 @pytest.mark.parametrize("m", (8, 13, SMALL_M))

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from prefixserve.model import quant_kernels
+from prefixserve.model.dtypes import cpu_has_native_bfloat16
 from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0
 
 #: Weights per quantization block.
@@ -190,6 +191,9 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
         self._lib = _library()
         self.activation_bits = ACTIVATION_BITS
+        self.native_bf16 = cpu_has_native_bfloat16()
+        """Whether a bfloat16 prefill multiplies in bfloat16 (where the CPU has the instructions;
+        elsewhere torch emulates them, slower than the float32 GEMM)."""
         self.row_invariant = False
         """True: the integer kernel at every row count, so that a row's result does not depend
         on how many rows the product has (the deterministic mode; see
@@ -199,9 +203,9 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         small = flat.shape[0] <= SMALL_M or self.row_invariant
         bf16 = flat.dtype == torch.bfloat16 and flat.device.type == "cpu"
-        if bf16 and not small:
+        if bf16 and not small and self.native_bf16:
             y = self._large(flat.contiguous(), torch.bfloat16)
-        elif bf16 and self._bf16_batch_rows(flat.shape[0]):
+        elif bf16 and small and self._bf16_batch_rows(flat.shape[0]):
             y = self._bf16_batch(flat.contiguous())
         else:
             if flat.dtype != torch.float32 or not flat.is_contiguous():
