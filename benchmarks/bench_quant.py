@@ -14,7 +14,7 @@ the next-token argmax and the perplexity with the dense float32 model of the sam
 (teacher forcing: every model sees the same tokens), with 16- and 8-bit activations and with
 a float16 and a bfloat16 KV cache, then a bfloat16 model, packed (whose products of 8-16 rows
 take the bfloat16 kernel on AVX512-BF16) and dense. It is the measurement behind
-``quant.ACTIVATION_BITS``, ``quant.BF16_BATCH_ROWS`` and ``--kv-cache-dtype``.
+``quant.ACTIVATION_BITS``, the bfloat16 batch kernel and ``--kv-cache-dtype``.
 
 Part 3 is the engine on the default model three ways, interleaved run by run: packed weights
 (``--weights auto``) with the fused decode step, packed weights with ``--enforce-eager`` (the

@@ -292,7 +292,7 @@ def test_bfloat16_batch_kernel(m: int, lib) -> None:
     batch kernel: the products of the bfloat16 rows with the weights rounded to bfloat16 are
     exact in float32, so the float32 sums are within float32 rounding of the float64 product
     of the same bfloat16 values, before the output's own rounding to bfloat16."""
-    if not lib.has_bf16_batch():
+    if not lib.bf16_batch_rows():
         pytest.skip("no AVX512-BF16 in this build")
     for qtype in (Q.Q4_1, Q.Q8_0):
         _, _, packed = packed_case(qtype)
@@ -305,8 +305,11 @@ def test_bfloat16_batch_kernel(m: int, lib) -> None:
         bound = COLS * 2**-23 * (x.double().abs() @ w.abs().t()) + 1e-30
         assert float(((got.double() - want).abs() / bound).max()) <= 1, qtype.name
         assert torch.equal(layer(x), got.to(torch.bfloat16))
-    layer.row_invariant = True  # the deterministic mode keeps the row-invariant kernel
+    fewer = activations(lib.bf16_batch_rows() - 1).bfloat16()  # below the threshold: 16-bit
+    assert torch.equal(layer(fewer), layer._small(fewer.float()).to(torch.bfloat16))
+    layer.row_invariant = True  # the deterministic mode keeps the row-invariant 16-bit kernel
     assert not layer._bf16_batch_rows(m)
+    assert torch.equal(layer(x), layer._small(x.float()).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("m", (1, 3, 4, 7))

@@ -19,9 +19,10 @@ faster there (``benchmarks/bench_quant.py`` measures the crossover). A bfloat16 
 ``--dtype auto`` choice on CPUs with AVX512-BF16 or AMX) expands them to bfloat16 instead and
 calls the bfloat16 GEMM that its dense weights would: on such a CPU (AMD Zen 5) the float32 GEMM
 took 4x as long, and prefill ran at 0.40x the dense path before (benchmarks/RESULTS.md, issue
-11, round 5). On a CPU with AVX512-BF16 a bfloat16 input of :data:`BF16_BATCH_ROWS` to
-:data:`SMALL_M` rows takes the bfloat16 batch kernel (``gemm_bf16_batch``: weight blocks
-expanded to bfloat16 in registers, ``vdpbf16ps``), about twice as fast there as the 16-bit one.
+11, round 5). On a CPU with AVX512-BF16 a bfloat16 input of 8 (the library's
+``bf16_batch_rows()``) to :data:`SMALL_M` rows takes the bfloat16 batch kernel
+(``gemm_bf16_batch``: weight blocks expanded to bfloat16 in registers, ``vdpbf16ps``), about
+twice as fast there as the 16-bit one.
 """
 
 from __future__ import annotations
@@ -52,11 +53,6 @@ SMALL_M = 16
 #: tokens those of the float32 reference (8, llama.cpp's choice on CPUs, is ~1.5x faster but
 #: moved 4% of top-1 tokens on text in ``benchmarks/bench_quant.py``).
 ACTIVATION_BITS = 16
-#: A bfloat16 input of this many rows or more (up to SMALL_M) takes the bfloat16 batch kernel
-#: where the CPU has AVX512-BF16: bfloat16 activations as the model has them, no rounding to
-#: 16-bit integers (benchmarks/RESULTS.md, issue 11, round 5). The fused decode step uses the
-#: same threshold (``BF16_BATCH_ROWS`` in ``kernels/decode.c``).
-BF16_BATCH_ROWS = 8
 #: Float32 elements of a weight slice expanded at a time for a large product (8 MiB: smaller
 #: slices slowed the GEMM down in measurements).
 _SLICE_ELEMENTS = 1 << 21
@@ -191,6 +187,10 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
         self._lib = _library()
         self.activation_bits = ACTIVATION_BITS
+        self.bf16_batch_from = self._lib.bf16_batch_rows()
+        """Rows from which a bfloat16 input of at most SMALL_M rows takes the bfloat16 batch
+        kernel: the library's threshold (8; 0 where it has no such kernel, no AVX512-BF16), the
+        one the fused decode step uses too."""
         self.native_bf16 = cpu_has_native_bfloat16()
         """Whether a bfloat16 prefill multiplies in bfloat16 (where the CPU has the instructions;
         elsewhere torch emulates them, slower than the float32 GEMM)."""
@@ -235,11 +235,11 @@ class QuantLinear(nn.Module):
         return y
 
     def _bf16_batch_rows(self, rows: int) -> bool:
-        """Whether a bfloat16 input of ``rows`` rows takes the bfloat16 batch kernel: from
-        :data:`BF16_BATCH_ROWS` rows, where the library has it (AVX512-BF16), not in the
-        deterministic mode."""
-        return (rows >= BF16_BATCH_ROWS and not self.row_invariant
-                and self.activation_bits == 16 and bool(self._lib.has_bf16_batch()))
+        """Whether a bfloat16 input of ``rows`` (at most SMALL_M) rows takes the bfloat16 batch
+        kernel: from ``bf16_batch_from`` rows where the library has it, not in the
+        deterministic mode nor with 8-bit activations."""
+        return (0 < self.bf16_batch_from <= rows and not self.row_invariant
+                and self.activation_bits == 16)
 
     def _bf16_batch(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 batch kernel: weight blocks expanded to bfloat16 in registers, the

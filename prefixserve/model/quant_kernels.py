@@ -114,10 +114,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dequantize.restype = None
     lib.dequantize_bf16.argtypes = [p, c_int, i64, p, i64, i64, p]
     lib.dequantize_bf16.restype = None
-    lib.has_bf16_batch.argtypes = []
-    lib.has_bf16_batch.restype = c_int
-    lib.round_rows_bf16.argtypes = [p, i64, p]
-    lib.round_rows_bf16.restype = None
+    lib.bf16_batch_rows.argtypes = []
+    lib.bf16_batch_rows.restype = c_int
     lib.gemm_bf16_batch.argtypes = [p, c_int, i64, i64, p, i64, p, i64]
     lib.gemm_bf16_batch.restype = None
     lib.quantize_q16.argtypes = [p, i64, i64, p, p, p]

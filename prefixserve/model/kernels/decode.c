@@ -154,15 +154,12 @@ typedef struct {
     int bf16;
 } Quantized;
 
-/* Rows from which a bfloat16 model's products take bfloat16 activations (gemm_bf16_batch's
- * kernel, AVX512-BF16 builds): the 16-bit kernel's rounding and scaling cost more there. */
-#define BF16_BATCH_ROWS 8
-
 /* Rounds x [B, K] for a product (one thread): to bfloat16 for a bfloat16 model's batch of
- * BF16_BATCH_ROWS or more where the build has the kernel, else to 16 bits per block of 32. */
+ * bf16_batch_rows() or more where the build has that kernel, else to 16 bits per block of 32. */
 static void quantize_rows(const DecodeModel *m, const float *x, int64_t B, int64_t K,
                           Quantized *q) {
-    q->bf16 = m->bf16_products && B >= BF16_BATCH_ROWS && has_bf16_batch();
+    int from = bf16_batch_rows();
+    q->bf16 = m->bf16_products && from > 0 && B >= from;
     if (q->bf16) {
         round_rows_bf16(x, B * K, (uint16_t *)q->xq);
         return;

@@ -17,9 +17,10 @@
  * where a float GEMM is faster than these kernels.
  *
  * Built at first use by prefixserve.model.quant_kernels with the host's native ISA. The AVX2
- * path is used where the compiler targets it; a portable scalar path otherwise. Two kernels
- * have AVX-512 forms (the eight-row product and the bfloat16 expansion), used where the
- * compiler targets AVX512F and AVX512BW; tests build the AVX2 form there too.
+ * path is used where the compiler targets it; a portable scalar path otherwise. The eight-row
+ * product and the bfloat16 expansion have AVX-512 forms, used where the compiler targets
+ * AVX512F and AVX512BW (tests build the AVX2 forms there too); the bfloat16 batch product
+ * (gemm_bf16_batch) exists only where it targets AVX512-BF16.
  */
 #include <math.h>
 #include <stdint.h>
@@ -504,9 +505,9 @@ static inline __m256i hsum8_epi32(const __m256i *v) {
  * each block's 8 activation scales and sums (dT[b * 8 + t]). At 512 bits a block of 32 weights
  * is one vector and so is a row's block of activations: each row accumulates its scaled block
  * sums in a vector of its own (a multiply-add, a conversion and a multiply-add with the row's
- * broadcast scale), reduced once at the end: on AMD Zen 5 the fused step of 8 rows took 1.3x
- * less time than with the AVX2 form, which reduces every block's sums across lanes
- * (benchmarks/RESULTS.md, issue 11, round 5). */
+ * broadcast scale), reduced once at the end, where the AVX2 form reduces every block's sums
+ * across lanes: on AMD Zen 5 the fused step of 8 and of 16 rows took 4-5% less time with it,
+ * interleaved (benchmarks/RESULTS.md, issue 11, round 5). */
 static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *dT,
                       const float *sT, int64_t K, int64_t nb, float *y, int64_t ldy) {
     int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
@@ -719,17 +720,19 @@ static void rows_bf16(const uint8_t *w, int64_t row_bytes, int fmt, const uint16
 #undef TILE_BF16
 #endif
 
-/* Whether this build has the bfloat16 batch kernel (gemm_bf16_batch): AVX512-BF16. */
-int has_bf16_batch(void) {
+/* Rows from which a bfloat16 model's products take gemm_bf16_batch (QuantLinear and the fused
+ * decode step both ask here), or 0 where this build has no such kernel (no AVX512-BF16): from
+ * 8 rows the 16-bit kernel's rounding and per-block scaling cost more than bfloat16 products. */
+int bf16_batch_rows(void) {
 #ifdef __AVX512BF16__
-    return 1;
+    return 8;
 #else
     return 0;
 #endif
 }
 
 /* x [n] float32 to bfloat16, rounded to nearest even (as torch converts; x not NaN). */
-void round_rows_bf16(const float *x, int64_t n, uint16_t *out) {
+static void round_rows_bf16(const float *x, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = round_bf16(x[i]);
 }
 
@@ -749,7 +752,7 @@ void bf16_rows_range(const uint8_t *W, int fmt, int64_t K, const uint16_t *x, in
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] W^T with bfloat16 activations x (round_rows_bf16) and
- * float32 sums; AVX512-BF16 builds only (has_bf16_batch). */
+ * float32 sums; AVX512-BF16 builds only (bf16_batch_rows() > 0). */
 void gemm_bf16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
                      int64_t M, float *y, int64_t ldy) {
 #pragma omp parallel for schedule(static)
