@@ -332,10 +332,10 @@ def long_tables(groups: int, block_size: int) -> tuple[torch.Tensor, int]:
 
 
 def part_long_contexts(repeat: int, compare: str | None) -> None:
-    """Part 6 with a float32 cache (and the compared kernel, which may predate float16), then
-    with a float16 cache."""
-    long_contexts(repeat, compare, "float32")
-    long_contexts(repeat, None, "float16")
+    """Part 6 with a float32, a bfloat16 and a float16 cache (a compared kernel must read all
+    three: round 2's on)."""
+    for cache in ("float32", "bfloat16", "float16"):
+        long_contexts(repeat, compare, cache)
 
 
 def long_contexts(repeat: int, compare: str | None, cache: str) -> None:

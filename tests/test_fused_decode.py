@@ -207,7 +207,7 @@ def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
 
 def test_where_the_fused_path_does_not_apply() -> None:
     """Dense projections, float16 activations, a float64 cache, the deterministic mode and LoRA
-    keep the eager path, and the runner says why; a prefill step never runs fused."""
+    keep the eager path (and torch's attention), and the runner says why."""
     config = tiny_config()
     dense = CausalLM(config).eval()
     assert fused_decode.unsupported(dense, torch.zeros(2, 2, 8, 2, 16)) == \
@@ -222,8 +222,9 @@ def test_where_the_fused_path_does_not_apply() -> None:
     assert fused_decode.unsupported(packed_model(config).half(), torch.zeros(2, 2, 8, 2, 16)) \
         == "activations not float32 or bfloat16"
     runner = ModelRunner(config, model, 8, 4, torch.float32, "cpu", deterministic=True)
-    runner.execute([SeqBatchInput([1, 2, 3], 0, [0])])
-    assert runner.fused_decode_reason is None  # a prefill step decides nothing
+    runner.execute([SeqBatchInput([1, 2, 3], 0, [0])])  # a prefill decides (its attention)
+    assert runner.fused_decode_reason == "deterministic mode" and runner._fused is None
+    assert runner._prompt_attention is None
     runner.execute([SeqBatchInput([4], 3, [0, 1])])
     assert runner.fused_decode_reason == "deterministic mode" and runner._fused is None
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ from prefixserve.model.shared_prefix_attention import (
     split_shared_prefixes,
     two_pass_decode,
 )
+
+if TYPE_CHECKING:  # prompt_attention imports the model, which imports this module
+    from prefixserve.model.prompt_attention import KernelPlan, PromptAttention
 
 
 @dataclass
@@ -75,14 +79,16 @@ class PrefillSeq:
 @dataclass
 class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers. With ``invariant`` set
-    (the deterministic mode) every row attends through it, and ``decode`` and ``prefills`` are
-    empty."""
+    (the deterministic mode) or ``kernel`` (the C kernel's plan,
+    :mod:`prefixserve.model.prompt_attention`) every row attends through it, and ``decode``
+    and ``prefills`` are empty."""
 
     slot_mapping: torch.Tensor
     decode: DecodeGroup | None
     prefills: list[PrefillSeq]
     num_tokens: int
     invariant: KeyTables | None = None
+    kernel: KernelPlan | None = None
 
 
 @dataclass
@@ -105,6 +111,7 @@ def build_metadata(
     dtype: torch.dtype = torch.float32,
     table_rows: TableRows | None = None,
     deterministic: bool = False,
+    kernel: PromptAttention | None = None,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
@@ -113,10 +120,13 @@ def build_metadata(
     masks). ``table_rows``, when given, holds the same tables as ``block_tables`` (which are
     then read only at the new positions, and by the shared-prefix planning of a decode batch).
     ``deterministic`` plans the batch-invariant attention instead (see
-    :mod:`prefixserve.model.batch_invariant`).
+    :mod:`prefixserve.model.batch_invariant`), ``kernel`` the C kernel's (on CPU, with
+    ``table_rows``).
     """
     if deterministic:
         return _invariant_metadata(seq_lens, block_tables, block_size, device, table_rows)
+    if kernel is not None and table_rows is not None:
+        return _kernel_metadata(seq_lens, block_tables, block_size, device, table_rows, kernel)
     slots: list[int] = []
     decode_seqs: list[int] = []
     decode_rows: list[int] = []
@@ -171,6 +181,23 @@ def _invariant_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list
                      torch.tensor(positions, dtype=torch.long, device=device))
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     return AttentionMetadata(slot_mapping, None, [], len(slots), keys)
+
+
+def _kernel_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list[int]],
+                     block_size: int, device: torch.device, table_rows: TableRows,
+                     kernel: PromptAttention) -> AttentionMetadata:
+    """The metadata of a step whose every row attends through the C kernel: its slots, and the
+    kernel's plan of each row's position and table."""
+    slots: list[int] = []
+    table_of_row: list[int] = []
+    positions: list[int] = []
+    for i, ((start_pos, n), table) in enumerate(zip(seq_lens, block_tables, strict=True)):
+        slots += _slots(table, start_pos, start_pos + n, block_size)
+        table_of_row += [table_rows.rows[i]] * n
+        positions += range(start_pos, start_pos + n)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    plan = kernel.plan(positions, table_of_row, table_rows.buffer)
+    return AttentionMetadata(slot_mapping, None, [], len(slots), kernel=plan)
 
 
 def _slots(table: list[int], start_pos: int, end_pos: int, block_size: int) -> list[int]:
@@ -352,6 +379,8 @@ def paged_attention(
     """
     if meta.invariant is not None:
         return invariant_attention(q, layer_cache, meta.invariant, block_size)
+    if meta.kernel is not None:
+        return meta.kernel.run(q, layer_cache)
     if meta.decode is not None and meta.decode.rows is None:
         return _decode_attention(q, layer_cache, meta.decode, block_size)
     if meta.decode is None and len(meta.prefills) == 1:

@@ -69,6 +69,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch),
                                    ctypes.c_void_p]
     lib.decode_forward.restype = ctypes.c_int
+    # attention alone (prefixserve.model.prompt_attention)
+    model, batch = ctypes.POINTER(_Model), ctypes.POINTER(_Batch)
+    lib.attention_plan_bytes.argtypes = [model, batch]
+    lib.attention_plan_bytes.restype = ctypes.c_int64
+    lib.attention_plan.argtypes = [model, batch, ctypes.c_void_p]
+    lib.attention_plan.restype = None
+    lib.attention_run.argtypes = [model, batch, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p]
+    lib.attention_run.restype = None
+    lib.attention_has_fast_form.argtypes = [ctypes.c_int64]
+    lib.attention_has_fast_form.restype = ctypes.c_int
 
 
 _library = quant_kernels.KernelLibrary(_SOURCE, _declare)

@@ -9,7 +9,7 @@ from itertools import accumulate
 
 import torch
 
-from prefixserve.model import batch_invariant, fused_decode
+from prefixserve.model import batch_invariant, fused_decode, prompt_attention
 from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
@@ -143,6 +143,7 @@ class ModelRunner:
         """The adapter slots of the model (``install_lora``), or None without LoRA."""
         self.enforce_eager = enforce_eager
         self._fused: fused_decode.FusedDecode | None = None
+        self._prompt_attention: prompt_attention.PromptAttention | None = None
         self.fused_decode_reason: str | None = None
         """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.model_seconds = 0.0
@@ -248,8 +249,19 @@ class ModelRunner:
                 assert isinstance(self.model, CausalLM)
                 self._fused = fused_decode.FusedDecode(self.model, self.kv_cache,
                                                        self.block_size)
+                self._prompt_attention = self._new_prompt_attention()
             self.fused_decode_reason = reason
         return self._fused is not None
+
+    def _new_prompt_attention(self) -> prompt_attention.PromptAttention | None:
+        """The C kernel's attention for the eager steps, where the fused layers apply and the
+        kernel has its fast form for the head size (``prompt_attention.available``)."""
+        config = self.model.config
+        if not prompt_attention.available(config.head_dim):
+            return None
+        return prompt_attention.PromptAttention(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            self.block_size, self.kv_cache)
 
     def _fused_step(self, seqs: list[SeqBatchInput], rows: list[int]) -> ExecuteOutput:
         """Sequences of one new token each through :class:`FusedDecode` (``rows``: theirs of
@@ -295,8 +307,9 @@ class ModelRunner:
             rows = rows0 if g == 0 and rows0 is not None else keeper.update(seqs, needed, tables)
             table_rows = TableRows(keeper.buffer, rows)
             if group.window is None:
+                kernel = self._prompt_attention if self._fused_ready() else None
                 metas.append(build_metadata(seq_lens, tables, self.block_size, self.device,
-                                            self.dtype, table_rows, self.deterministic))
+                                            self.dtype, table_rows, self.deterministic, kernel))
             else:
                 metas.append(build_window_metadata(seq_lens, tables, self.block_size,
                                                    group.window, self.device, self.dtype,

@@ -420,11 +420,27 @@ static void widen_f32(const float *src, int64_t stride, int64_t count, int64_t D
 #endif
 
 /* Rows that attend over the same positions [t0, t1) of the same blocks: a chunk of a system
- * prompt they share, or a chunk of one row alone. Each group's keys and values are read once
- * for all its rows. members[first .. first + count) are its rows, in increasing order. */
+ * prompt they share, or a chunk of one row alone; or positions of one prompt, each attending
+ * up to its own position (member_end), the group ending with its last member's. Each group's
+ * keys and values are read once for all its rows. members[first .. first + count) are its
+ * rows, in increasing order; the last one's table holds the group's blocks. */
 typedef struct {
     int64_t c, t0, t1, first, count;
 } ChunkGroup;
+
+/* The end of member `member`'s positions in group gr: its context's, or the group's. */
+static inline int64_t member_end(const DecodeBatch *s, const ChunkGroup *gr, int64_t member) {
+    int64_t n = s->pos[member] + 1;
+    return n < gr->t1 ? n : gr->t1;
+}
+
+/* Softmax weights of one query's scores over [t0, t0 + n): the first `own` (its positions),
+ * zeros after; returns the max and sets *total to the sum. */
+static float member_weights(float *scores, int64_t own, int64_t n, float *total) {
+    float top = softmax_weights(scores, own, total);
+    if (own < n) memset(scores + own, 0, (size_t)(n - own) * sizeof(float));
+    return top;
+}
 
 /* A step's chunk groups and each thread's attention scratch (thread_floats floats each: scores,
  * outputs, maxima, sums and query pointers of up to `queries` queries). */
@@ -439,6 +455,7 @@ typedef struct {
 /* Whether rows a and b hold the same blocks for positions [t0, t1). */
 static int same_blocks(const DecodeModel *m, const DecodeBatch *s, int64_t a, int64_t b,
                        int64_t t0, int64_t t1) {
+    if (s->rows[a] == s->rows[b]) return 1; /* two positions of one sequence */
     const int64_t *ta = s->tables + s->rows[a] * s->table_stride;
     const int64_t *tb = s->tables + s->rows[b] * s->table_stride;
     for (int64_t j = t0 / m->block_size; j <= (t1 - 1) / m->block_size; j++) {
@@ -447,9 +464,15 @@ static int same_blocks(const DecodeModel *m, const DecodeBatch *s, int64_t a, in
     return 1;
 }
 
+/* The most rows in one chunk group. A prompt's positions share all of its chunks before their
+ * own: with no bound, a group of hundreds of queries would keep their scores and outputs in
+ * scratch far larger than the caches; bounded, each group of rows reads the chunk again, from
+ * the caches once the first has read it. */
+#define MAX_GROUP_ROWS 16
+
 /* Splits every row's context into chunks of CHUNK positions and groups the rows of each chunk
- * that share it. groups and members hold B * chunks entries, taken B; returns the number of
- * groups. The same for every layer, so built once a step. */
+ * that share it, up to MAX_GROUP_ROWS a group. groups and members hold B * chunks entries,
+ * taken B; returns the number of groups. The same for every layer, so built once a step. */
 static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
                             ChunkGroup *groups, int64_t *members, int64_t *chunk_first,
                             char *taken) {
@@ -464,12 +487,17 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
             ChunkGroup *gr = &groups[count++];
             *gr = (ChunkGroup){c, t0, t1, used, 1};
             members[used++] = b;
-            for (int64_t o = b + 1; o < s->B; o++) {
+            for (int64_t o = b + 1; o < s->B && gr->count < MAX_GROUP_ROWS; o++) {
                 int64_t on = s->pos[o] + 1, o1 = t0 + CHUNK < on ? t0 + CHUNK : on;
-                if (taken[o] || o1 != t1 || !same_blocks(m, s, b, o, t0, t1)) continue;
+                int64_t last = members[used - 1];
+                if (taken[o] || o1 < gr->t1) continue;
+                /* a later position of the same prompt extends the group's end */
+                if (o1 > gr->t1 && s->rows[o] != s->rows[last]) continue;
+                if (!same_blocks(m, s, last, o, t0, gr->t1)) continue;
                 taken[o] = 1;
                 members[used++] = o;
                 gr->count++;
+                gr->t1 = o1;
             }
         }
     }
@@ -496,7 +524,7 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
         int64_t D = m->head_dim, bs = m->block_size, t0 = gr->t0, t1 = gr->t1, n = t1 - t0;    \
         int64_t group = m->heads / m->kv_heads, Q = gr->count * group;                         \
         int64_t stride = m->kv_heads * D, shared = gr->count > 1;                              \
-        const int64_t *table = s->tables + s->rows[members[0]] * s->table_stride;              \
+        const int64_t *table = s->tables + s->rows[members[gr->count - 1]] * s->table_stride;  \
         for (int64_t j = 0; j < Q; j++) {                                                      \
             q[j] = qkv + members[j / group] * qkv_width + (g * group + j % group) * D;         \
         }                                                                                      \
@@ -534,7 +562,8 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
             }                                                                                  \
         }                                                                                      \
         for (int64_t j = 0; j < Q; j++) {                                                      \
-            mx[j] = softmax_weights(scores + j * CHUNK, n, &sm[j]);                            \
+            int64_t own = member_end(s, gr, members[j / group]) - t0;                          \
+            mx[j] = member_weights(scores + j * CHUNK, own, n, &sm[j]);                        \
             memset(out + j * D, 0, (size_t)D * sizeof(float));                                 \
         }                                                                                      \
         int64_t per_pass = shared ? Q : 1; /* queries served by one pass over the values */    \
@@ -562,6 +591,216 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
 DEFINE_ATTEND(f32, float)
 DEFINE_ATTEND(bf16, uint16_t)
 DEFINE_ATTEND(f16, uint16_t)
+
+#if defined(__AVX512F__)
+/* The attention of a chunk group at 512 bits, for head sizes 64 and 128: the result of
+ * attend_group_T (up to float rounding: another summation order), with the work arranged for
+ * arithmetic rather than for loads. A run of positions of one block is read from the cache
+ * once for all the group's queries, a row alone included (its `group` query heads share the
+ * KV head): widened to float into `run` for a 16-bit cache, read in place for a float32 one.
+ * Scores take eight positions against one query at a time, the query in registers and the
+ * eight sums reduced together (sum8x16); values are added into the outputs of up to
+ * PV_BLOCK(DD) queries at a time, their accumulators in registers for the whole run. The
+ * AVX2 form scored a position at a time per query and made one pass over the values per
+ * query, converting each 16-bit element again every time (benchmarks/RESULTS.md, issue 11,
+ * round 6). */
+#define LOAD16_f32(p) _mm512_loadu_ps(p)
+#define LOAD16_bf16(p)                                                                         \
+    _mm512_castsi512_ps(_mm512_slli_epi32(                                                     \
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOAD16_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+
+/* The eight sums of the sixteen floats of each of a[0..7], in order. */
+static inline __m256 sum8x16(const __m512 *a) {
+    __m512 t[4], u0, u1, v, w;
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: [a0 a1 a0 a1] partial sums of a pair */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    }
+    /* per lane: [a0 a1 a2 a3] and [a4 a5 a6 a7] */
+    u0 = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    u1 = _mm512_add_ps(_mm512_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lanes: [u0 lanes 0+1, u0 lanes 2+3, u1 lanes 0+1, u1 lanes 2+3] */
+    v = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane 0: the sums of a0..a3, lane 2: of a4..a7 */
+    w = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps256(_mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(0, 0, 2, 0)));
+}
+
+/* scores512_DD(q, k, ks, n, scale, out): out[i] = scale * q . k_i for i < n, key i at
+ * k + i * ks (floats).
+ * pv512_DD_NB(v, vs, n, p, out): out[j] [DD] += sum over t < n of p[j][t] * v_t for j < NB,
+ * value t at v + t * vs (floats). */
+#define DEFINE_SCORES512(DD)                                                                   \
+    static void scores512_##DD(const float *q, const float *k, int64_t ks, int64_t n,         \
+                               float scale, float *out) {                                      \
+        __m512 qv[DD / 16];                                                                    \
+        for (int u = 0; u < DD / 16; u++) qv[u] = _mm512_loadu_ps(q + 16 * u);                 \
+        int64_t i = 0;                                                                         \
+        for (; i + 8 <= n; i += 8) {                                                           \
+            __m512 a[8];                                                                       \
+            for (int r = 0; r < 8; r++) a[r] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + (i + r) * ks)); \
+            for (int u = 1; u < DD / 16; u++) {                                                \
+                for (int r = 0; r < 8; r++) {                                                  \
+                    a[r] = _mm512_fmadd_ps(qv[u], _mm512_loadu_ps(k + (i + r) * ks + 16 * u), a[r]); \
+                }                                                                              \
+            }                                                                                  \
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(sum8x16(a), _mm256_set1_ps(scale)));       \
+        }                                                                                      \
+        for (; i < n; i++) {                                                                   \
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + i * ks));                      \
+            for (int u = 1; u < DD / 16; u++) {                                                \
+                a = _mm512_fmadd_ps(qv[u], _mm512_loadu_ps(k + i * ks + 16 * u), a);           \
+            }                                                                                  \
+            out[i] = _mm512_reduce_add_ps(a) * scale;                                          \
+        }                                                                                      \
+    }
+#define DEFINE_PV512(DD, NB)                                                                   \
+    static void pv512_##DD##_##NB(const float *v, int64_t vs, int64_t n, const float **p,     \
+                                  float **out) {                                               \
+        __m512 acc[NB][DD / 16];                                                               \
+        for (int j = 0; j < NB; j++) {                                                         \
+            for (int u = 0; u < DD / 16; u++) acc[j][u] = _mm512_loadu_ps(out[j] + 16 * u);    \
+        }                                                                                      \
+        for (int64_t t = 0; t < n; t++, v += vs) {                                             \
+            __m512 w[NB];                                                                      \
+            for (int j = 0; j < NB; j++) w[j] = _mm512_set1_ps(p[j][t]);                       \
+            for (int u = 0; u < DD / 16; u++) {                                                \
+                __m512 x = _mm512_loadu_ps(v + 16 * u);                                        \
+                for (int j = 0; j < NB; j++) acc[j][u] = _mm512_fmadd_ps(w[j], x, acc[j][u]);  \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; j < NB; j++) {                                                         \
+            for (int u = 0; u < DD / 16; u++) _mm512_storeu_ps(out[j] + 16 * u, acc[j][u]);    \
+        }                                                                                      \
+    }
+DEFINE_SCORES512(64)
+DEFINE_SCORES512(128)
+DEFINE_PV512(64, 1)
+DEFINE_PV512(64, 2)
+DEFINE_PV512(64, 3)
+DEFINE_PV512(64, 4)
+DEFINE_PV512(64, 5)
+DEFINE_PV512(64, 6)
+DEFINE_PV512(128, 1)
+DEFINE_PV512(128, 2)
+DEFINE_PV512(128, 3)
+/* Queries whose outputs pv512 accumulates at once: their accumulators, their weights and one
+ * value vector fill the 32 registers. */
+#define PV_BLOCK(DD) ((DD) == 64 ? 6 : 3)
+
+/* out[j] += p[j] weighted values for j < nb <= PV_BLOCK(D). */
+static void pv512(int64_t D, int64_t nb, const float *v, int64_t vs, int64_t n, const float **p,
+                  float **out) {
+    typedef void (*Pv)(const float *, int64_t, int64_t, const float **, float **);
+    static const Pv pv64[6] = {pv512_64_1, pv512_64_2, pv512_64_3,
+                               pv512_64_4, pv512_64_5, pv512_64_6};
+    static const Pv pv128[3] = {pv512_128_1, pv512_128_2, pv512_128_3};
+    (D == 64 ? pv64 : pv128)[nb - 1](v, vs, n, p, out);
+}
+
+/* widen512_T(src, stride, count, D, dst): dst [count, D] = the float values of count slots
+ * stride elements apart (D a multiple of 16). */
+#define DEFINE_WIDEN512(T, C)                                                                  \
+    static void widen512_##T(const C *src, int64_t stride, int64_t count, int64_t D,          \
+                             float *dst) {                                                     \
+        for (int64_t i = 0; i < count; i++, src += stride, dst += D) {                         \
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, LOAD16_##T(src + d)); \
+        }                                                                                      \
+    }
+DEFINE_WIDEN512(f32, float) /* never called: a float32 cache is read in place */
+DEFINE_WIDEN512(bf16, uint16_t)
+DEFINE_WIDEN512(f16, uint16_t)
+
+/* Asks for the `count` slots of one head's keys or values at p (D elements of size bytes,
+ * stride elements apart) to be brought into the cache (hint: _MM_HINT_T0 or _MM_HINT_T1). A
+ * block's slots are a few kilobytes and the next block lies anywhere, so the hardware
+ * prefetchers alone left the loads waiting on memory: the widening loop took 88% of the
+ * attention's time (perf, 16 rows alone at 1,100 positions, a bfloat16 cache). */
+#define PREFETCH_SLOTS(p, stride, count, bytes, hint)                                          \
+    do {                                                                                       \
+        const char *at_ = (const char *)(p);                                                   \
+        for (int64_t i_ = 0; i_ < (count); i_++, at_ += (stride) * (bytes)) {                  \
+            for (int64_t b_ = 0; b_ < D * (int64_t)(bytes); b_ += 64) _mm_prefetch(at_ + b_, hint);     \
+        }                                                                                      \
+    } while (0)
+
+#ifndef KEY_RUNS_AHEAD
+#define KEY_RUNS_AHEAD 3
+#endif
+
+/* attend512_T: attend_group_T's contract, for head sizes 64 and 128. */
+#define DEFINE_ATTEND512(T, C)                                                                 \
+    static const float *run_floats_##T(const C *src, int64_t stride, int64_t count, int64_t D, \
+                                       float *run, int64_t *run_stride) {                      \
+        if (!WIDEN_##T) {                                                                      \
+            *run_stride = stride;                                                              \
+            return (const float *)(const void *)src;                                           \
+        }                                                                                      \
+        widen512_##T(src, stride, count, D, run);              \
+        *run_stride = D;                                                                       \
+        return run;                                                                            \
+    }                                                                                          \
+    static void attend512_##T(const DecodeModel *m, const DecodeBatch *s, const C *kv,          \
+                              const ChunkGroup *gr, const int64_t *members, int64_t g,          \
+                              const float *qkv, int64_t qkv_width, const float **q,             \
+                              float *scores, float *out, float *mx, float *sm, float *run) {    \
+        int64_t D = m->head_dim, bs = m->block_size, t0 = gr->t0, t1 = gr->t1, rs;             \
+        int64_t group = m->heads / m->kv_heads, Q = gr->count * group;                         \
+        int64_t stride = m->kv_heads * D, block = PV_BLOCK(D);                                 \
+        const int64_t *table = s->tables + s->rows[members[gr->count - 1]] * s->table_stride;  \
+        for (int64_t j = 0; j < Q; j++) {                                                      \
+            q[j] = qkv + members[j / group] * qkv_width + (g * group + j % group) * D;         \
+        }                                                                                      \
+        float scale = 1.0f / sqrtf((float)D);                                                  \
+        for (int64_t t = t0, end; t < t1; t = end) {                                           \
+            end = run_end(t, t1, bs);                                                          \
+            int64_t slot = table[t / bs] * bs + t % bs;                                        \
+            int64_t ahead = end; /* the keys of the run after next, and this run's values */   \
+            for (int r = 0; r < KEY_RUNS_AHEAD && ahead < t1; r++) ahead = run_end(ahead, t1, bs); \
+            if (ahead < t1) {                                                                  \
+                int64_t next = table[ahead / bs] * bs + ahead % bs;                            \
+                PREFETCH_SLOTS(kv + cache_offset(m, 0, next, g), stride,                       \
+                               run_end(ahead, t1, bs) - ahead, sizeof(C), _MM_HINT_T0);        \
+            }                                                                                  \
+            PREFETCH_SLOTS(kv + cache_offset(m, 1, slot, g), stride, end - t, sizeof(C),       \
+                           _MM_HINT_T1);                                                       \
+            const C *k = kv + cache_offset(m, 0, slot, g);                                     \
+            const float *keys = run_floats_##T(k, stride, end - t, D, run, &rs);               \
+            for (int64_t j = 0; j < Q; j++) {                                                  \
+                (D == 64 ? scores512_64 : scores512_128)(q[j], keys, rs, end - t, scale,       \
+                                                          scores + j * CHUNK + t - t0);        \
+            }                                                                                  \
+        }                                                                                      \
+        for (int64_t j = 0; j < Q; j++) {                                                      \
+            int64_t own = member_end(s, gr, members[j / group]) - t0;                          \
+            mx[j] = member_weights(scores + j * CHUNK, own, t1 - t0, &sm[j]);                  \
+            memset(out + j * D, 0, (size_t)D * sizeof(float));                                 \
+        }                                                                                      \
+        for (int64_t t = t0, end; t < t1; t = end) {                                           \
+            end = run_end(t, t1, bs);                                                          \
+            const C *v = kv + cache_offset(m, 1, table[t / bs] * bs + t % bs, g);              \
+            const float *values = run_floats_##T(v, stride, end - t, D, run, &rs);             \
+            for (int64_t j0 = 0; j0 < Q; j0 += block) {                                        \
+                int64_t nb = Q - j0 < block ? Q - j0 : block;                                  \
+                const float *p[6];                                                             \
+                float *o[6];                                                                   \
+                for (int64_t j = 0; j < nb; j++) {                                             \
+                    p[j] = scores + (j0 + j) * CHUNK + t - t0;                                 \
+                    o[j] = out + (j0 + j) * D;                                                 \
+                }                                                                              \
+                pv512(D, nb, values, rs, end - t, p, o);                                       \
+            }                                                                                  \
+        }                                                                                      \
+    }
+DEFINE_ATTEND512(f32, float)
+DEFINE_ATTEND512(bf16, uint16_t)
+DEFINE_ATTEND512(f16, uint16_t)
+#define ATTEND512(D) ((D) == 64 || (D) == 128)
+#endif
 
 /* Merges the chunks' partial results of one query head (each D + 2 floats: out, max, sum). */
 static void merge_chunks(const float *parts, int64_t chunks, int64_t D, float *out) {
@@ -607,16 +846,23 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv
             const ChunkGroup *gr = &cg->groups[first + local % in_chunk];
             int64_t g = local / in_chunk;
             const int64_t *rows = cg->members + gr->first;
-            if (m->kv_type == KV_BF16) {
-                attend_group_bf16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm,
-                                 run);
-            } else if (m->kv_type == KV_F16) {
-                attend_group_f16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm,
-                                 run);
-            } else {
-                attend_group_f32(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm,
-                                 run);
-            }
+/* the task's attention through NAME_bf16, NAME_f16 or NAME_f32, by the cache's type */
+#define ATTEND_BY_KV(NAME)                                                                     \
+    do {                                                                                       \
+        if (m->kv_type == KV_BF16) {                                                           \
+            NAME##_bf16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm, run);     \
+        } else if (m->kv_type == KV_F16) {                                                     \
+            NAME##_f16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm, run);      \
+        } else {                                                                               \
+            NAME##_f32(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm, run);      \
+        }                                                                                      \
+    } while (0)
+#if defined(__AVX512F__)
+            if (ATTEND512(D)) ATTEND_BY_KV(attend512);
+            else ATTEND_BY_KV(attend_group);
+#else
+            ATTEND_BY_KV(attend_group);
+#endif
             for (int64_t j = 0; j < gr->count * group; j++) {
                 int64_t b = rows[j / group], h = g * group + j % group;
                 float *dst = parts + ((b * m->heads + h) * chunks + gr->c) * part;
@@ -756,27 +1002,52 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
     team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta);
 }
 
-/* The step's chunk groups and attention scratch, one allocation; 0, or -1 when out of memory. */
-static int groups_alloc(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
-                        ChunkGroups *cg) {
-    int64_t slots = s->B * chunks, queries = s->B * (m->heads / m->kv_heads);
+/* The bytes of a step's chunk groups and attention scratch (groups_init). */
+static size_t groups_bytes(const DecodeModel *m, const DecodeBatch *s, int64_t chunks) {
+    int64_t rows = s->B < MAX_GROUP_ROWS ? s->B : MAX_GROUP_ROWS;
+    int64_t queries = rows * (m->heads / m->kv_heads);
     int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
-    int64_t threads = omp_get_max_threads();
+    int64_t thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers +
+                            m->block_size * m->head_dim + 16;
+    return (size_t)(s->B * chunks) * (sizeof(ChunkGroup) + sizeof(int64_t)) +
+           (size_t)(chunks + 1) * sizeof(int64_t) + (size_t)s->B +
+           (size_t)(omp_get_max_threads() * thread_floats) * sizeof(float) + 64;
+}
+
+/* Lays a step's chunk groups and attention scratch out in p (groups_bytes of it) and plans
+ * the groups. */
+static void groups_init(const DecodeModel *m, const DecodeBatch *s, int64_t chunks, char *p,
+                        ChunkGroups *cg) {
+    int64_t slots = s->B * chunks, rows = s->B < MAX_GROUP_ROWS ? s->B : MAX_GROUP_ROWS;
+    int64_t queries = rows * (m->heads / m->kv_heads);
+    int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
     cg->queries = queries;
     cg->thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers +
                         m->block_size * m->head_dim + 16;
-    size_t bytes = (size_t)slots * (sizeof(ChunkGroup) + sizeof(int64_t)) +
-                   (size_t)(chunks + 1) * sizeof(int64_t) + (size_t)s->B +
-                   (size_t)(threads * cg->thread_floats) * sizeof(float) + 64;
-    char *p = malloc(bytes);
-    if (!p) return -1;
     cg->groups = (ChunkGroup *)p;
     cg->members = (int64_t *)(cg->groups + slots);
     cg->chunk_first = cg->members + slots;
     cg->per_thread = (float *)(cg->chunk_first + chunks + 1);
-    char *taken = (char *)(cg->per_thread + threads * cg->thread_floats);
+    char *taken = (char *)(cg->per_thread + omp_get_max_threads() * cg->thread_floats);
     cg->count = group_chunks(m, s, chunks, cg->groups, cg->members, cg->chunk_first, taken);
+}
+
+/* The step's chunk groups and attention scratch, one allocation; 0, or -1 when out of memory. */
+static int groups_alloc(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
+                        ChunkGroups *cg) {
+    char *p = malloc(groups_bytes(m, s, chunks));
+    if (!p) return -1;
+    groups_init(m, s, chunks, p, cg);
     return 0;
+}
+
+/* How many chunks of CHUNK positions the longest of the rows' contexts takes. */
+static int64_t context_chunks(const DecodeBatch *s) {
+    int64_t max_context = 1;
+    for (int64_t b = 0; b < s->B; b++) {
+        if (s->pos[b] + 1 > max_context) max_context = s->pos[b] + 1;
+    }
+    return (max_context + CHUNK - 1) / CHUNK;
 }
 
 /* Runs every layer over x [B, hidden] (the embeddings in, the last layer's output out).
@@ -784,11 +1055,7 @@ static int groups_alloc(const DecodeModel *m, const DecodeBatch *s, int64_t chun
 int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
     Scratch sc;
     ChunkGroups cg;
-    int64_t half = m->head_dim / 2, max_context = 1;
-    for (int64_t b = 0; b < s->B; b++) {
-        if (s->pos[b] + 1 > max_context) max_context = s->pos[b] + 1;
-    }
-    int64_t chunks = (max_context + CHUNK - 1) / CHUNK;
+    int64_t half = m->head_dim / 2, chunks = context_chunks(s);
     if (scratch_alloc(m, s->B, chunks, &sc)) return -1;
     if (groups_alloc(m, s, chunks, &cg)) {
         free(sc.base);
@@ -814,4 +1081,40 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
     free(cg.groups);
     free(sc.base);
     return 0;
+}
+
+/* Attention alone, for the rows of a step that the fused layers do not run (a prompt's
+ * positions, each a row at its position of its sequence's table): attention_plan once a step
+ * into `plan` (attention_plan_bytes of it, its alignment a float's), then attention_run for
+ * each layer, with the layer's cache kv, the rows' queries q [B, heads * D] and out as
+ * `attention` has them. The rows' K/V are in the cache already. */
+int64_t attention_plan_bytes(const DecodeModel *m, const DecodeBatch *s) {
+    int64_t chunks = context_chunks(s);
+    return (int64_t)(sizeof(ChunkGroups) + groups_bytes(m, s, chunks)) +
+           s->B * m->heads * chunks * (m->head_dim + 2) * (int64_t)sizeof(float);
+}
+
+void attention_plan(const DecodeModel *m, const DecodeBatch *s, void *plan) {
+    ChunkGroups *cg = (ChunkGroups *)plan;
+    int64_t chunks = context_chunks(s);
+    groups_init(m, s, chunks, (char *)plan + sizeof(ChunkGroups), cg);
+}
+
+void attention_run(const DecodeModel *m, const DecodeBatch *s, const void *plan, const void *kv,
+                   const float *q, float *out) {
+    const ChunkGroups *cg = (const ChunkGroups *)plan;
+    int64_t chunks = context_chunks(s);
+    float *parts = (float *)((char *)plan + sizeof(ChunkGroups) + groups_bytes(m, s, chunks));
+#pragma omp parallel
+    attention(m, s, kv, q, m->heads * m->head_dim, out, chunks, parts, cg);
+}
+
+/* Whether attention at head size D has its 512-bit form in this build (attend512_T). */
+int attention_has_fast_form(int64_t D) {
+#if defined(__AVX512F__)
+    return ATTEND512(D);
+#else
+    (void)D;
+    return 0;
+#endif
 }

@@ -1,0 +1,111 @@
+"""The C kernel's attention for a step's prompt positions (prefixserve.model.prompt_attention)
+against torch's paged attention of the same step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixserve.model import prompt_attention
+from prefixserve.model.attention import TableRows, build_metadata, paged_attention
+from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from tests.test_fused_decode import packed_model, tiny_config
+
+BLOCK = 16
+#: (heads, kv heads, head size, cache dtype)
+CASES = {
+    "head64-gqa3-bfloat16": (9, 3, 64, torch.bfloat16),
+    "head64-gqa2-float32": (4, 2, 64, torch.float32),
+    "head64-gqa3-float16": (6, 2, 64, torch.float16),
+    "head128-gqa2-bfloat16": (4, 2, 128, torch.bfloat16),
+    "head128-mha-float32": (2, 2, 128, torch.float32),
+}
+
+
+def step(rng: random.Random) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """A step's (start, new tokens) and block tables: three prompts of 40-70 tokens after a
+    cached 600-token prefix they share (blocks and all: more rows on those chunks than one
+    group holds), a fresh prompt of 300, a decode at position 400 of a context of its own,
+    and a prompt after 90 cached tokens that share only the first block of that prefix."""
+    free = list(range(1, 400))
+    rng.shuffle(free)
+    shared = [free.pop() for _ in range(600 // BLOCK)]
+    seq_lens: list[tuple[int, int]] = []
+    tables: list[list[int]] = []
+
+    def table(length: int, prefix: list[int]) -> list[int]:
+        return prefix + [free.pop() for _ in range((length - 1) // BLOCK + 1 - len(prefix))]
+
+    for n in (40, 70, 55):
+        seq_lens.append((600, n))
+        tables.append(table(600 + n, shared))
+    seq_lens.append((0, 300))
+    tables.append(table(300, []))
+    seq_lens.append((400, 1))
+    tables.append(table(401, []))
+    seq_lens.append((90, 33))
+    tables.append(table(123, shared[:1]))
+    return seq_lens, tables
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_attends_as_torch_does(case: str) -> None:
+    """Every row's output equals torch's paged attention of the step (SDPA over each
+    sequence's gathered context, in float32) within float rounding."""
+    heads, kv_heads, head_dim, dtype = CASES[case]
+    if not prompt_attention.available(head_dim):
+        pytest.skip("no 512-bit form of the kernel on this CPU")
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    seq_lens, tables = step(rng)
+    cache = torch.randn(2, 400 * BLOCK, kv_heads, head_dim).to(dtype)
+    rows = len(tables)
+    width = max(len(t) for t in tables)
+    buffer = torch.zeros((rows, width), dtype=torch.long)
+    for i, t in enumerate(tables):
+        buffer[i, :len(t)] = torch.tensor(t)
+    table_rows = TableRows(buffer, list(range(rows)))
+    kernel = prompt_attention.PromptAttention(heads, kv_heads, head_dim, BLOCK, cache[None])
+    want_meta = build_metadata(seq_lens, tables, BLOCK, torch.device("cpu"), torch.float32,
+                               table_rows)
+    got_meta = build_metadata(seq_lens, tables, BLOCK, torch.device("cpu"), torch.float32,
+                              table_rows, kernel=kernel)
+    assert got_meta.kernel is not None and want_meta.kernel is None
+    torch.testing.assert_close(got_meta.slot_mapping, want_meta.slot_mapping, rtol=0, atol=0)
+    tokens = want_meta.num_tokens
+    q = torch.randn(tokens, heads, head_dim)
+    k = cache[0].index_select(0, want_meta.slot_mapping).float()
+    v = cache[1].index_select(0, want_meta.slot_mapping).float()
+    want = paged_attention(q, k, v, cache, want_meta, BLOCK)
+    got = paged_attention(q, k, v, cache, got_meta, BLOCK)
+    assert got.dtype == q.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    again = paged_attention(q * 0.5, k, v, cache, got_meta, BLOCK)  # the plan serves each layer
+    torch.testing.assert_close(again, paged_attention(q * 0.5, k, v, cache, want_meta, BLOCK),
+                               rtol=1e-4, atol=1e-5)
+    assert not torch.equal(again, got)  # a result of its own, not the plan's buffer
+
+
+def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:
+    """Where the fused layers apply (a packed Llama model on CPU) the eager steps' attention
+    takes the kernel, and greedy logits after a cached prefix match --enforce-eager's."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=64)
+    if not prompt_attention.available(config.head_dim):
+        pytest.skip("no 512-bit form of the kernel on this CPU")
+    model = packed_model(config)
+    rng = random.Random(3)
+    prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
+    question = [rng.randrange(config.vocab_size) for _ in range(30)]
+    first = list(range(19))
+    second = [*first[:19], 40, 41]  # the prefix's blocks, its last one included, then its own
+    logits = []
+    for eager in (False, True):
+        runner = ModelRunner(config, model, 64, BLOCK, torch.float32, "cpu",
+                             enforce_eager=eager)
+        runner.execute([SeqBatchInput(prefix, 0, first, seq_id=0)])
+        out = runner.execute([SeqBatchInput(question, 300, second, seq_id=1)])
+        assert (runner._prompt_attention is not None) == (not eager)
+        logits.append(out.logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
