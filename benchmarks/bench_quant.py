@@ -31,9 +31,10 @@ packed weights (all layers' products, and the head); with ``--compare-kernel PAT
 times another ``decode.c``'s layers beside this one's. Part 5 times the fused decode layers
 from the thread that loaded the model and from another one (why the server's engine thread
 loads the model itself). Part 6 splits the fused step of 16 sequences at ~1,100 tokens of context
-into products and attention, with and without shared prefixes; ``--compare-kernel PATH`` times
-another ``decode.c`` beside this one, e.g. an earlier commit's (it includes ``quant.c``, so copy
-that beside it):
+into products and attention, with and without shared prefixes; with a bfloat16 model and cache
+it also times this kernel with the queries scored in float32 (``bf16_queries`` off), and
+``--compare-kernel PATH`` times another ``decode.c`` beside this one, e.g. an earlier commit's
+whose ``DecodeModel`` has the same fields (it includes ``quant.c``, so copy that beside it):
 
     mkdir -p /tmp/k && git show REV:prefixserve/model/kernels/decode.c > /tmp/k/decode.c
     cp prefixserve/model/kernels/quant.c /tmp/k/
@@ -351,11 +352,15 @@ def long_contexts(repeat: int, compare: str | None, cache: str) -> None:
               num_blocks=LONG_ROWS * (LONG_CONTEXT // 16 + 2))
     runner = llm.engine.runner
     fused = fused_decode.FusedDecode(runner.model, runner.kv_cache, runner.block_size)
-    kernels = {"this kernel": fused._lib}
+    # name: (library, whether a bfloat16 model's queries are scored in bfloat16)
+    scored = bool(fused.model.bf16_queries)
+    kernels = {"this kernel": (fused._lib, scored)}
+    if scored and cache == "bfloat16":
+        kernels["this kernel, float32 scores"] = (fused._lib, False)
     if compare:
         other = quant_kernels.KernelLibrary(Path(compare), fused_decode._declare).get()
         assert other is not None, f"{compare} did not build"
-        kernels["compared"] = other
+        kernels["compared"] = (other, scored)
     config = runner.model.config
     block_bytes = (runner.block_size * len(runner.model.layers) * 2 * config.num_key_value_heads
                    * config.head_dim * runner.kv_cache.element_size())
@@ -366,12 +371,12 @@ def long_contexts(repeat: int, compare: str | None, cache: str) -> None:
     for _ in range(repeat):
         for label, groups, pos in cases:
             tables, _ = long_tables(groups, runner.block_size)
-            for name, lib in kernels.items():
-                fused._lib = lib
+            for name, (lib, bf16_queries) in kernels.items():
+                fused._lib, fused.model.bf16_queries = lib, int(bf16_queries)
                 runs = times.setdefault((label, name), [])
                 runs.append(median_us(lambda pos=pos, tables=tables: fused.run(
                     x.clone(), [pos] * LONG_ROWS, tables, list(range(LONG_ROWS))), 1, 3) / 1e3)
-    fused._lib = kernels["this kernel"]
+    fused._lib, fused.model.bf16_queries = kernels["this kernel"][0], int(scored)
     print("| context | kernel | step ms | attention ms | K/V read | GB/s |")
     print("|---|---|---|---|---|---|")
     for label, groups, pos in cases:

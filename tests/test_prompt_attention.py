@@ -4,12 +4,18 @@ against torch's paged attention of the same step."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from prefixserve.model import prompt_attention
-from prefixserve.model.attention import TableRows, build_metadata, paged_attention
+from prefixserve.model.attention import (
+    AttentionMetadata,
+    TableRows,
+    build_metadata,
+    paged_attention,
+)
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from tests.test_fused_decode import packed_model, tiny_config
 
@@ -50,13 +56,20 @@ def step(rng: random.Random) -> tuple[list[tuple[int, int]], list[list[int]]]:
     return seq_lens, tables
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_the_kernel_attends_as_torch_does(case: str) -> None:
-    """Every row's output equals torch's paged attention of the step (SDPA over each
-    sequence's gathered context, in float32) within float rounding."""
-    heads, kv_heads, head_dim, dtype = CASES[case]
-    if not prompt_attention.available(head_dim):
-        pytest.skip("no 512-bit form of the kernel on this CPU")
+@dataclass
+class Planned:
+    """One step (:func:`step`) planned for torch (``want``) and for the kernel (``got``), over
+    a random cache, with its rows' keys and values gathered."""
+
+    want: AttentionMetadata
+    got: AttentionMetadata
+    cache: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def planned(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+            bf16_queries: bool = False) -> Planned:
     rng = random.Random(7)
     torch.manual_seed(7)
     seq_lens, tables = step(rng)
@@ -67,17 +80,29 @@ def test_the_kernel_attends_as_torch_does(case: str) -> None:
     for i, t in enumerate(tables):
         buffer[i, :len(t)] = torch.tensor(t)
     table_rows = TableRows(buffer, list(range(rows)))
-    kernel = prompt_attention.PromptAttention(heads, kv_heads, head_dim, BLOCK, cache[None])
+    kernel = prompt_attention.PromptAttention(heads, kv_heads, head_dim, BLOCK, cache[None],
+                                              bf16_queries=bf16_queries)
     want_meta = build_metadata(seq_lens, tables, BLOCK, torch.device("cpu"), torch.float32,
                                table_rows)
     got_meta = build_metadata(seq_lens, tables, BLOCK, torch.device("cpu"), torch.float32,
                               table_rows, kernel=kernel)
     assert got_meta.kernel is not None and want_meta.kernel is None
     torch.testing.assert_close(got_meta.slot_mapping, want_meta.slot_mapping, rtol=0, atol=0)
-    tokens = want_meta.num_tokens
-    q = torch.randn(tokens, heads, head_dim)
     k = cache[0].index_select(0, want_meta.slot_mapping).float()
     v = cache[1].index_select(0, want_meta.slot_mapping).float()
+    return Planned(want_meta, got_meta, cache, k, v)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_attends_as_torch_does(case: str) -> None:
+    """Every row's output equals torch's paged attention of the step (SDPA over each
+    sequence's gathered context, in float32) within float rounding."""
+    heads, kv_heads, head_dim, dtype = CASES[case]
+    if not prompt_attention.available(head_dim):
+        pytest.skip("no 512-bit form of the kernel on this CPU")
+    plan = planned(heads, kv_heads, head_dim, dtype)
+    want_meta, got_meta, cache, k, v = plan.want, plan.got, plan.cache, plan.k, plan.v
+    q = torch.randn(want_meta.num_tokens, heads, head_dim)
     want = paged_attention(q, k, v, cache, want_meta, BLOCK)
     got = paged_attention(q, k, v, cache, got_meta, BLOCK)
     assert got.dtype == q.dtype and got.shape == want.shape
@@ -86,6 +111,26 @@ def test_the_kernel_attends_as_torch_does(case: str) -> None:
     torch.testing.assert_close(again, paged_attention(q * 0.5, k, v, cache, want_meta, BLOCK),
                                rtol=1e-4, atol=1e-5)
     assert not torch.equal(again, got)  # a result of its own, not the plan's buffer
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16_queries_are_scored_in_bfloat16(head_dim: int) -> None:
+    """With ``bf16_queries`` and a bfloat16 cache, the queries are scored rounded to bfloat16
+    (``vdpbf16ps`` over the keys in place): the output equals torch's attention of the rounded
+    queries within float rounding, and is further than that from the float32 queries' (so the
+    path ran). Kills: the flag ignored (keys widened, float32 queries), a query's pairs of
+    elements misordered against the keys' (the halves of ``_mm512_cvtne2ps_pbh`` swapped)."""
+    if not (prompt_attention.available(head_dim) and prompt_attention.scores_in_bf16()):
+        pytest.skip("no bfloat16 scores in this CPU's build of the kernel")
+    heads, kv_heads = (9, 3) if head_dim == 64 else (4, 2)
+    plan = planned(heads, kv_heads, head_dim, torch.bfloat16, bf16_queries=True)
+    q = torch.randn(plan.want.num_tokens, heads, head_dim)
+    got = paged_attention(q, plan.k, plan.v, plan.cache, plan.got, BLOCK)
+    rounded = paged_attention(q.bfloat16().float(), plan.k, plan.v, plan.cache, plan.want,
+                              BLOCK)
+    unrounded = paged_attention(q, plan.k, plan.v, plan.cache, plan.want, BLOCK)
+    torch.testing.assert_close(got, rounded, rtol=1e-4, atol=1e-5)
+    assert float((got - unrounded).abs().max()) > 1e-3
 
 
 def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:

@@ -56,8 +56,8 @@ class _Model(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
                 ("kv_type", ctypes.c_int64), ("bf16_products", ctypes.c_int64),
-                ("eps", ctypes.c_double), ("inv_freq", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("bf16_queries", ctypes.c_int64), ("eps", ctypes.c_double),
+                ("inv_freq", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
 
 
 class _Batch(ctypes.Structure):
@@ -80,6 +80,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attention_run.restype = None
     lib.attention_has_fast_form.argtypes = [ctypes.c_int64]
     lib.attention_has_fast_form.restype = ctypes.c_int
+    lib.attention_has_bf16_scores.argtypes = []
+    lib.attention_has_bf16_scores.restype = ctypes.c_int
 
 
 _library = quant_kernels.KernelLibrary(_SOURCE, _declare)
@@ -136,12 +138,14 @@ class FusedDecode:
         for i, layer in enumerate(_layers(model)):
             layers[i] = self._layer(layer, kv_cache[slot[i]])
         self._layers = layers
-        # a bfloat16 model's batch products may take bfloat16 activations (AVX512-BF16 builds)
+        # a bfloat16 model's batch products may take bfloat16 activations, and its queries are
+        # scored in bfloat16 against a bfloat16 cache, as its eager SDPA rounds them (both on
+        # AVX512-BF16 builds)
         bf16 = int(_layers(model)[0].input_norm.weight.dtype == torch.bfloat16)
         self.model = _Model(
             len(model.layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
-            kv_cache.shape[2], KV_TYPES[kv_cache.dtype], bf16, config.rms_norm_eps,
+            kv_cache.shape[2], KV_TYPES[kv_cache.dtype], bf16, bf16, config.rms_norm_eps,
             self._keep[1].data_ptr(), layers)
 
     def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> _Layer:

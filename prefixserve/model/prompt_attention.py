@@ -35,6 +35,13 @@ def available(head_dim: int) -> bool:
     return lib is not None and bool(lib.attention_has_fast_form(head_dim))
 
 
+def scores_in_bf16() -> bool:
+    """Whether this CPU's build scores bfloat16 queries against a bfloat16 cache with
+    ``vdpbf16ps`` (AVX512-BF16): ``PromptAttention(..., bf16_queries=True)`` takes it."""
+    lib = fused_decode._library.get()
+    return lib is not None and bool(lib.attention_has_bf16_scores())
+
+
 @dataclass
 class KernelPlan:
     """One step's rows planned for the kernel: kept alive with the arrays they point into, and
@@ -61,20 +68,23 @@ class KernelPlan:
 
 class PromptAttention:
     """The kernel's attention for a model's cache: heads, KV heads, head size, block size and
-    cache type (one of :data:`~prefixserve.model.fused_decode.KV_TYPES`). It keeps the buffers
+    cache type (one of :data:`~prefixserve.model.fused_decode.KV_TYPES`). ``bf16_queries``
+    says that the queries are bfloat16 values (a bfloat16 model's): with a bfloat16 cache the
+    kernel then scores them in bfloat16, reading the keys in place (:func:`scores_in_bf16`),
+    which changes only the summation order. It keeps the buffers
     of the latest plan, grown as steps need, for the next: one step's plan is used up before
     the next is made (fresh pages of a few megabytes a step cost 5% of a prompt step's time in
     page faults)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 kv_cache: torch.Tensor) -> None:
+                 kv_cache: torch.Tensor, bf16_queries: bool = False) -> None:
         lib = fused_decode._library.get()
         assert lib is not None and available(head_dim), "check available() first"
         self.lib = lib
         self.width = heads * head_dim
         self.model = fused_decode._Model(0, 0, heads, kv_heads, head_dim, 0, block_size,
                                          kv_cache.shape[2], fused_decode.KV_TYPES[kv_cache.dtype],
-                                         0, 0.0, None, None)
+                                         0, int(bf16_queries), 0.0, None, None)
         self._buffer = torch.empty(0, dtype=torch.float32)
 
     def plan(self, positions: list[int], table_rows: list[int], tables: torch.Tensor

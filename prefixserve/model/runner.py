@@ -261,7 +261,7 @@ class ModelRunner:
             return None
         return prompt_attention.PromptAttention(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            self.block_size, self.kv_cache)
+            self.block_size, self.kv_cache, bf16_queries=self.dtype == torch.bfloat16)
 
     def _fused_step(self, seqs: list[SeqBatchInput], rows: list[int]) -> ExecuteOutput:
         """Sequences of one new token each through :class:`FusedDecode` (``rows``: theirs of

@@ -54,6 +54,7 @@ typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     int64_t block_size, num_slots, kv_type; /* KV_F32, KV_BF16 or KV_F16 */
     int64_t bf16_products; /* a bfloat16 model: its batch products may take bfloat16 rows */
+    int64_t bf16_queries;  /* a bfloat16 model's queries: scored in bfloat16 (scores_bf16) */
     double eps;
     const float *inv_freq; /* [head_dim / 2] rotary inverse frequencies */
     const DecodeLayer *layers;
@@ -702,6 +703,67 @@ static void pv512(int64_t D, int64_t nb, const float *v, int64_t vs, int64_t n, 
     (D == 64 ? pv64 : pv128)[nb - 1](v, vs, n, p, out);
 }
 
+/* scores_bf16(D, q, Q, k, ks, n, scale, scores): for each query j < Q, scores[j * CHUNK + i] =
+ * scale * q[j] . k_i for i < n, the keys bfloat16 in the cache (key i at k + i * ks elements)
+ * and each query rounded to bfloat16 (to nearest even, as torch rounds): `vdpbf16ps` adds each
+ * pair of products into float32 lanes, so the keys are read in place, neither widened into a
+ * buffer nor converted, and one instruction makes 32 multiply-adds where an FMA made 16. Only
+ * for queries that are bfloat16 values already (a bfloat16 model's: the eager path's SDPA
+ * rounds them so too), where the rounding changes nothing or what the model itself rounds.
+ * Needs AVX512-BF16 (bf16_scores_built); head sizes 64 and 128. */
+#if defined(__AVX512BF16__)
+#define DEFINE_SCORES_BF16(DD)                                                                 \
+    static void scores_bf16_##DD(const float *q, const uint16_t *k, int64_t ks, int64_t n,    \
+                                 float scale, float *out) {                                    \
+        __m512bh qv[DD / 32];                                                                  \
+        for (int u = 0; u < DD / 32; u++) {                                                    \
+            qv[u] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * u + 16),                      \
+                                        _mm512_loadu_ps(q + 32 * u));                          \
+        }                                                                                      \
+        int64_t i = 0;                                                                         \
+        for (; i + 8 <= n; i += 8) {                                                           \
+            __m512 a[8];                                                                       \
+            for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();                            \
+            for (int u = 0; u < DD / 32; u++) {                                                \
+                for (int r = 0; r < 8; r++) {                                                  \
+                    __m512bh key = (__m512bh)_mm512_loadu_si512(k + (i + r) * ks + 32 * u);    \
+                    a[r] = _mm512_dpbf16_ps(a[r], qv[u], key);                                 \
+                }                                                                              \
+            }                                                                                  \
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(sum8x16(a), _mm256_set1_ps(scale)));       \
+        }                                                                                      \
+        for (; i < n; i++) {                                                                   \
+            __m512 a = _mm512_setzero_ps();                                                    \
+            for (int u = 0; u < DD / 32; u++) {                                                \
+                a = _mm512_dpbf16_ps(a, qv[u], (__m512bh)_mm512_loadu_si512(k + i * ks + 32 * u)); \
+            }                                                                                  \
+            out[i] = _mm512_reduce_add_ps(a) * scale;                                          \
+        }                                                                                      \
+    }
+DEFINE_SCORES_BF16(64)
+DEFINE_SCORES_BF16(128)
+#endif
+
+static int bf16_scores_built(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static void scores_bf16(int64_t D, const float *const *q, int64_t Q, const void *k, int64_t ks,
+                        int64_t n, float scale, float *scores) {
+#if defined(__AVX512BF16__)
+    for (int64_t j = 0; j < Q; j++) {
+        (D == 64 ? scores_bf16_64 : scores_bf16_128)(q[j], (const uint16_t *)k, ks, n, scale,
+                                                      scores + j * CHUNK);
+    }
+#else
+    (void)D, (void)q, (void)Q, (void)k, (void)ks, (void)n, (void)scale, (void)scores;
+#endif
+}
+
 /* widen512_T(src, stride, count, D, dst): dst [count, D] = the float values of count slots
  * stride elements apart (D a multiple of 16). */
 #define DEFINE_WIDEN512(T, C)                                                                  \
@@ -756,6 +818,7 @@ DEFINE_WIDEN512(f16, uint16_t)
             q[j] = qkv + members[j / group] * qkv_width + (g * group + j % group) * D;         \
         }                                                                                      \
         float scale = 1.0f / sqrtf((float)D);                                                  \
+        int in_place = KEYS_BF16_##T && m->bf16_queries && bf16_scores_built();                \
         for (int64_t t = t0, end; t < t1; t = end) {                                           \
             end = run_end(t, t1, bs);                                                          \
             int64_t slot = table[t / bs] * bs + t % bs;                                        \
@@ -769,6 +832,10 @@ DEFINE_WIDEN512(f16, uint16_t)
             PREFETCH_SLOTS(kv + cache_offset(m, 1, slot, g), stride, end - t, sizeof(C),       \
                            _MM_HINT_T1);                                                       \
             const C *k = kv + cache_offset(m, 0, slot, g);                                     \
+            if (in_place) {                                                                    \
+                scores_bf16(D, q, Q, k, stride, end - t, scale, scores + t - t0);              \
+                continue;                                                                      \
+            }                                                                                  \
             const float *keys = run_floats_##T(k, stride, end - t, D, run, &rs);               \
             for (int64_t j = 0; j < Q; j++) {                                                  \
                 (D == 64 ? scores512_64 : scores512_128)(q[j], keys, rs, end - t, scale,       \
@@ -796,6 +863,10 @@ DEFINE_WIDEN512(f16, uint16_t)
             }                                                                                  \
         }                                                                                      \
     }
+/* Whether a cache of this type is scored in place with bfloat16 queries (scores_bf16). */
+#define KEYS_BF16_f32 0
+#define KEYS_BF16_bf16 1
+#define KEYS_BF16_f16 0
 DEFINE_ATTEND512(f32, float)
 DEFINE_ATTEND512(bf16, uint16_t)
 DEFINE_ATTEND512(f16, uint16_t)
@@ -1107,6 +1178,16 @@ void attention_run(const DecodeModel *m, const DecodeBatch *s, const void *plan,
     float *parts = (float *)((char *)plan + sizeof(ChunkGroups) + groups_bytes(m, s, chunks));
 #pragma omp parallel
     attention(m, s, kv, q, m->heads * m->head_dim, out, chunks, parts, cg);
+}
+
+/* Whether this build scores bfloat16 queries against a bfloat16 cache with vdpbf16ps
+ * (scores_bf16; DecodeModel.bf16_queries asks for it). */
+int attention_has_bf16_scores(void) {
+#if defined(__AVX512F__)
+    return bf16_scores_built();
+#else
+    return 0;
+#endif
 }
 
 /* Whether attention at head size D has its 512-bit form in this build (attend512_T). */
