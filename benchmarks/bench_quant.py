@@ -32,7 +32,7 @@ times another ``decode.c``'s layers beside this one's. Part 5 times the fused de
 from the thread that loaded the model and from another one (why the server's engine thread
 loads the model itself). Part 6 splits the fused step of 16 sequences at ~1,100 tokens of context
 into products and attention, with and without shared prefixes; with a bfloat16 model and cache
-it also times this kernel with the queries scored in float32 (``bf16_queries`` off), and
+it also times this kernel attending in float32 (``bf16_queries`` off), and
 ``--compare-kernel PATH`` times another ``decode.c`` beside this one, e.g. an earlier commit's
 whose ``DecodeModel`` has the same fields (it includes ``quant.c``, so copy that beside it):
 
@@ -352,11 +352,11 @@ def long_contexts(repeat: int, compare: str | None, cache: str) -> None:
               num_blocks=LONG_ROWS * (LONG_CONTEXT // 16 + 2))
     runner = llm.engine.runner
     fused = fused_decode.FusedDecode(runner.model, runner.kv_cache, runner.block_size)
-    # name: (library, whether a bfloat16 model's queries are scored in bfloat16)
+    # name: (library, whether a bfloat16 model attends in bfloat16 over a bfloat16 cache)
     scored = bool(fused.model.bf16_queries)
     kernels = {"this kernel": (fused._lib, scored)}
     if scored and cache == "bfloat16":
-        kernels["this kernel, float32 scores"] = (fused._lib, False)
+        kernels["this kernel, float32 attention"] = (fused._lib, False)
     if compare:
         other = quant_kernels.KernelLibrary(Path(compare), fused_decode._declare).get()
         assert other is not None, f"{compare} did not build"

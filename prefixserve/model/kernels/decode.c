@@ -54,7 +54,7 @@ typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     int64_t block_size, num_slots, kv_type; /* KV_F32, KV_BF16 or KV_F16 */
     int64_t bf16_products; /* a bfloat16 model: its batch products may take bfloat16 rows */
-    int64_t bf16_queries;  /* a bfloat16 model's queries: scored in bfloat16 (scores_bf16) */
+    int64_t bf16_queries;  /* a bfloat16 model: a bfloat16 cache is attended in bfloat16 */
     double eps;
     const float *inv_freq; /* [head_dim / 2] rotary inverse frequencies */
     const DecodeLayer *layers;
@@ -764,6 +764,81 @@ static void scores_bf16(int64_t D, const float *const *q, int64_t Q, const void 
 #endif
 }
 
+/* pv_bf16(D, nb, v, vs, n, p, out): pv512's contract with bfloat16 values read in place (value
+ * t at v + t * vs elements) and bfloat16 weights (p[j][t]): two positions at a time, their
+ * values interleaved element by element (vpermt2w) so that `vdpbf16ps` adds both products of
+ * an output element in one lane, against the pair of a query's weights broadcast. An odd last
+ * position is paired with itself at weight zero. The weights rounded to bfloat16 are what
+ * torch's CPU flash attention multiplies the values by for bfloat16 inputs. */
+#if defined(__AVX512BF16__)
+#define DEFINE_PV_BF16(DD, NB)                                                                 \
+    static void pv_bf16_##DD##_##NB(const uint16_t *v, int64_t vs, int64_t n,                 \
+                                    const uint16_t **p, float **out) {                         \
+        __m512 acc[NB][DD / 16];                                                               \
+        for (int j = 0; j < NB; j++) {                                                         \
+            for (int u = 0; u < DD / 16; u++) acc[j][u] = _mm512_loadu_ps(out[j] + 16 * u);    \
+        }                                                                                      \
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,    \
+                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,   \
+                                            34, 2, 33, 1, 32, 0);                              \
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));                        \
+        for (int64_t t = 0; t < n; t += 2, v += 2 * vs) {                                      \
+            int last = t + 1 == n; /* pair the odd last position with itself, weight 0 */      \
+            const uint16_t *v2 = last ? v : v + vs;                                            \
+            __m512i w[NB];                                                                     \
+            for (int j = 0; j < NB; j++) {                                                     \
+                uint32_t pair = (uint32_t)p[j][t] | (last ? 0u : (uint32_t)p[j][t + 1] << 16); \
+                w[j] = _mm512_set1_epi32((int)pair);                                           \
+            }                                                                                  \
+            for (int u = 0; u < DD / 32; u++) {                                                \
+                __m512i a = _mm512_loadu_si512(v + 32 * u), b = _mm512_loadu_si512(v2 + 32 * u); \
+                __m512bh x0 = (__m512bh)_mm512_permutex2var_epi16(a, lo, b);                  \
+                __m512bh x1 = (__m512bh)_mm512_permutex2var_epi16(a, hi, b);                  \
+                for (int j = 0; j < NB; j++) {                                                 \
+                    acc[j][2 * u] = _mm512_dpbf16_ps(acc[j][2 * u], (__m512bh)w[j], x0);       \
+                    acc[j][2 * u + 1] = _mm512_dpbf16_ps(acc[j][2 * u + 1], (__m512bh)w[j], x1); \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; j < NB; j++) {                                                         \
+            for (int u = 0; u < DD / 16; u++) _mm512_storeu_ps(out[j] + 16 * u, acc[j][u]);    \
+        }                                                                                      \
+    }
+DEFINE_PV_BF16(64, 1)
+DEFINE_PV_BF16(64, 2)
+DEFINE_PV_BF16(64, 3)
+DEFINE_PV_BF16(64, 4)
+DEFINE_PV_BF16(64, 5)
+DEFINE_PV_BF16(64, 6)
+DEFINE_PV_BF16(128, 1)
+DEFINE_PV_BF16(128, 2)
+DEFINE_PV_BF16(128, 3)
+#endif
+
+static void pv_bf16(int64_t D, int64_t nb, const void *v, int64_t vs, int64_t n,
+                    const uint16_t **p, float **out) {
+#if defined(__AVX512BF16__)
+    typedef void (*Pv)(const uint16_t *, int64_t, int64_t, const uint16_t **, float **);
+    static const Pv pv64[6] = {pv_bf16_64_1, pv_bf16_64_2, pv_bf16_64_3,
+                               pv_bf16_64_4, pv_bf16_64_5, pv_bf16_64_6};
+    static const Pv pv128[3] = {pv_bf16_128_1, pv_bf16_128_2, pv_bf16_128_3};
+    (D == 64 ? pv64 : pv128)[nb - 1]((const uint16_t *)v, vs, n, p, out);
+#else
+    (void)D, (void)nb, (void)v, (void)vs, (void)n, (void)p, (void)out;
+#endif
+}
+
+/* dst[i] = x[i] rounded to bfloat16 (to nearest even) for i < n. */
+static void round_bf16_n(const float *x, int64_t n, uint16_t *dst) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16) {
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = round_bf16(x[i]);
+}
+
 /* widen512_T(src, stride, count, D, dst): dst [count, D] = the float values of count slots
  * stride elements apart (D a multiple of 16). */
 #define DEFINE_WIDEN512(T, C)                                                                  \
@@ -794,7 +869,9 @@ DEFINE_WIDEN512(f16, uint16_t)
 #define KEY_RUNS_AHEAD 3
 #endif
 
-/* attend512_T: attend_group_T's contract, for head sizes 64 and 128. */
+/* attend512_T: attend_group_T's contract, for head sizes 64 and 128. With bf16_queries, a
+ * bfloat16 cache is read in place: scores_bf16 for the keys, the weights rounded to bfloat16
+ * into `run`, and pv_bf16 for the values. */
 #define DEFINE_ATTEND512(T, C)                                                                 \
     static const float *run_floats_##T(const C *src, int64_t stride, int64_t count, int64_t D, \
                                        float *run, int64_t *run_stride) {                      \
@@ -847,9 +924,26 @@ DEFINE_WIDEN512(f16, uint16_t)
             mx[j] = member_weights(scores + j * CHUNK, own, t1 - t0, &sm[j]);                  \
             memset(out + j * D, 0, (size_t)D * sizeof(float));                                 \
         }                                                                                      \
+        uint16_t *weights = (uint16_t *)run; /* in place: the weights in bfloat16 */            \
+        for (int64_t j = 0; in_place && j < Q; j++) {                                          \
+            round_bf16_n(scores + j * CHUNK, t1 - t0, weights + j * CHUNK);                    \
+        }                                                                                      \
         for (int64_t t = t0, end; t < t1; t = end) {                                           \
             end = run_end(t, t1, bs);                                                          \
             const C *v = kv + cache_offset(m, 1, table[t / bs] * bs + t % bs, g);              \
+            if (in_place) {                                                                    \
+                for (int64_t j0 = 0; j0 < Q; j0 += block) {                                    \
+                    int64_t nb = Q - j0 < block ? Q - j0 : block;                              \
+                    const uint16_t *pw[6];                                                     \
+                    float *o[6];                                                               \
+                    for (int64_t j = 0; j < nb; j++) {                                         \
+                        pw[j] = weights + (j0 + j) * CHUNK + t - t0;                           \
+                        o[j] = out + (j0 + j) * D;                                             \
+                    }                                                                          \
+                    pv_bf16(D, nb, v, stride, end - t, pw, o);                                 \
+                }                                                                              \
+                continue;                                                                      \
+            }                                                                                  \
             const float *values = run_floats_##T(v, stride, end - t, D, run, &rs);             \
             for (int64_t j0 = 0; j0 < Q; j0 += block) {                                        \
                 int64_t nb = Q - j0 < block ? Q - j0 : block;                                  \
@@ -1073,13 +1167,21 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
     team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta);
 }
 
+/* The floats of a thread's `run` scratch: a block's keys or values widened to float, or, when
+ * the queries are scored in bfloat16, the weights of up to `queries` queries over a chunk in
+ * bfloat16 (attend512_T). */
+static int64_t run_scratch_floats(const DecodeModel *m, int64_t queries) {
+    int64_t widened = m->block_size * m->head_dim, weights = queries * CHUNK / 2;
+    return (widened > weights ? widened : weights) + 16;
+}
+
 /* The bytes of a step's chunk groups and attention scratch (groups_init). */
 static size_t groups_bytes(const DecodeModel *m, const DecodeBatch *s, int64_t chunks) {
     int64_t rows = s->B < MAX_GROUP_ROWS ? s->B : MAX_GROUP_ROWS;
     int64_t queries = rows * (m->heads / m->kv_heads);
     int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
     int64_t thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers +
-                            m->block_size * m->head_dim + 16;
+                            run_scratch_floats(m, queries);
     return (size_t)(s->B * chunks) * (sizeof(ChunkGroup) + sizeof(int64_t)) +
            (size_t)(chunks + 1) * sizeof(int64_t) + (size_t)s->B +
            (size_t)(omp_get_max_threads() * thread_floats) * sizeof(float) + 64;
@@ -1094,7 +1196,7 @@ static void groups_init(const DecodeModel *m, const DecodeBatch *s, int64_t chun
     int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
     cg->queries = queries;
     cg->thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers +
-                        m->block_size * m->head_dim + 16;
+                        run_scratch_floats(m, queries);
     cg->groups = (ChunkGroup *)p;
     cg->members = (int64_t *)(cg->groups + slots);
     cg->chunk_first = cg->members + slots;
