@@ -13,8 +13,10 @@ docs), ``SMALL_M`` positions per forward so every product takes the packed kerne
 the next-token argmax and the perplexity with the dense float32 model of the same GGUF file
 (teacher forcing: every model sees the same tokens), with 16- and 8-bit activations and with
 a float16 and a bfloat16 KV cache, then a bfloat16 model, packed (whose products of 8-16 rows
-take the bfloat16 kernel on AVX512-BF16) and dense. It is the measurement behind
-``quant.ACTIVATION_BITS``, the bfloat16 batch kernel and ``--kv-cache-dtype``.
+take the bfloat16 kernel on AVX512-BF16) and dense, with torch's attention, and the packed one
+through the C attention the engine's prompt steps take, attending in bfloat16
+(``bf16_queries``) and in float32. It is the measurement behind ``quant.ACTIVATION_BITS``, the
+bfloat16 batch kernel, the bfloat16 attention and ``--kv-cache-dtype``.
 
 Part 3 is the engine on the default model three ways, interleaved run by run: packed weights
 (``--weights auto``) with the fused decode step, packed weights with ``--enforce-eager`` (the
@@ -62,8 +64,8 @@ import torch
 
 import prefixserve.model.quant as quant
 from prefixserve import LLM
-from prefixserve.model import fused_decode, quant_kernels
-from prefixserve.model.attention import build_metadata
+from prefixserve.model import fused_decode, prompt_attention, quant_kernels
+from prefixserve.model.attention import TableRows, build_metadata
 from prefixserve.model.config import default_model_path
 from prefixserve.model.loader import load_model
 from prefixserve.model.tokenizer import load_tokenizer
@@ -130,20 +132,33 @@ def text_tokens(count: int) -> list[int]:
 
 def next_token_logits(weights: str, ids: list[int], rows: int,
                       cache_dtype: torch.dtype = torch.float32,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32,
+                      kernel_attention: bool | None = None) -> torch.Tensor | None:
     """Logits of every position after the first, computed ``rows`` positions per forward, the
-    model in ``dtype``, the KV cache in ``cache_dtype``."""
+    model in ``dtype``, the KV cache in ``cache_dtype``. Attention is torch's SDPA, or with
+    ``kernel_attention`` the C kernel's that the engine's prompt steps take
+    (``prompt_attention``), its ``bf16_queries`` set to the flag's value: None where this
+    CPU's build has no such kernel for the model's head size."""
     config, net = load_model(None, dtype, "cpu", weights)
     block_size, blocks = 16, len(ids) // 16 + 2
     cache = torch.zeros(config.num_hidden_layers, 2, blocks * block_size,
                         config.num_key_value_heads, config.head_dim, dtype=cache_dtype)
     table = list(range(blocks))
+    kernel, table_rows = None, None
+    if kernel_attention is not None:
+        if not prompt_attention.available(config.head_dim):
+            return None
+        kernel = prompt_attention.PromptAttention(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            block_size, cache, bf16_queries=kernel_attention)
+        table_rows = TableRows(torch.tensor([table]), [0])
     out = []
     with torch.inference_mode():
         for start in range(0, len(ids) - 1, rows):
             part = ids[start : min(start + rows, len(ids) - 1)]
             meta = build_metadata([(start, len(part))], [table], block_size,
-                                  torch.device("cpu"), torch.float32)
+                                  torch.device("cpu"), torch.float32, table_rows,
+                                  kernel=kernel)
             hidden = net(torch.tensor(part), torch.arange(start, start + len(part)), cache, meta,
                          block_size)
             out.append(net.compute_logits(hidden))
@@ -160,6 +175,7 @@ def part_accuracy(positions: int) -> None:
     ids = text_tokens(positions)
     targets = torch.tensor(ids[1:])
     reference = next_token_logits("bf16", ids, 256)
+    assert reference is not None  # SDPA: always
     top1 = reference.argmax(-1)
     print("| activations | KV cache | top-1 agreement | positions that differ | perplexity | "
           "reference perplexity |")
@@ -168,6 +184,7 @@ def part_accuracy(positions: int) -> None:
                         (16, torch.bfloat16)):
         quant.ACTIVATION_BITS = bits
         logits = next_token_logits("auto", ids, quant.SMALL_M, cache)
+        assert logits is not None
         same = (logits.argmax(-1) == top1).float().mean().item()
         differ = int((logits.argmax(-1) != top1).sum())
         print(f"| {bits}-bit | {str(cache).removeprefix('torch.')} | {same:.2%} | {differ} | "
@@ -175,9 +192,19 @@ def part_accuracy(positions: int) -> None:
     quant.ACTIVATION_BITS = 16
     # A bfloat16 model: packed (on AVX512-BF16 its products of 8-16 rows take bfloat16
     # activations) and dense (--weights bf16), both against the same float32 reference.
-    for label, weights in (("bfloat16 model, packed", "auto"), ("bfloat16 model, dense", "bf16")):
-        logits = next_token_logits(weights, ids, quant.SMALL_M, torch.bfloat16,
-                                   torch.bfloat16).float()
+    # The packed bfloat16 model also through the C kernel's attention (the engine's prompt
+    # steps), attending in bfloat16 (bf16_queries, on AVX512-BF16) and in float32.
+    cases: list[tuple[str, str, bool | None]] = [
+        ("bfloat16 model, packed", "auto", None), ("bfloat16 model, dense", "bf16", None),
+        ("bfloat16 model, packed, kernel attention in bfloat16", "auto", True),
+        ("bfloat16 model, packed, kernel attention in float32", "auto", False)]
+    for label, weights, kernel_attention in cases:
+        computed = next_token_logits(weights, ids, quant.SMALL_M, torch.bfloat16,
+                                     torch.bfloat16, kernel_attention)
+        if computed is None:
+            print(f"| {label} | bfloat16 | no such kernel on this CPU | | | |")
+            continue
+        logits = computed.float()
         same = (logits.argmax(-1) == top1).float().mean().item()
         differ = int((logits.argmax(-1) != top1).sum())
         print(f"| {label} | bfloat16 | {same:.2%} | {differ} | "

@@ -931,29 +931,20 @@ DEFINE_WIDEN512(f16, uint16_t)
         for (int64_t t = t0, end; t < t1; t = end) {                                           \
             end = run_end(t, t1, bs);                                                          \
             const C *v = kv + cache_offset(m, 1, table[t / bs] * bs + t % bs, g);              \
-            if (in_place) {                                                                    \
-                for (int64_t j0 = 0; j0 < Q; j0 += block) {                                    \
-                    int64_t nb = Q - j0 < block ? Q - j0 : block;                              \
-                    const uint16_t *pw[6];                                                     \
-                    float *o[6];                                                               \
-                    for (int64_t j = 0; j < nb; j++) {                                         \
-                        pw[j] = weights + (j0 + j) * CHUNK + t - t0;                           \
-                        o[j] = out + (j0 + j) * D;                                             \
-                    }                                                                          \
-                    pv_bf16(D, nb, v, stride, end - t, pw, o);                                 \
-                }                                                                              \
-                continue;                                                                      \
-            }                                                                                  \
-            const float *values = run_floats_##T(v, stride, end - t, D, run, &rs);             \
+            /* in place, `run` holds the bfloat16 weights: the values are read where they are */ \
+            const float *values = in_place ? NULL : run_floats_##T(v, stride, end - t, D, run, &rs); \
             for (int64_t j0 = 0; j0 < Q; j0 += block) {                                        \
                 int64_t nb = Q - j0 < block ? Q - j0 : block;                                  \
                 const float *p[6];                                                             \
+                const uint16_t *pw[6];                                                         \
                 float *o[6];                                                                   \
                 for (int64_t j = 0; j < nb; j++) {                                             \
                     p[j] = scores + (j0 + j) * CHUNK + t - t0;                                 \
+                    pw[j] = weights + (j0 + j) * CHUNK + t - t0;                               \
                     o[j] = out + (j0 + j) * D;                                                 \
                 }                                                                              \
-                pv512(D, nb, values, rs, end - t, p, o);                                       \
+                if (in_place) pv_bf16(D, nb, v, stride, end - t, pw, o);                       \
+                else pv512(D, nb, values, rs, end - t, p, o);                                  \
             }                                                                                  \
         }                                                                                      \
     }
