@@ -138,9 +138,9 @@ class FusedDecode:
         for i, layer in enumerate(_layers(model)):
             layers[i] = self._layer(layer, kv_cache[slot[i]])
         self._layers = layers
-        # a bfloat16 model's batch products may take bfloat16 activations, and its queries are
-        # scored in bfloat16 against a bfloat16 cache, as its eager SDPA rounds them (both on
-        # AVX512-BF16 builds)
+        # a bfloat16 model's batch products may take bfloat16 activations, and it attends in
+        # bfloat16 over a bfloat16 cache (queries and softmax weights rounded, as its eager
+        # SDPA rounds them); both on AVX512-BF16 builds
         bf16 = int(_layers(model)[0].input_norm.weight.dtype == torch.bfloat16)
         self.model = _Model(
             len(model.layers), config.hidden_size, config.num_attention_heads,

@@ -828,7 +828,10 @@ static void pv_bf16(int64_t D, int64_t nb, const void *v, int64_t vs, int64_t n,
 #endif
 }
 
-/* dst[i] = x[i] rounded to bfloat16 (to nearest even) for i < n. */
+/* dst[i] = x[i] rounded to bfloat16 (to nearest even) for i < n: softmax weights, 16 at a time
+ * where the build has AVX512-BF16. That conversion takes inputs below 2^-126 as zero, where
+ * round_rows_bf16 (the products' activations) keeps torch's bits; a weight that small is
+ * exp(-87) of the chunk's largest, nothing to any sum. */
 static void round_bf16_n(const float *x, int64_t n, uint16_t *dst) {
     int64_t i = 0;
 #if defined(__AVX512BF16__)
