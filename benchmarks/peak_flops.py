@@ -98,7 +98,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        binary = build(Path(tmp))
+        try:
+            binary = build(Path(tmp))
+        except subprocess.CalledProcessError:
+            raise SystemExit("the loops did not build: they need a C compiler with OpenMP and "
+                             "an AVX-512 CPU") from None
         print("| loop | threads | GFLOP/s, median (range) |")
         print("|---|---|---|")
         for kind, label in (("fma", "512-bit FMA, float32"), ("bf16", "vdpbf16ps, bfloat16")):

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from isa_helpers import has_avx512_and_avx2
 
-from prefixserve.model import prompt_attention
+from prefixserve.model import fused_decode, prompt_attention, quant_kernels
 from prefixserve.model.attention import (
     AttentionMetadata,
     TableRows,
@@ -139,7 +140,7 @@ def bf16_reference(q: torch.Tensor, plan: Planned, seq_lens: list[tuple[int, int
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_bfloat16_queries_are_scored_in_bfloat16(head_dim: int) -> None:
+def test_a_bfloat16_model_attends_in_bfloat16(head_dim: int) -> None:
     """With ``bf16_queries`` and a bfloat16 cache the kernel computes as a bfloat16 model does
     (:func:`bf16_reference`: queries and weights rounded to bfloat16, ``vdpbf16ps`` over keys
     and values in place): within 2^-10 of the largest value (the kernel rounds each chunk's
@@ -149,7 +150,7 @@ def test_bfloat16_queries_are_scored_in_bfloat16(head_dim: int) -> None:
     ignored (float32 queries and weights), a query's pairs of elements misordered against the
     keys' (the halves of ``_mm512_cvtne2ps_pbh`` swapped), values interleaved out of order,
     the odd last position of a run weighted by the next one's weight (planted: each caught)."""
-    if not (prompt_attention.available(head_dim) and prompt_attention.scores_in_bf16()):
+    if not (prompt_attention.available(head_dim) and prompt_attention.attends_in_bf16()):
         pytest.skip("no bfloat16 scores in this CPU's build of the kernel")
     heads, kv_heads = (9, 3) if head_dim == 64 else (4, 2)
     plan = planned(heads, kv_heads, head_dim, torch.bfloat16, bf16_queries=True)
@@ -162,6 +163,47 @@ def test_bfloat16_queries_are_scored_in_bfloat16(head_dim: int) -> None:
     assert float((got - want).abs().mean()) < 2**-14 * largest
     unrounded = paged_attention(q, plan.k, plan.v, plan.cache, plan.want, BLOCK)
     assert float((got - unrounded).abs().max()) > 1e-3
+
+
+def test_without_avx512_bf16_the_flag_falls_back_to_float32(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build with AVX-512 but not AVX512-BF16 (a CPU before it) says it has no bfloat16 form,
+    and with ``bf16_queries`` set attends in float32: torch's result within float rounding.
+    Kills: the flag honoured where the instructions are absent (the call reaching the empty
+    stubs leaves the outputs at zero), ``attends_in_bf16`` asking the wrong build."""
+    if not has_avx512_and_avx2():
+        pytest.skip("needs an AVX-512 CPU to build its kernel without AVX512-BF16")
+    build = quant_kernels.KernelLibrary(fused_decode._SOURCE, fused_decode._declare,
+                                        ("-mno-avx512bf16",))
+    monkeypatch.setattr(fused_decode, "_library", build)
+    assert prompt_attention.available(64) and not prompt_attention.attends_in_bf16()
+    plan = planned(9, 3, 64, torch.bfloat16, bf16_queries=True)
+    q = torch.randn(plan.want.num_tokens, 9, 64)
+    got = paged_attention(q, plan.k, plan.v, plan.cache, plan.got, BLOCK)
+    want = paged_attention(q, plan.k, plan.v, plan.cache, plan.want, BLOCK)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype", "in_bf16"), [
+    (torch.bfloat16, None, True), (torch.float32, torch.bfloat16, False),
+    (torch.float32, None, False)], ids=["bfloat16-model", "float32-model-bfloat16-cache",
+                                        "float32-model"])
+def test_only_a_bfloat16_model_attends_in_bfloat16(dtype: torch.dtype,
+                                                  kv_dtype: torch.dtype | None,
+                                                  in_bf16: bool) -> None:
+    """The runner asks the kernel to attend in bfloat16 (``bf16_queries``) in a bfloat16
+    model's prompt and decode steps, and never for a float32 model, over a bfloat16 cache
+    either: its queries are float32 values, and rounding them would change its results.
+    Kills: the flag keyed on the cache's dtype, or not passed to one of the two paths."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=64)
+    if not prompt_attention.available(config.head_dim):
+        pytest.skip("no 512-bit form of the kernel on this CPU")
+    model = packed_model(config).to(dtype)
+    runner = ModelRunner(config, model, 64, BLOCK, dtype, "cpu", kv_cache_dtype=kv_dtype)
+    runner.execute([SeqBatchInput(list(range(40)), 0, [0, 1, 2], seq_id=0)])
+    assert runner._prompt_attention is not None and runner._fused is not None
+    assert bool(runner._prompt_attention.model.bf16_queries) is in_bf16
+    assert bool(runner._fused.model.bf16_queries) is in_bf16
 
 
 def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:

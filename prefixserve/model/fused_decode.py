@@ -80,8 +80,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attention_run.restype = None
     lib.attention_has_fast_form.argtypes = [ctypes.c_int64]
     lib.attention_has_fast_form.restype = ctypes.c_int
-    lib.attention_has_bf16_scores.argtypes = []
-    lib.attention_has_bf16_scores.restype = ctypes.c_int
+    lib.attention_has_bf16_form.argtypes = []
+    lib.attention_has_bf16_form.restype = ctypes.c_int
 
 
 _library = quant_kernels.KernelLibrary(_SOURCE, _declare)

@@ -35,11 +35,11 @@ def available(head_dim: int) -> bool:
     return lib is not None and bool(lib.attention_has_fast_form(head_dim))
 
 
-def scores_in_bf16() -> bool:
+def attends_in_bf16() -> bool:
     """Whether this CPU's build attends with bfloat16 queries and weights over a bfloat16 cache
     with ``vdpbf16ps`` (AVX512-BF16): ``PromptAttention(..., bf16_queries=True)`` takes it."""
     lib = fused_decode._library.get()
-    return lib is not None and bool(lib.attention_has_bf16_scores())
+    return lib is not None and bool(lib.attention_has_bf16_form())
 
 
 @dataclass
@@ -70,7 +70,7 @@ class PromptAttention:
     """The kernel's attention for a model's cache: heads, KV heads, head size, block size and
     cache type (one of :data:`~prefixserve.model.fused_decode.KV_TYPES`). ``bf16_queries``
     says that the queries are bfloat16 values (a bfloat16 model's): with a bfloat16 cache the
-    kernel then attends in bfloat16 (:func:`scores_in_bf16`), reading keys and values in place
+    kernel then attends in bfloat16 (:func:`attends_in_bf16`), reading keys and values in place
     and rounding the softmax weights to bfloat16 as torch's SDPA does in bfloat16. It keeps
     the buffers
     of the latest plan, grown as steps need, for the next: one step's plan is used up before

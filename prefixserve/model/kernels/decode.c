@@ -710,7 +710,7 @@ static void pv512(int64_t D, int64_t nb, const float *v, int64_t vs, int64_t n, 
  * buffer nor converted, and one instruction makes 32 multiply-adds where an FMA made 16. Only
  * for queries that are bfloat16 values already (a bfloat16 model's: the eager path's SDPA
  * rounds them so too), where the rounding changes nothing or what the model itself rounds.
- * Needs AVX512-BF16 (bf16_scores_built); head sizes 64 and 128. */
+ * Needs AVX512-BF16 (bf16_attention_built); head sizes 64 and 128. */
 #if defined(__AVX512BF16__)
 #define DEFINE_SCORES_BF16(DD)                                                                 \
     static void scores_bf16_##DD(const float *q, const uint16_t *k, int64_t ks, int64_t n,    \
@@ -744,7 +744,7 @@ DEFINE_SCORES_BF16(64)
 DEFINE_SCORES_BF16(128)
 #endif
 
-static int bf16_scores_built(void) {
+static int bf16_attention_built(void) {
 #if defined(__AVX512BF16__)
     return 1;
 #else
@@ -898,7 +898,7 @@ DEFINE_WIDEN512(f16, uint16_t)
             q[j] = qkv + members[j / group] * qkv_width + (g * group + j % group) * D;         \
         }                                                                                      \
         float scale = 1.0f / sqrtf((float)D);                                                  \
-        int in_place = KEYS_BF16_##T && m->bf16_queries && bf16_scores_built();                \
+        int in_place = KEYS_BF16_##T && m->bf16_queries && bf16_attention_built();        \
         for (int64_t t = t0, end; t < t1; t = end) {                                           \
             end = run_end(t, t1, bs);                                                          \
             int64_t slot = table[t / bs] * bs + t % bs;                                        \
@@ -951,7 +951,7 @@ DEFINE_WIDEN512(f16, uint16_t)
             }                                                                                  \
         }                                                                                      \
     }
-/* Whether a cache of this type is scored in place with bfloat16 queries (scores_bf16). */
+/* Whether a cache of this type is attended in place in bfloat16 (scores_bf16, pv_bf16). */
 #define KEYS_BF16_f32 0
 #define KEYS_BF16_bf16 1
 #define KEYS_BF16_f16 0
@@ -1276,11 +1276,11 @@ void attention_run(const DecodeModel *m, const DecodeBatch *s, const void *plan,
     attention(m, s, kv, q, m->heads * m->head_dim, out, chunks, parts, cg);
 }
 
-/* Whether this build scores bfloat16 queries against a bfloat16 cache with vdpbf16ps
- * (scores_bf16; DecodeModel.bf16_queries asks for it). */
-int attention_has_bf16_scores(void) {
+/* Whether this build attends in bfloat16 over a bfloat16 cache with vdpbf16ps (scores_bf16,
+ * pv_bf16; DecodeModel.bf16_queries asks for it). Without AVX512-BF16 the flag is ignored. */
+int attention_has_bf16_form(void) {
 #if defined(__AVX512F__)
-    return bf16_scores_built();
+    return bf16_attention_built();
 #else
     return 0;
 #endif
