@@ -855,26 +855,28 @@ DEFINE_WIDEN512(f32, float) /* never called: a float32 cache is read in place */
 DEFINE_WIDEN512(bf16, uint16_t)
 DEFINE_WIDEN512(f16, uint16_t)
 
-/* Asks for the `count` slots of one head's keys or values at p (D elements of size bytes,
- * stride elements apart) to be brought into the cache (hint: _MM_HINT_T0 or _MM_HINT_T1). A
- * block's slots are a few kilobytes and the next block lies anywhere, so the hardware
- * prefetchers alone left the loads waiting on memory: the widening loop took 88% of the
- * attention's time (perf, 16 rows alone at 1,100 positions, a bfloat16 cache). */
-#define PREFETCH_SLOTS(p, stride, count, bytes, hint)                                          \
-    do {                                                                                       \
-        const char *at_ = (const char *)(p);                                                   \
-        for (int64_t i_ = 0; i_ < (count); i_++, at_ += (stride) * (bytes)) {                  \
-            for (int64_t b_ = 0; b_ < D * (int64_t)(bytes); b_ += 64) _mm_prefetch(at_ + b_, hint);     \
-        }                                                                                      \
-    } while (0)
-
 #ifndef KEY_RUNS_AHEAD
 #define KEY_RUNS_AHEAD 3
 #endif
 
-/* attend512_T: attend_group_T's contract, for head sizes 64 and 128. With bf16_queries, a
- * bfloat16 cache is read in place: scores_bf16 for the keys, the weights rounded to bfloat16
- * into `run`, and pv_bf16 for the values. */
+/* Asks for `bytes` bytes at p to be brought into the cache (hint: _MM_HINT_T0 or _MM_HINT_T1).
+ * A block's slots are a few kilobytes and the next block lies anywhere, so the hardware
+ * prefetchers alone left the loads waiting on memory: the widening loop took 88% of the
+ * attention's time (perf, 16 rows alone at 1,100 positions, a bfloat16 cache, round 6). */
+#define PREFETCH_BYTES(p, bytes, hint)                                                         \
+    do {                                                                                       \
+        const char *at_ = (const char *)(p);                                                   \
+        for (int64_t b_ = 0; b_ < (bytes); b_ += 64) _mm_prefetch(at_ + b_, hint);             \
+    } while (0)
+
+/* attend512_T: attend_group_T's contract for the ng KV heads from g at once (head sizes 64
+ * and 128): query j of the task is query j % Qg of KV head g + j / Qg, Qg = the group's rows
+ * times the query heads of a KV head. A slot holds every KV head's keys (or values) side by
+ * side, so reading all the heads of a run is one contiguous read of the run's slots; a task
+ * per KV head read a third of each slot, and that strided read cost this machine nearly what
+ * the whole slots did (issue 11, round 8). With bf16_queries, a bfloat16 cache is read in
+ * place: scores_bf16 for the keys, the weights rounded to bfloat16 into `run`, and pv_bf16
+ * for the values. */
 #define DEFINE_ATTEND512(T, C)                                                                 \
     static const float *run_floats_##T(const C *src, int64_t stride, int64_t count, int64_t D, \
                                        float *run, int64_t *run_stride) {                      \
@@ -882,23 +884,24 @@ DEFINE_WIDEN512(f16, uint16_t)
             *run_stride = stride;                                                              \
             return (const float *)(const void *)src;                                           \
         }                                                                                      \
-        widen512_##T(src, stride, count, D, run);              \
+        widen512_##T(src, stride, count, D, run);                                              \
         *run_stride = D;                                                                       \
         return run;                                                                            \
     }                                                                                          \
     static void attend512_##T(const DecodeModel *m, const DecodeBatch *s, const C *kv,          \
                               const ChunkGroup *gr, const int64_t *members, int64_t g,          \
-                              const float *qkv, int64_t qkv_width, const float **q,             \
+                              int64_t ng, const float *qkv, int64_t qkv_width, const float **q, \
                               float *scores, float *out, float *mx, float *sm, float *run) {    \
         int64_t D = m->head_dim, bs = m->block_size, t0 = gr->t0, t1 = gr->t1, rs;             \
-        int64_t group = m->heads / m->kv_heads, Q = gr->count * group;                         \
+        int64_t group = m->heads / m->kv_heads, Qg = gr->count * group, Q = ng * Qg;           \
         int64_t stride = m->kv_heads * D, block = PV_BLOCK(D);                                 \
         const int64_t *table = s->tables + s->rows[members[gr->count - 1]] * s->table_stride;  \
         for (int64_t j = 0; j < Q; j++) {                                                      \
-            q[j] = qkv + members[j / group] * qkv_width + (g * group + j % group) * D;         \
+            int64_t jj = j % Qg;                                                               \
+            q[j] = qkv + members[jj / group] * qkv_width + ((g + j / Qg) * group + jj % group) * D; \
         }                                                                                      \
         float scale = 1.0f / sqrtf((float)D);                                                  \
-        int in_place = KEYS_BF16_##T && m->bf16_queries && bf16_attention_built();        \
+        int in_place = KEYS_BF16_##T && m->bf16_queries && bf16_attention_built();             \
         for (int64_t t = t0, end; t < t1; t = end) {                                           \
             end = run_end(t, t1, bs);                                                          \
             int64_t slot = table[t / bs] * bs + t % bs;                                        \
@@ -906,24 +909,28 @@ DEFINE_WIDEN512(f16, uint16_t)
             for (int r = 0; r < KEY_RUNS_AHEAD && ahead < t1; r++) ahead = run_end(ahead, t1, bs); \
             if (ahead < t1) {                                                                  \
                 int64_t next = table[ahead / bs] * bs + ahead % bs;                            \
-                PREFETCH_SLOTS(kv + cache_offset(m, 0, next, g), stride,                       \
-                               run_end(ahead, t1, bs) - ahead, sizeof(C), _MM_HINT_T0);        \
+                PREFETCH_BYTES(kv + cache_offset(m, 0, next, g),                               \
+                               ((run_end(ahead, t1, bs) - ahead - 1) * stride + ng * D) *      \
+                                   (int64_t)sizeof(C), _MM_HINT_T0);                           \
             }                                                                                  \
-            PREFETCH_SLOTS(kv + cache_offset(m, 1, slot, g), stride, end - t, sizeof(C),       \
-                           _MM_HINT_T1);                                                       \
-            const C *k = kv + cache_offset(m, 0, slot, g);                                     \
-            if (in_place) {                                                                    \
-                scores_bf16(D, q, Q, k, stride, end - t, scale, scores + t - t0);              \
-                continue;                                                                      \
-            }                                                                                  \
-            const float *keys = run_floats_##T(k, stride, end - t, D, run, &rs);               \
-            for (int64_t j = 0; j < Q; j++) {                                                  \
-                (D == 64 ? scores512_64 : scores512_128)(q[j], keys, rs, end - t, scale,       \
-                                                          scores + j * CHUNK + t - t0);        \
+            PREFETCH_BYTES(kv + cache_offset(m, 1, slot, g),                                   \
+                           ((end - t - 1) * stride + ng * D) * (int64_t)sizeof(C), _MM_HINT_T1); \
+            for (int64_t h = 0; h < ng; h++) {                                                 \
+                const C *k = kv + cache_offset(m, 0, slot, g + h);                             \
+                float *sc = scores + h * Qg * CHUNK + t - t0;                                  \
+                if (in_place) {                                                                \
+                    scores_bf16(D, q + h * Qg, Qg, k, stride, end - t, scale, sc);             \
+                    continue;                                                                  \
+                }                                                                              \
+                const float *keys = run_floats_##T(k, stride, end - t, D, run, &rs);           \
+                for (int64_t j = 0; j < Qg; j++) {                                             \
+                    (D == 64 ? scores512_64 : scores512_128)(q[h * Qg + j], keys, rs, end - t, \
+                                                              scale, sc + j * CHUNK);          \
+                }                                                                              \
             }                                                                                  \
         }                                                                                      \
         for (int64_t j = 0; j < Q; j++) {                                                      \
-            int64_t own = member_end(s, gr, members[j / group]) - t0;                          \
+            int64_t own = member_end(s, gr, members[(j % Qg) / group]) - t0;                   \
             mx[j] = member_weights(scores + j * CHUNK, own, t1 - t0, &sm[j]);                  \
             memset(out + j * D, 0, (size_t)D * sizeof(float));                                 \
         }                                                                                      \
@@ -933,21 +940,24 @@ DEFINE_WIDEN512(f16, uint16_t)
         }                                                                                      \
         for (int64_t t = t0, end; t < t1; t = end) {                                           \
             end = run_end(t, t1, bs);                                                          \
-            const C *v = kv + cache_offset(m, 1, table[t / bs] * bs + t % bs, g);              \
-            /* in place, `run` holds the bfloat16 weights: the values are read where they are */ \
-            const float *values = in_place ? NULL : run_floats_##T(v, stride, end - t, D, run, &rs); \
-            for (int64_t j0 = 0; j0 < Q; j0 += block) {                                        \
-                int64_t nb = Q - j0 < block ? Q - j0 : block;                                  \
-                const float *p[6];                                                             \
-                const uint16_t *pw[6];                                                         \
-                float *o[6];                                                                   \
-                for (int64_t j = 0; j < nb; j++) {                                             \
-                    p[j] = scores + (j0 + j) * CHUNK + t - t0;                                 \
-                    pw[j] = weights + (j0 + j) * CHUNK + t - t0;                               \
-                    o[j] = out + (j0 + j) * D;                                                 \
+            for (int64_t h = 0; h < ng; h++) {                                                 \
+                const C *v = kv + cache_offset(m, 1, table[t / bs] * bs + t % bs, g + h);      \
+                /* in place, `run` holds the bfloat16 weights: the values are read in place */ \
+                const float *values =                                                          \
+                    in_place ? NULL : run_floats_##T(v, stride, end - t, D, run, &rs);         \
+                for (int64_t j0 = h * Qg; j0 < (h + 1) * Qg; j0 += block) {                    \
+                    int64_t nb = (h + 1) * Qg - j0 < block ? (h + 1) * Qg - j0 : block;        \
+                    const float *p[6];                                                         \
+                    const uint16_t *pw[6];                                                     \
+                    float *o[6];                                                               \
+                    for (int64_t j = 0; j < nb; j++) {                                         \
+                        p[j] = scores + (j0 + j) * CHUNK + t - t0;                             \
+                        pw[j] = weights + (j0 + j) * CHUNK + t - t0;                           \
+                        o[j] = out + (j0 + j) * D;                                             \
+                    }                                                                          \
+                    if (in_place) pv_bf16(D, nb, v, stride, end - t, pw, o);                   \
+                    else pv512(D, nb, values, rs, end - t, p, o);                              \
                 }                                                                              \
-                if (in_place) pv_bf16(D, nb, v, stride, end - t, pw, o);                       \
-                else pv512(D, nb, values, rs, end - t, p, o);                                  \
             }                                                                                  \
         }                                                                                      \
     }
@@ -981,15 +991,21 @@ static void merge_chunks(const float *parts, int64_t chunks, int64_t D, float *o
 
 /* Attention of every row's query heads over its context; out is [B, heads * D]. parts holds
  * B * heads * chunks * (D + 2) floats, chunks = ceil(longest context / CHUNK). A task is one
- * group of rows sharing a chunk (group_chunks) and one KV head, handed out chunk by chunk
- * (the large groups of shared first chunks first), within a chunk KV head by KV head, and
- * within a head group by group, so that two threads read different rows at a time. Called
- * by every thread of the enclosing parallel region, as team_linear. */
+ * group of rows sharing a chunk (group_chunks) and its KV heads: all of them at 512 bits
+ * (attend512_T, whole slots read at once), one otherwise. Tasks are handed out chunk by chunk
+ * (the large groups of shared first chunks first), within a chunk by KV head, and within a
+ * head group by group, so that two threads read different rows at a time. Called by every
+ * thread of the enclosing parallel region, as team_linear. */
 static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv,
                       const float *qkv, int64_t qkv_width, float *out, int64_t chunks,
                       float *parts, const ChunkGroups *cg) {
     int64_t D = m->head_dim, group = m->heads / m->kv_heads, part = D + 2;
-    int64_t tasks = cg->count * m->kv_heads;
+    /* KV heads a task attends: all of them at 512 bits (attend512_T reads whole slots) */
+    int64_t per_task = 1;
+#if defined(__AVX512F__)
+    if (ATTEND512(D)) per_task = m->kv_heads;
+#endif
+    int64_t splits = m->kv_heads / per_task, tasks = cg->count * splits;
     {
         float *scores = cg->per_thread + (int64_t)omp_get_thread_num() * cg->thread_floats;
         float *o = scores + cg->queries * CHUNK, *mx = o + cg->queries * D, *sm = mx + cg->queries;
@@ -999,31 +1015,31 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv
         for (int64_t task = 0; task < tasks; task++) {
             /* chunk by chunk, KV head by KV head, then the chunk's groups */
             int64_t c = 0;
-            while (task >= cg->chunk_first[c + 1] * m->kv_heads) c++;
+            while (task >= cg->chunk_first[c + 1] * splits) c++;
             int64_t first = cg->chunk_first[c], in_chunk = cg->chunk_first[c + 1] - first;
-            int64_t local = task - first * m->kv_heads;
+            int64_t local = task - first * splits;
             const ChunkGroup *gr = &cg->groups[first + local % in_chunk];
-            int64_t g = local / in_chunk;
+            int64_t g = local / in_chunk * per_task, Qg = gr->count * group;
             const int64_t *rows = cg->members + gr->first;
 /* the task's attention through NAME_bf16, NAME_f16 or NAME_f32, by the cache's type */
-#define ATTEND_BY_KV(NAME)                                                                     \
+#define ATTEND_BY_KV(NAME, ...)                                                                \
     do {                                                                                       \
         if (m->kv_type == KV_BF16) {                                                           \
-            NAME##_bf16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm, run);     \
+            NAME##_bf16(m, s, kv, gr, rows, g, __VA_ARGS__ qkv, qkv_width, q, scores, o, mx, sm, run); \
         } else if (m->kv_type == KV_F16) {                                                     \
-            NAME##_f16(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm, run);      \
+            NAME##_f16(m, s, kv, gr, rows, g, __VA_ARGS__ qkv, qkv_width, q, scores, o, mx, sm, run); \
         } else {                                                                               \
-            NAME##_f32(m, s, kv, gr, rows, g, qkv, qkv_width, q, scores, o, mx, sm, run);      \
+            NAME##_f32(m, s, kv, gr, rows, g, __VA_ARGS__ qkv, qkv_width, q, scores, o, mx, sm, run); \
         }                                                                                      \
     } while (0)
 #if defined(__AVX512F__)
-            if (ATTEND512(D)) ATTEND_BY_KV(attend512);
-            else ATTEND_BY_KV(attend_group);
+            if (ATTEND512(D)) ATTEND_BY_KV(attend512, per_task, );
+            else ATTEND_BY_KV(attend_group, );
 #else
-            ATTEND_BY_KV(attend_group);
+            ATTEND_BY_KV(attend_group, );
 #endif
-            for (int64_t j = 0; j < gr->count * group; j++) {
-                int64_t b = rows[j / group], h = g * group + j % group;
+            for (int64_t j = 0; j < per_task * Qg; j++) {
+                int64_t b = rows[j % Qg / group], h = (g + j / Qg) * group + j % Qg % group;
                 float *dst = parts + ((b * m->heads + h) * chunks + gr->c) * part;
                 memcpy(dst, o + j * D, (size_t)D * sizeof(float));
                 dst[D] = mx[j];
@@ -1172,7 +1188,7 @@ static int64_t run_scratch_floats(const DecodeModel *m, int64_t queries) {
 /* The bytes of a step's chunk groups and attention scratch (groups_init). */
 static size_t groups_bytes(const DecodeModel *m, const DecodeBatch *s, int64_t chunks) {
     int64_t rows = s->B < MAX_GROUP_ROWS ? s->B : MAX_GROUP_ROWS;
-    int64_t queries = rows * (m->heads / m->kv_heads);
+    int64_t queries = rows * m->heads;
     int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
     int64_t thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers +
                             run_scratch_floats(m, queries);
@@ -1186,7 +1202,7 @@ static size_t groups_bytes(const DecodeModel *m, const DecodeBatch *s, int64_t c
 static void groups_init(const DecodeModel *m, const DecodeBatch *s, int64_t chunks, char *p,
                         ChunkGroups *cg) {
     int64_t slots = s->B * chunks, rows = s->B < MAX_GROUP_ROWS ? s->B : MAX_GROUP_ROWS;
-    int64_t queries = rows * (m->heads / m->kv_heads);
+    int64_t queries = rows * m->heads; /* a task's: its rows' query heads of every KV head */
     int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
     cg->queries = queries;
     cg->thread_floats = queries * (CHUNK + m->head_dim + 2) + pointers +

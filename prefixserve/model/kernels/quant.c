@@ -672,11 +672,12 @@ static inline __m512bh block_bf16(const uint8_t *blk, int fmt) {
 }
 
 /* y[t * ldy + j] for weight rows j < W2 (row_bytes apart from w) and bfloat16 activation rows
- * t < R (K apart from x); R and W2 are constants where it is inlined. */
+ * t < R (K apart from x); R and W2 are constants where it is inlined. With `pre`, the rows'
+ * blocks are read from there, expanded already (expand_bf16), instead of from w. */
 static inline __attribute__((always_inline)) void tile_bf16(const uint8_t *w, int64_t row_bytes,
                                                             int fmt, const uint16_t *x,
                                                             int64_t K, int R, int W2, float *y,
-                                                            int64_t ldy) {
+                                                            int64_t ldy, const __m512bh *pre) {
     int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
     __m512 acc[BF16_W][BF16_R];
     for (int j = 0; j < W2; j++) {
@@ -685,6 +686,10 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint8_t *w, in
     for (int64_t b = 0; b < nb; b++) {
         __m512bh wv[BF16_W];
         for (int j = 0; j < W2; j++) {
+            if (pre) {
+                wv[j] = pre[j * nb + b];
+                continue;
+            }
             const uint8_t *blk = w + j * row_bytes + b * bytes;
             _mm_prefetch((const char *)(blk + PREFETCH), _MM_HINT_T0);
             wv[j] = block_bf16(blk, fmt);
@@ -699,12 +704,37 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint8_t *w, in
     }
 }
 
-#define TILE_BF16(R, W2) tile_bf16(w, row_bytes, fmt, x + m * K, K, R, W2, y + m * ldy, ldy)
+/* The W2 weight rows' blocks expanded to bfloat16 into pre[j * nb + b] (prefetching ahead). */
+static void expand_bf16(const uint8_t *w, int64_t row_bytes, int fmt, int64_t K, int W2,
+                        __m512bh *pre) {
+    int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    for (int j = 0; j < W2; j++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + j * row_bytes + b * bytes;
+            _mm_prefetch((const char *)(blk + PREFETCH), _MM_HINT_T0);
+            pre[j * nb + b] = block_bf16(blk, fmt);
+        }
+    }
+}
+
+/* Blocks of a weight row expanded once for all the tiles of more than BF16_R rows (a decode
+ * step of 16 sequences took two tiles, each expanding every block again): up to this many
+ * columns, in a buffer of 2 * 64 bytes a block on the stack. */
+#define PRE_MAX_K 8192
+
+#define TILE_BF16(R, W2) tile_bf16(w, row_bytes, fmt, x + m * K, K, R, W2, y + m * ldy, ldy, pre)
 #define TILE_BF16_R(R) (W2 == 2 ? TILE_BF16(R, 2) : TILE_BF16(R, 1))
-/* tile_bf16 over all M rows: BF16_R at a time, then 4, 2, 1. */
+/* tile_bf16 over all M rows: BF16_R at a time, then 4, 2, 1; with more than BF16_R rows, the
+ * weight rows expanded once first (expand_bf16). */
 static void rows_bf16(const uint8_t *w, int64_t row_bytes, int fmt, const uint16_t *x,
                       int64_t K, int64_t M, int W2, float *y, int64_t ldy) {
     int64_t m = 0;
+    __m512bh buffer[M > BF16_R && K <= PRE_MAX_K ? BF16_W * (K / QK) : 1];
+    const __m512bh *pre = NULL;
+    if (M > BF16_R && K <= PRE_MAX_K) {
+        expand_bf16(w, row_bytes, fmt, K, W2, buffer);
+        pre = buffer;
+    }
     for (; m + BF16_R <= M; m += BF16_R) TILE_BF16_R(BF16_R);
     if (m + 4 <= M) {
         TILE_BF16_R(4);
