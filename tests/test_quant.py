@@ -312,6 +312,24 @@ def test_bfloat16_batch_kernel(m: int, lib) -> None:
     assert torch.equal(layer(x), layer._small(x.float()).to(torch.bfloat16))
 
 
+def test_bfloat16_batch_rows_do_not_depend_on_the_batch(lib) -> None:
+    """A row's sums from the bfloat16 batch kernel are the same bits in any batch: a tile of
+    8 rows adds its 16 accumulators in one tree (store_sums16), the smaller tiles at the end
+    of a batch one accumulator at a time, pairing the same lanes in the same order. Row 8 of
+    16 (a full tile) against row 8 of 9 (a tile of one), rows 8-12 of 16 against those of 13
+    (tiles of 4 and 1)."""
+    if not lib.bf16_batch_rows():
+        pytest.skip("no AVX512-BF16 in this build")
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        layer = QuantLinear(packed)
+        x = activations(16).bfloat16()
+        full = layer._bf16_batch(x)
+        for m in (9, 13):
+            part = layer._bf16_batch(x[:m].contiguous())
+            assert torch.equal(part, full[:m]), (qtype.name, m)
+
+
 @pytest.mark.parametrize("m", (1, 3, 4, 7))
 def test_8bit_activation_kernel(m: int, lib) -> None:
     """The 8-bit-activation kernel (``activation_bits = 8``, llama.cpp's choice) within its
