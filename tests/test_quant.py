@@ -312,12 +312,28 @@ def test_bfloat16_batch_kernel(m: int, lib) -> None:
     assert torch.equal(layer(x), layer._small(x.float()).to(torch.bfloat16))
 
 
+def test_bfloat16_batch_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> None:
+    """The bfloat16 batch kernel's weights are bit for bit the dequantized weights rounded to
+    bfloat16 (a Q4_1 block's by looking each nibble up among its 16 rounded values): rows of
+    the identity pick single weights out (the one product is exact in float32, the other
+    sums are zeros), so the output is the weight matrix itself, transposed."""
+    if not lib.bf16_batch_rows():
+        pytest.skip("no AVX512-BF16 in this build")
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        layer = QuantLinear(packed)
+        picked = layer._bf16_batch(torch.eye(COLS, dtype=torch.bfloat16))
+        want = dequantize_packed(packed).to(torch.bfloat16).float().t()
+        assert torch.equal(picked, want), qtype.name
+
+
 def test_bfloat16_batch_rows_do_not_depend_on_the_batch(lib) -> None:
     """A row's sums from the bfloat16 batch kernel are the same bits in any batch: a tile of
-    8 rows adds its 16 accumulators in one tree (store_sums16), the smaller tiles at the end
-    of a batch one accumulator at a time, pairing the same lanes in the same order. Row 8 of
-    16 (a full tile) against row 8 of 9 (a tile of one), rows 8-12 of 16 against those of 13
-    (tiles of 4 and 1)."""
+    8 rows adds its 16 accumulators in one tree (store_sums16), the tiles of 4, 2 and 1 at
+    the end of a batch one accumulator at a time, pairing the same lanes in the same order,
+    and batches of more than 8 rows read weights expanded once into a buffer, smaller ones
+    expand them in registers. Each row of batches of 1, 5, 9 and 13 against the same row in
+    a batch of 16 (two full tiles)."""
     if not lib.bf16_batch_rows():
         pytest.skip("no AVX512-BF16 in this build")
     for qtype in (Q.Q4_1, Q.Q8_0):
@@ -325,7 +341,7 @@ def test_bfloat16_batch_rows_do_not_depend_on_the_batch(lib) -> None:
         layer = QuantLinear(packed)
         x = activations(16).bfloat16()
         full = layer._bf16_batch(x)
-        for m in (9, 13):
+        for m in (1, 5, 9, 13):
             part = layer._bf16_batch(x[:m].contiguous())
             assert torch.equal(part, full[:m]), (qtype.name, m)
 
