@@ -109,7 +109,7 @@ def llama_server(args: argparse.Namespace, port: int, slots: int) -> Server:
                    str(port), "-t", str(args.threads), "-tb", str(args.threads),
                    "-np", str(slots), "-c", str(args.n_ctx * slots), "--cont-batching",
                    "--cache-reuse", "256", "--cache-ram", str(args.llamacpp_cache_bytes >> 20),
-                   "--metrics"],
+                   "--metrics", *shlex.split(args.llama_server_args)],
                   [])
 
 
@@ -336,6 +336,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefixserve-args", default="", metavar="ARGS",
                         help="more flags for prefixserve serve, e.g. '--kv-cache-dtype float16'")
+    parser.add_argument("--llama-server-args", default="", metavar="ARGS",
+                        help="more flags for llama-server, e.g. '--spec-type ngram-simple "
+                        "--draft-max 3'")
     parser.add_argument("--parallel", type=int, default=16,
                         help="sequences a server runs at once (prefixserve --max-num-seqs)")
     parser.add_argument("--n-ctx", type=int, default=8192,

@@ -46,6 +46,7 @@ from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.loader import _cat, load_model
 from prefixserve.model.quant import (
+    BF16_BATCH_MAX,
     FMT_Q4_1,
     FMT_Q8_0,
     FORMAT_NAMES,
@@ -263,8 +264,9 @@ def test_expand_to_bfloat16_rounds_like_torch(lib) -> None:
 
 
 def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
-    """A bfloat16 input of more than SMALL_M rows (a bfloat16 model's prefill) multiplies the
-    weight expanded to bfloat16 with torch's bfloat16 GEMM: exactly what the dense path computes
+    """A bfloat16 input of more than BF16_BATCH_MAX rows (a bfloat16 model's prefill; more
+    than SMALL_M where the library has no bfloat16 batch kernel) multiplies the weight expanded
+    to bfloat16 with torch's bfloat16 GEMM: exactly what the dense path computes
     from the same weight, in bfloat16, bias included. Where the CPU lacks the bfloat16
     instructions (``native_bf16`` False) it keeps the float32 GEMM, which is faster there."""
     for qtype in (Q.Q4_1, Q.Q8_0):
@@ -273,7 +275,7 @@ def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
         layer.native_bf16 = True
         with torch.no_grad():
             layer.bias.copy_(torch.linspace(-1, 1, ROWS))
-        x = activations(SMALL_M + 5).bfloat16()
+        x = activations(BF16_BATCH_MAX + 5).bfloat16()
         dense = dequantize_packed(packed).to(torch.bfloat16)
         y = layer(x)
         assert y.dtype == torch.bfloat16
@@ -286,9 +288,9 @@ def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
         assert torch.equal(emulated, layer(x.float()).bfloat16()), qtype.name
 
 
-@pytest.mark.parametrize("m", (8, 13, SMALL_M))
+@pytest.mark.parametrize("m", (8, 13, SMALL_M, 40, BF16_BATCH_MAX))
 def test_bfloat16_batch_kernel(m: int, lib) -> None:
-    """A bfloat16 input of 8 to SMALL_M rows on a CPU with AVX512-BF16 takes the bfloat16
+    """A bfloat16 input of 8 to BF16_BATCH_MAX rows on a CPU with AVX512-BF16 takes the bfloat16
     batch kernel: the products of the bfloat16 rows with the weights rounded to bfloat16 are
     exact in float32, so the float32 sums are within float32 rounding of the float64 product
     of the same bfloat16 values, before the output's own rounding to bfloat16."""

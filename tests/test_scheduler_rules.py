@@ -236,3 +236,51 @@ def test_block_ids_follow_a_sliding_window_table() -> None:
         step(scheduler)
         assert a.block_ids == manager.get_block_ids(a)
     assert a.block_ids[0] == null
+
+
+def test_a_decoding_request_computes_its_drafts_within_the_budget_and_caches_none() -> None:
+    """Drafts ride with a decoding request's one token, trimmed to the budget left; a request
+    in prefill ignores them. Slots are allocated for them, but a block they fill is not cached:
+    the cache registers blocks the request's own tokens fill."""
+    scheduler = make(16, 4, budget=5)
+    a = add(scheduler, "a", list(range(6)))
+    b = add(scheduler, "b", list(range(100, 107)))
+    b.draft_token_ids = [7, 7, 7]  # in prefill: not computed
+    assert step(scheduler) == [("a", 5)]
+    out = scheduler.schedule()
+    assert [(i.request.request_id, i.num_new_tokens, i.draft_token_ids)
+            for i in out.scheduled] == [("a", 1, []), ("b", 4, [])]
+    a.num_computed_tokens += 1
+    a.append_output_token(1)
+    b.num_computed_tokens += 4
+    # a decodes (7 tokens, 6 computed: one to compute) with four drafts; the budget of 5
+    # leaves room for all four: slots up to position 10, three blocks, only one of them full
+    a.draft_token_ids = [9, 9, 9, 9]
+    out = scheduler.schedule()
+    first = out.scheduled[0]
+    assert (first.request, first.num_new_tokens, first.draft_token_ids) == (a, 1, [9, 9, 9, 9])
+    assert out.num_tokens == 5 and len(out.scheduled) == 1  # nothing left for b
+    manager = scheduler.kv_cache_manager
+    assert len(a.block_ids) == 3 == len(manager.get_block_ids(a))
+    assert manager.num_cached_block["a"] == a.num_tokens // 4 == 1
+    # with three tokens of budget, two drafts fit
+    a.draft_token_ids = [9, 9, 9, 9]
+    scheduler.max_num_batched_tokens = 3
+    out = scheduler.schedule()
+    assert [(i.num_new_tokens, i.draft_token_ids) for i in out.scheduled] == [(1, [9, 9])]
+    assert out.num_tokens == 3
+    # b, still in prefill, holds drafts (it never should): its prompt's rest goes alone
+    a.draft_token_ids = []
+    scheduler.max_num_batched_tokens = 8
+    out = scheduler.schedule()
+    assert [(i.request.request_id, i.num_new_tokens, i.draft_token_ids)
+            for i in out.scheduled] == [("a", 1, []), ("b", 3, [])]
+
+
+def test_preemption_drops_the_drafts() -> None:
+    scheduler = make(5, 4, budget=64)
+    requests = _four_running(scheduler)
+    requests["d"].draft_token_ids = [1, 2]
+    step(scheduler)
+    assert requests["d"].status is RequestStatus.PREEMPTED
+    assert requests["d"].draft_token_ids == []

@@ -129,6 +129,14 @@ def test_engine_flags_reach_the_engine_config() -> None:
                                "64MiB")).kv_cache_memory == "64MiB"
 
 
+def test_speculation_flags_reach_the_engine_config() -> None:
+    config = engine_config(parse("--num-speculative-tokens", "3", "--prompt-lookup-min", "1",
+                                 "--prompt-lookup-max", "5"))
+    assert (config.num_speculative_tokens, config.prompt_lookup_min,
+            config.prompt_lookup_max) == (3, 1, 5)
+    assert engine_config(parse()).num_speculative_tokens == 0  # off unless asked for
+
+
 @pytest.mark.parametrize("argv", [
     ("--block-size", "7"),
     ("--num-blocks", "10", "--kv-cache-memory", "1GiB"),
@@ -148,6 +156,7 @@ def test_bad_flags_are_refused_by_the_parser(argv: tuple[str, ...]) -> None:
     (("--max-request-body-size", "huge"), "memory size"),
     (("--max-num-seqs", "0"), "max_num_seqs"),
     (("--kv-cache-memory", "lots"), "memory size"),
+    (("--num-speculative-tokens", "-1"), "num_speculative_tokens"),
     (("--api-key", "@/no/such/file"), "No such file"),
 ])
 def test_bad_settings_stop_before_loading_the_model(argv: tuple[str, ...], message: str,

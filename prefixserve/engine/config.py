@@ -14,6 +14,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 KV_TIER_WRITE_POLICIES = ("through", "back")
+MAX_SPECULATIVE_TOKENS = 16
+"""Bound of ``num_speculative_tokens`` and ``prompt_lookup_max``."""
 
 
 def parse_memory(value: int | str) -> int:
@@ -69,6 +71,10 @@ class EngineConfig:
     ``enforce_eager`` runs decode steps through the torch modules layer by layer instead of
     the fused decode kernel (:mod:`prefixserve.model.fused_decode`; for comparisons and
     debugging).
+    ``num_speculative_tokens`` (0: off) turns on n-gram speculation: a greedy request that
+    decodes computes up to this many draft tokens, found by prompt lookup with n-grams of
+    ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens, beside its next token in each step
+    (``engine/ngram_proposer.py``; vLLM's ``ngram`` method and names).
     """
 
     model: str | None = None
@@ -105,6 +111,9 @@ class EngineConfig:
     kv_tier_write_queue: int | str = "512MiB"
     deterministic: bool = False
     enforce_eager: bool = False
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
@@ -131,6 +140,18 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_tiers()
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.prompt_lookup_max > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"prompt_lookup_max must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.prompt_lookup_max}")
 
     def _check_dtypes(self) -> None:
         """``dtype``, ``kv_cache_dtype`` and ``weights``."""

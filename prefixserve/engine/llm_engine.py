@@ -33,6 +33,7 @@ from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, par
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
 from prefixserve.engine.lora_registry import LoRACacheCounts, LoRAInfo, LoRARegistry
+from prefixserve.engine.ngram_proposer import NgramProposer
 from prefixserve.engine.output_processor import (
     ExecutedStep,
     OutputProcessor,
@@ -56,7 +57,13 @@ from prefixserve.model.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.model.lora import install_lora
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
-from prefixserve.model.sampler import Sampler, compute_prompt_logprobs, make_generator
+from prefixserve.model.sampler import (
+    Sampler,
+    argmax_rows,
+    compute_prompt_logprobs,
+    make_generator,
+    plain_greedy,
+)
 from prefixserve.model.tokenizer import Tokenizer, load_tokenizer
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
@@ -88,6 +95,10 @@ class EngineStats:
     lora_cache: dict[str, LoRACacheCounts] = field(default_factory=dict)
     """Prefix-cache counts per loaded LoRA adapter name (the base model under ``""``)."""
     kv_tiers: tuple[TierStats, ...] = ()
+    spec_draft_tokens: int = 0
+    """Draft tokens computed by n-gram speculation (``--num-speculative-tokens``)."""
+    spec_accepted_tokens: int = 0
+    """Draft tokens the model agreed with: each one a token gained without a step of its own."""
 
 
 class LLMEngine:
@@ -139,6 +150,20 @@ class LLMEngine:
         self.loras: LoRARegistry | None = None
         if config.enable_lora:
             self._enable_lora()
+        self.proposer: NgramProposer | None = None
+        if config.num_speculative_tokens:
+            self._enable_speculation()
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+
+    def _enable_speculation(self) -> None:
+        """The n-gram proposer, where the model's attention lets a step verify drafts."""
+        if self.model_config.sliding_window is not None:
+            raise ValueError("n-gram speculation (--num-speculative-tokens) does not support "
+                             "sliding-window attention yet")
+        config = self.config
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
 
     def _enable_lora(self) -> None:
         """Adapter slots in the model, the registry as the scheduler's gate, and the adapters
@@ -505,6 +530,8 @@ class LLMEngine:
         tiers = self.tiers
         if tiers is not None:
             tiers.apply_loads()
+        if self.proposer is not None:
+            self._propose(self.proposer)
         scheduled = self.scheduler.schedule()
         self.metrics.observe(self.kv_cache_manager.make_prefix_cache_stats())
         self.last_step_scheduled = bool(scheduled.scheduled)
@@ -520,11 +547,38 @@ class LLMEngine:
             tiers.after_execute(executed.requests)
         outputs = self.output_processor.process(executed, finish=self.scheduler.finish_request)
         self.scheduler.release_out_of_window(executed.requests)
-        if len(self.structured):
-            for request in executed.requests:
-                if request.is_finished:
-                    self.structured.remove(request.request_id)
+        self._forget_finished(executed.requests)
         return outputs
+
+    def _forget_finished(self, requests: list[Request]) -> None:
+        """Drops the grammar state and the n-gram index of the ``requests`` that finished."""
+        if not len(self.structured) and self.proposer is None:
+            return
+        for request in requests:
+            if request.is_finished:
+                if request.request_id in self.structured:
+                    self.structured.remove(request.request_id)
+                if self.proposer is not None:
+                    self.proposer.forget(request.request_id)
+
+    def _propose(self, proposer: NgramProposer) -> None:
+        """Drafts for the running requests that decode a plain greedy sequence (no penalty,
+        token control, grammar or logprobs: the argmax alone decides their next token, so a
+        draft is checked by comparing it with the argmax), as many as each may still produce
+        after its next token."""
+        for request in self.scheduler.running:
+            request.draft_token_ids = []
+            num_out = len(request.output_token_ids)
+            params = request.params
+            if (request.num_computed_tokens != request.num_tokens - 1 or not num_out
+                    or not plain_greedy(params, num_out) or params.prompt_logprobs is not None
+                    or request.request_id in self.structured):
+                continue
+            room = self.max_model_len - request.num_tokens
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - num_out)
+            request.draft_token_ids = proposer.propose(request.request_id, request.token_ids,
+                                                       room - 1)
 
     def _execute(self, scheduled: SchedulerOutput) -> ExecutedStep:
         """Runs the model over the scheduled tokens, moves each request's
@@ -534,30 +588,55 @@ class LLMEngine:
         result = self.runner.execute(batch)
         step = ExecutedStep([item.request for item in scheduled.scheduled])
         ready = []
+        verified: list[SampledToken] = []
         for row, item in enumerate(scheduled.scheduled):
             request, prompt_logits = item.request, result.prompt_logits[row]
+            request.num_computed_tokens += item.num_new_tokens
+            if item.draft_token_ids:
+                assert prompt_logits is not None
+                verified += self._verify(request, item.draft_token_ids, prompt_logits)
+                continue
             if request.wants_prompt_logprobs and prompt_logits is not None:
                 known = self.output_processor.known_prompt_positions(request)
                 step.prompt_logprobs.append(
                     self._prompt_logprobs(request, batch[row], prompt_logits, known))
-            request.num_computed_tokens += item.num_new_tokens
             if request.is_prefill_done:
                 ready.append(row)
         if ready:
             step.sampled = self._sample(result.logits, ready, step.requests)
+        step.sampled += verified
+        if step.sampled:
             step.time = time.time()
         return step
+
+    def _verify(self, request: Request, drafts: list[int], logits: torch.Tensor
+                ) -> list[SampledToken]:
+        """The tokens a greedy request gains from a step that computed its next token and its
+        ``drafts``: row j of ``logits`` is the distribution after draft j (row 0: after the
+        request's own last token), so the drafts are kept while each equals the argmax before
+        it, and the argmax after the last kept one is the step's own token. The kept drafts'
+        K/V are in the cache already: ``num_computed_tokens`` moves past them; the slots of the
+        rejected ones are written again by later steps."""
+        chosen = argmax_rows(logits.float())
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
+            accepted += 1
+        request.num_computed_tokens += accepted
+        self.spec_draft_tokens += len(drafts)
+        self.spec_accepted_tokens += accepted
+        return [SampledToken(request, token) for token in chosen[:accepted + 1]]
 
     def _batch_input(self, item: ScheduledRequest) -> SeqBatchInput:
         """The model runner's input for one scheduled request: its next ``num_new_tokens``."""
         request = item.request
         start = request.num_computed_tokens
         return SeqBatchInput(
-            token_ids=request.token_ids[start:start + item.num_new_tokens],
+            token_ids=request.token_ids[start:start + item.num_new_tokens] + item.draft_token_ids,
             start_pos=start,
             block_table=request.block_ids,  # kept by the scheduler, not rebuilt per step
-            need_prompt_logits=(request.wants_prompt_logprobs
-                                and start < request.num_prompt_tokens),
+            need_prompt_logits=bool(item.draft_token_ids) or (
+                request.wants_prompt_logprobs and start < request.num_prompt_tokens),
+            verify=bool(item.draft_token_ids),
             seq_id=request.request_id,
             extra_block_tables=request.extra_block_ids,
             lora_slot=self.loras.slot(request.lora_id) if self.loras is not None else None,
@@ -626,4 +705,6 @@ class LLMEngine:
             lora_cache={name: replace(counts)
                         for name, counts in self.lora_cache_counts().items()},
             kv_tiers=self.tiers.stats() if self.tiers is not None else (),
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )

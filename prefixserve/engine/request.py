@@ -66,6 +66,9 @@ class Request(CacheRequest):
     tier_origin: list[tuple[int, int, str]] = field(default_factory=list)
     num_cached_tokens_by_tier: dict[str, int] | None = None
     tier_blocks_seen: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+    """With n-gram speculation: the tokens proposed to follow this decoding request's next one
+    (``engine/ngram_proposer.py``); not part of ``token_ids`` until the model agrees."""
 
     @property
     def is_finished(self) -> bool:

@@ -4,9 +4,11 @@ Each step the scheduler fills a token budget (``max_num_batched_tokens``):
 
 1. Running requests first, in the order they started: a decoding request needs one token, a
    request still in prefill gets the rest of its prompt or as much of it as the budget allows
-   (chunked prefill, so a long prompt never stalls the decodes running beside it). When the pool
-   is short, the most recently started running request is preempted (its blocks freed, its hash
-   chain kept so that resuming hits its own blocks) until the allocation fits.
+   (chunked prefill, so a long prompt never stalls the decodes running beside it); a decoding
+   request that holds drafts (n-gram speculation) computes them too, as far as the budget goes.
+   When the pool is short, the most recently started running request is preempted (its blocks
+   freed and its drafts dropped, its hash chain kept so that resuming hits its own blocks) until
+   the allocation fits.
 2. Then waiting requests, oldest first, while there is budget, a free sequence slot and no
    preemption happened in this step: ``get_computed_blocks`` (a pure query), then
    ``allocate_slots`` with the hits; a request that does not fit stays at the head of the queue.
@@ -45,8 +47,13 @@ from prefixserve.engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
+    """``num_new_tokens`` of the request's own tokens to compute, then ``draft_token_ids`` (a
+    decoding request's drafts, ``engine/ngram_proposer.py``), computed after them in the same
+    step and kept only as far as the model agrees."""
+
     request: Request
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -56,7 +63,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + len(s.draft_token_ids) for s in self.scheduled)
 
 
 class AdmissionGate(Protocol):
@@ -108,6 +115,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        request.draft_token_ids = []
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -121,7 +129,9 @@ class Scheduler:
             if num_new <= 0:
                 scheduled_running.append(request)
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            drafts = self._drafts(request, num_new, budget)
+            while (new_blocks := self.kv_cache_manager.allocate_slots(
+                    request, num_new + len(drafts))) is None:
                 victim = queue.pop() if queue else request
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -130,8 +140,8 @@ class Scheduler:
             else:
                 self._add_block_ids(request, new_blocks)
                 scheduled_running.append(request)
-                out.scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+                out.scheduled.append(ScheduledRequest(request, num_new, drafts))
+                budget -= num_new + len(drafts)
         # Requests not reached for lack of budget stay running, unscheduled this step.
         self.running = scheduled_running + queue
 
@@ -171,6 +181,18 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    @staticmethod
+    def _drafts(request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts a running request computes in this step: those it holds when it decodes
+        (one token of its own to compute), as many as the step's budget leaves room for. Slots
+        are allocated for them, but the cache registers a block only once the request's own
+        tokens fill it (``KVCacheManager`` caps the blocks it caches at ``num_tokens``), so a
+        rejected draft never reaches the prefix cache."""
+        drafts = request.draft_token_ids
+        if not drafts or num_new != 1:
+            return []
+        return drafts[:budget - 1] if len(drafts) > budget - 1 else drafts
 
     def _add_block_ids(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         """Appends the ids of the blocks just allocated to ``request.block_ids``, so that it

@@ -49,6 +49,11 @@ FORMAT_NAMES = {FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0"}
 #: expand-and-GEMM up to 16 rows for every weight shape of the default model, and lost at 64
 #: (``benchmarks/bench_quant.py`` part 1).
 SMALL_M = 16
+#: A bfloat16 input of up to this many rows takes the bfloat16 batch kernel (from the library's
+#: ``bf16_batch_rows``): on Zen 4 it beat expand-and-GEMM at 16, 32, 48 and 64 rows for the
+#: default model's weights (30 layers and the head: 20.5 vs 40.3 ms at 16 rows, 34.2 vs 52.5
+#: at 32, 64.7 vs 76.8 at 64; gate_up even at 64), which steps verifying drafts have.
+BF16_BATCH_MAX = 64
 #: Bits activations are rounded to (per block of 32) in the integer kernel: 16 keeps greedy
 #: tokens those of the float32 reference (8, llama.cpp's choice on CPUs, is ~1.5x faster but
 #: moved 4% of top-1 tokens on text in ``benchmarks/bench_quant.py``).
@@ -188,9 +193,9 @@ class QuantLinear(nn.Module):
         self._lib = _library()
         self.activation_bits = ACTIVATION_BITS
         self.bf16_batch_from = self._lib.bf16_batch_rows()
-        """Rows from which a bfloat16 input of at most SMALL_M rows takes the bfloat16 batch
-        kernel: the library's threshold (8; 0 where it has no such kernel, no AVX512-BF16), the
-        one the fused decode step uses too."""
+        """Rows from which a bfloat16 input of at most BF16_BATCH_MAX rows takes the bfloat16
+        batch kernel: the library's threshold (8; 0 where it has no such kernel, no
+        AVX512-BF16), the one the fused decode step uses too."""
         self.native_bf16 = cpu_has_native_bfloat16()
         """Whether a bfloat16 prefill multiplies in bfloat16 (where the CPU has the instructions;
         elsewhere torch emulates them, slower than the float32 GEMM)."""
@@ -203,10 +208,10 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         small = flat.shape[0] <= SMALL_M or self.row_invariant
         bf16 = flat.dtype == torch.bfloat16 and flat.device.type == "cpu"
-        if bf16 and not small and self.native_bf16:
-            y = self._large(flat.contiguous(), torch.bfloat16)
-        elif bf16 and small and self._bf16_batch_rows(flat.shape[0]):
+        if bf16 and self._bf16_batch_rows(flat.shape[0]):
             y = self._bf16_batch(flat.contiguous())
+        elif bf16 and not small and self.native_bf16:
+            y = self._large(flat.contiguous(), torch.bfloat16)
         else:
             if flat.dtype != torch.float32 or not flat.is_contiguous():
                 flat = flat.float().contiguous()
@@ -235,10 +240,10 @@ class QuantLinear(nn.Module):
         return y
 
     def _bf16_batch_rows(self, rows: int) -> bool:
-        """Whether a bfloat16 input of ``rows`` (at most SMALL_M) rows takes the bfloat16 batch
-        kernel: from ``bf16_batch_from`` rows where the library has it, not in the
+        """Whether a bfloat16 input of ``rows`` rows takes the bfloat16 batch kernel: from
+        ``bf16_batch_from`` to ``BF16_BATCH_MAX`` rows where the library has it, not in the
         deterministic mode nor with 8-bit activations."""
-        return (0 < self.bf16_batch_from <= rows and not self.row_invariant
+        return (0 < self.bf16_batch_from <= rows <= BF16_BATCH_MAX and not self.row_invariant
                 and self.activation_bits == 16)
 
     def _bf16_batch(self, x: torch.Tensor) -> torch.Tensor:

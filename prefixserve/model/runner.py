@@ -33,6 +33,10 @@ class SeqBatchInput:
     ``block_table[i]`` is the block holding positions ``[i * block_size, (i + 1) * block_size)``
     and must cover every position up to ``start_pos + len(token_ids) - 1``.
     ``need_prompt_logits`` asks for the logits of every new token, not only the last.
+    ``verify`` marks a decoding sequence's next token followed by drafts (n-gram speculation):
+    a few tokens that go through the fused decode layers as rows of their own, each at its
+    position, where a prompt chunk would take the torch modules; it needs
+    ``need_prompt_logits``, whose logits say which drafts the model agrees with.
 
     ``seq_id`` (optional, unique within a step) names the sequence across steps, so that the
     runner keeps its block table in a tensor and copies only the blocks appended since its
@@ -55,6 +59,7 @@ class SeqBatchInput:
     seq_id: Hashable | None = None
     extra_block_tables: tuple[list[int], ...] = ()
     lora_slot: int | None = None
+    verify: bool = False
 
 
 @dataclass
@@ -227,7 +232,7 @@ class ModelRunner:
         adds one token (and wants no prompt logits) when all of them do, or when their contexts
         add up to ``MIN_SPLIT_CONTEXT`` tokens; none if the fused step does not apply."""
         decoding = [i for i, s in enumerate(seqs)
-                    if len(s.token_ids) == 1 and not s.need_prompt_logits]
+                    if s.verify or (len(s.token_ids) == 1 and not s.need_prompt_logits)]
         if not decoding or not self._fused_ready():
             return []
         if len(decoding) < len(seqs) and \
@@ -264,17 +269,28 @@ class ModelRunner:
             self.block_size, self.kv_cache, bf16_queries=self.dtype == torch.bfloat16)
 
     def _fused_step(self, seqs: list[SeqBatchInput], rows: list[int]) -> ExecuteOutput:
-        """Sequences of one new token each through :class:`FusedDecode` (``rows``: theirs of
-        the block tables, already updated): embeddings, the fused layers, logits."""
+        """Sequences of one new token each, or a few to verify, through :class:`FusedDecode`
+        (``rows``: theirs of the block tables, already updated): embeddings, the fused layers,
+        logits. A sequence's tokens are rows of their own, at consecutive positions, on one
+        block table row: each layer writes every row's K/V before attending, so a row sees the
+        rows before it, and the kernel reads their shared context once for all of them."""
         assert self._fused is not None
-        ids_t = torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.long)
+        ids: list[int] = []
+        positions: list[int] = []
+        table_rows: list[int] = []
+        for seq, row in zip(seqs, rows, strict=True):
+            ids += seq.token_ids
+            positions += range(seq.start_pos, seq.start_pos + len(seq.token_ids))
+            table_rows += [row] * len(seq.token_ids)
         start = time.perf_counter()
-        hidden = self.model.embed_tokens(ids_t)
-        hidden = self._fused.run(hidden, [s.start_pos for s in seqs],
-                                 self.block_tables[0].buffer, rows)
-        logits = self.model.compute_logits(hidden)
+        hidden = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
+        hidden = self._fused.run(hidden, positions, self.block_tables[0].buffer, table_rows)
+        if len(ids) == len(seqs):
+            out = ExecuteOutput(self.model.compute_logits(hidden), [None] * len(seqs))
+        else:
+            out = self._all_logits(hidden, seqs)
         self.model_seconds += time.perf_counter() - start
-        return ExecuteOutput(logits, [None] * len(seqs))
+        return out
 
     def _split_step(self, seqs: list[SeqBatchInput], needed: list[int], rows: list[int],
                     decoding: list[int]) -> ExecuteOutput:
@@ -292,6 +308,8 @@ class ModelRunner:
         prompt_logits: list[torch.Tensor | None] = [None] * len(seqs)
         for j, i in enumerate(others):
             prompt_logits[i] = eager.prompt_logits[j]
+        for j, i in enumerate(decoding):
+            prompt_logits[i] = fused.prompt_logits[j]
         return ExecuteOutput(logits, prompt_logits)
 
     def _metadata(self, seqs: list[SeqBatchInput], needed: list[int],
@@ -328,6 +346,8 @@ class ModelRunner:
                  seqs: list[SeqBatchInput]) -> ExecuteOutput:
         """The model over the step's tokens, and the logits asked for."""
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta, self.block_size)
+        if any(seq.need_prompt_logits for seq in seqs):
+            return self._all_logits(hidden, seqs)
         if len(seqs) == 1:
             last_hidden = hidden[-1:]
         elif meta[0].num_tokens == len(seqs):  # one new token each: every row is a last row
@@ -336,14 +356,27 @@ class ModelRunner:
             ends = list(accumulate(len(seq.token_ids) for seq in seqs))
             last_rows = torch.tensor([e - 1 for e in ends], dtype=torch.long, device=self.device)
             last_hidden = hidden.index_select(0, last_rows)
-        logits = self.model.compute_logits(last_hidden)
-        prompt_logits: list[torch.Tensor | None] = [None] * len(seqs)
+        return ExecuteOutput(self.model.compute_logits(last_hidden), [None] * len(seqs))
+
+    def _all_logits(self, hidden: torch.Tensor, seqs: list[SeqBatchInput]) -> ExecuteOutput:
+        """The logits of every row of the sequences that ask for them and of the last row of
+        the others, in one product with the output head (drafts of many sequences in a step:
+        one pass over the head's weights, not one per sequence)."""
+        rows: list[int] = []
+        spans: list[tuple[int, int]] = []
         end = 0
-        for i, seq in enumerate(seqs):
+        for seq in seqs:
+            first = end if seq.need_prompt_logits else end + len(seq.token_ids) - 1
             end += len(seq.token_ids)
-            if seq.need_prompt_logits:
-                prompt_logits[i] = self.model.compute_logits(hidden[end - len(seq.token_ids):end])
-        return ExecuteOutput(logits, prompt_logits)
+            spans.append((len(rows), len(rows) + end - first))
+            rows.extend(range(first, end))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        every = self.model.compute_logits(hidden.index_select(0, index))
+        last = torch.tensor([hi - 1 for _, hi in spans], dtype=torch.long, device=self.device)
+        prompt_logits: list[torch.Tensor | None] = [
+            every[lo:hi] if seq.need_prompt_logits else None
+            for seq, (lo, hi) in zip(seqs, spans, strict=True)]
+        return ExecuteOutput(every.index_select(0, last), prompt_logits)
 
 
 def _check_deterministic(dtype: torch.dtype, device: torch.device) -> None:

@@ -109,7 +109,7 @@ def argmax_rows(logits: Tensor) -> list[int]:
     return logits.argmax(dim=1).tolist()
 
 
-def _plain_greedy(params: SamplingParams, num_output: int) -> bool:
+def plain_greedy(params: SamplingParams, num_output: int) -> bool:
     """Whether a row is a bare argmax: greedy, no penalty, ``min_tokens`` reached (so no token
     is masked), no token control and no logprobs asked for."""
     return (params.greedy and num_output >= params.min_tokens and params.logprobs is None
@@ -422,7 +422,7 @@ class Sampler:
                 f"{len(prompt_token_ids)}, {len(output_token_ids)}"
             )
         token_masks = token_masks or {}
-        if not token_masks and all(_plain_greedy(p, len(out)) for p, out in zip(
+        if not token_masks and all(plain_greedy(p, len(out)) for p, out in zip(
                 params, output_token_ids, strict=True)):
             # The common case, one argmax over the batch and nothing else (no penalty, no
             # min_tokens mask, no logprobs): the general path would give the same tokens.

@@ -35,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_limits(parser.add_argument_group("limits"))
     _add_engine(parser.add_argument_group("engine"))
     add_lora_arguments(parser.add_argument_group("LoRA adapters"))
+    _add_speculation(parser.add_argument_group("speculative decoding (n-gram prompt lookup)"))
     _add_tiers(parser.add_argument_group("KV cache tiers (below the pool: disk, Redis)"))
     _add_logging(parser.add_argument_group("logging and metrics"))
     parser.set_defaults(func=run)
@@ -164,6 +165,17 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="run decode steps layer by layer through torch instead of the "
                        "fused C decode kernel (slower; for comparisons and debugging)")
+
+
+def _add_speculation(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                       help="draft up to K tokens per step for greedy requests by looking up "
+                       "the sequence's last tokens earlier in it, and keep those the model "
+                       "agrees with (default 0: off)")
+    group.add_argument("--prompt-lookup-min", type=int, metavar="N",
+                       help="shortest n-gram the lookup matches (default 2)")
+    group.add_argument("--prompt-lookup-max", type=int, metavar="N",
+                       help="longest n-gram the lookup matches, tried first (default 4)")
 
 
 def _add_kv_cache_size(size: argparse._MutuallyExclusiveGroup) -> None:

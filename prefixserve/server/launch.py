@@ -40,7 +40,8 @@ _ENGINE_OPTIONS = ("dtype", "kv_cache_dtype", "weights", "enable_prefix_caching"
                    "max_pinned_fraction", "kv_disk_dir", "kv_disk_size", "kv_redis_url",
                    "kv_redis_ttl", "kv_redis_max_memory", "kv_tier_write_policy",
                    "kv_tier_min_prefix_tokens", "kv_tier_timeout", "kv_tier_retry_after",
-                   "kv_tier_write_queue", "deterministic", "enforce_eager")
+                   "kv_tier_write_queue", "deterministic", "enforce_eager",
+                   "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
 def _dtypes(activations: torch.dtype, kv_cache: torch.dtype) -> str:

@@ -27,6 +27,8 @@ name                                       type       meaning
 ``num_preemptions_total``                  counter    sequences preempted for KV blocks
 ``prompt_tokens_total``                    counter    prompt tokens of sequences that generated
 ``generation_tokens_total``                counter    tokens generated
+``spec_decode_num_draft_tokens_total``     counter    draft tokens computed (n-gram speculation)
+``spec_decode_num_accepted_tokens_total``  counter    ... of them the model agreed with (kept)
 ``kv_cache_num_pinned_blocks``             gauge      KV blocks held by admin pins
 ``prefix_cache_expired_retentions_total``  counter    retained blocks whose TTL ran out while free
 ``prefix_cache_priority_hits_total``       counter    hit blocks by ``priority`` level (35: the
@@ -145,6 +147,10 @@ def _counters(stats: EngineStats) -> tuple[tuple[str, str, float], ...]:
         ("prompt_tokens", "Prompt tokens of the sequences that produced a token.",
          stats.prompt_tokens),
         ("generation_tokens", "Tokens generated.", stats.generation_tokens),
+        ("spec_decode_num_draft_tokens", "Draft tokens computed by n-gram speculation.",
+         stats.spec_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with, kept as "
+         "output tokens.", stats.spec_accepted_tokens),
     )
 
 
