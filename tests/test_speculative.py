@@ -219,3 +219,17 @@ def test_fused_verification_rows_give_the_logits_of_one_token_steps() -> None:
     scale = one_at_a_time.abs().max().item()
     assert (verified - one_at_a_time).abs().max().item() <= 1e-3 * scale
     assert verified.argmax(dim=1).tolist() == one_at_a_time.argmax(dim=1).tolist()
+
+
+def test_an_aborted_request_leaves_no_blocks_and_no_index(deterministic: tuple[LLM, LLM]
+                                                          ) -> None:
+    _, spec = deterministic
+    engine = spec.engine
+    tokens = spec.get_tokenizer().encode(REPEAT)
+    request_id = engine.add_request(tokens, greedy(100))
+    for _ in range(6):
+        engine.step()
+    assert len(engine.proposer or ()) == 1
+    assert engine.abort_request(request_id)
+    assert len(engine.proposer or ()) == 0
+    assert_idle(spec)

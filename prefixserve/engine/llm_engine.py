@@ -419,6 +419,8 @@ class LLMEngine:
         sequences = self.output_processor.requests.get(request_id)
         for sequence in sequences.sequences if sequences is not None else ():
             self.structured.remove(sequence.request.request_id)
+            if self.proposer is not None:
+                self.proposer.forget(sequence.request.request_id)
         return self.output_processor.abort_request(request_id, self.scheduler.finish_request)
 
     def has_unfinished_requests(self) -> bool:

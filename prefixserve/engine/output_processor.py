@@ -58,8 +58,10 @@ class ExecutedStep:
 
     ``requests`` are the requests the step ran, in schedule order (also those still in prefill,
     which sampled nothing); ``sampled`` holds one token for each request whose tokens are all
-    computed now, sampled at ``time``; ``prompt_logprobs`` one chunk per request that asked for
-    them and computed prompt tokens in this step."""
+    computed now, sampled at ``time`` (a request that verified drafts has its kept drafts and
+    its own token there, in order: each is appended and checked for a stop in turn);
+    ``prompt_logprobs`` one chunk per request that asked for them and computed prompt tokens
+    in this step."""
 
     requests: list[Request]
     sampled: list[SampledToken] = field(default_factory=list)
