@@ -15,6 +15,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.ngram_proposer import NgramProposer
 from prefixserve.model.runner import SeqBatchInput
+from prefixserve.model.sampler import filter_logits, verify_drafts
 
 # --------------------------------------------------------------------------- the proposer
 
@@ -185,14 +186,55 @@ def test_drafts_fit_the_step_budget(deterministic: tuple[LLM, LLM],
     assert_idle(spec)
 
 
-def test_sampled_and_penalised_requests_get_no_drafts(deterministic: tuple[LLM, LLM]) -> None:
+def test_penalised_requests_and_logprobs_get_no_drafts(deterministic: tuple[LLM, LLM]) -> None:
     _, spec = deterministic
     before = spec.engine.get_stats().spec_draft_tokens
-    spec.generate([REPEAT], SamplingParams(temperature=0.8, seed=1, max_tokens=20))
     spec.generate([REPEAT], greedy(20, repetition_penalty=1.3))
     spec.generate([REPEAT], greedy(20, logprobs=2))
+    spec.generate([REPEAT], SamplingParams(temperature=0.8, seed=1, max_tokens=20,
+                                           presence_penalty=0.5, ignore_eos=True))
     assert spec.engine.get_stats().spec_draft_tokens == before
     assert_idle(spec)
+
+
+def test_a_seeded_sampled_request_speculates_and_stays_reproducible(
+        deterministic: tuple[LLM, LLM]) -> None:
+    _, spec = deterministic
+    before = spec.engine.get_stats()
+    params = SamplingParams(temperature=0.3, top_p=0.9, seed=5, max_tokens=40, ignore_eos=True)
+    first, again = (spec.generate([REPEAT], params)[0].outputs[0].token_ids for _ in range(2))
+    stats = spec.engine.get_stats()
+    assert first == again and len(first) == 40
+    assert stats.spec_accepted_tokens > before.spec_accepted_tokens
+    assert_idle(spec)
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.8}])
+def test_sampled_drafts_keep_each_tokens_distribution(filters: dict[str, float]) -> None:
+    """Speculative sampling with single-token drafts: over many draws, the first token has the
+    sampler's distribution of row 0 (temperature and filters applied), and the token after a
+    kept first draft has row 1's, whatever the drafts are (a likely one, an unlikely one, one
+    the filters drop)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 1.5, -0.5, 1.0, 0.2],
+                           [0.3, 0.2, 0.1, 0.0, -0.1]])
+    params = SamplingParams(temperature=0.7, **filters)
+    rows = logits / params.temperature
+    if filters:
+        rows = filter_logits(rows, [params.top_k] * 3, [params.top_p] * 3, [params.min_p] * 3)
+    want = rows.softmax(dim=1)
+    generator = torch.Generator().manual_seed(11)
+    trials = 3000
+    for drafts in ([0, 1], [3, 4]):
+        counts = torch.zeros(3, 5)  # counts[j]: the token at position j, when there is one
+        for _ in range(trials):
+            tokens = verify_drafts(logits, drafts, params, generator)
+            assert len(tokens) <= 3 and tokens[:-1] == drafts[:len(tokens) - 1]
+            for j, token in enumerate(tokens):
+                counts[j, token] += 1
+        assert (counts[0] / trials - want[0]).abs().max() < 0.04, drafts
+        for j in (1, 2):  # after kept drafts (for [0, 1] 1,000 or more at both positions)
+            if counts[j].sum() > 800:
+                assert (counts[j] / counts[j].sum() - want[j]).abs().max() < 0.06, (drafts, j)
 
 
 def test_fused_verification_rows_give_the_logits_of_one_token_steps() -> None:

@@ -71,7 +71,7 @@ class EngineConfig:
     ``enforce_eager`` runs decode steps through the torch modules layer by layer instead of
     the fused decode kernel (:mod:`prefixserve.model.fused_decode`; for comparisons and
     debugging).
-    ``num_speculative_tokens`` (0: off) turns on n-gram speculation: a greedy request that
+    ``num_speculative_tokens`` (0: off) turns on n-gram speculation: a plain request that
     decodes computes up to this many draft tokens, found by prompt lookup with n-grams of
     ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens, beside its next token in each step
     (``engine/ngram_proposer.py``; vLLM's ``ngram`` method and names).

@@ -59,10 +59,10 @@ from prefixserve.model.lora import install_lora
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.sampler import (
     Sampler,
-    argmax_rows,
     compute_prompt_logprobs,
     make_generator,
-    plain_greedy,
+    verifiable,
+    verify_drafts,
 )
 from prefixserve.model.tokenizer import Tokenizer, load_tokenizer
 from prefixserve.outputs import RequestOutput
@@ -564,16 +564,16 @@ class LLMEngine:
                     self.proposer.forget(request.request_id)
 
     def _propose(self, proposer: NgramProposer) -> None:
-        """Drafts for the running requests that decode a plain greedy sequence (no penalty,
-        token control, grammar or logprobs: the argmax alone decides their next token, so a
-        draft is checked by comparing it with the argmax), as many as each may still produce
-        after its next token."""
+        """Drafts for the running requests that decode a plain sequence (greedy or a plain
+        draw: no penalty, token control, grammar or logprobs, so that the model's logits alone
+        give the distribution of each position and ``verify_drafts`` can check a draft), as
+        many as each may still produce after its next token."""
         for request in self.scheduler.running:
             request.draft_token_ids = []
             num_out = len(request.output_token_ids)
             params = request.params
             if (request.num_computed_tokens != request.num_tokens - 1 or not num_out
-                    or not plain_greedy(params, num_out) or params.prompt_logprobs is not None
+                    or not verifiable(params, num_out) or params.prompt_logprobs is not None
                     or request.request_id in self.structured):
                 continue
             room = self.max_model_len - request.num_tokens
@@ -613,20 +613,16 @@ class LLMEngine:
 
     def _verify(self, request: Request, drafts: list[int], logits: torch.Tensor
                 ) -> list[SampledToken]:
-        """The tokens a greedy request gains from a step that computed its next token and its
-        ``drafts``: row j of ``logits`` is the distribution after draft j (row 0: after the
-        request's own last token), so the drafts are kept while each equals the argmax before
-        it, and the argmax after the last kept one is the step's own token. The kept drafts'
-        K/V are in the cache already: ``num_computed_tokens`` moves past them; the slots of the
-        rejected ones are written again by later steps."""
-        chosen = argmax_rows(logits.float())
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == chosen[accepted]:
-            accepted += 1
+        """The tokens a request gains from a step that computed its next token and its
+        ``drafts`` (``verify_drafts``: row j of ``logits`` is the distribution after draft j).
+        The kept drafts' K/V are in the cache already: ``num_computed_tokens`` moves past them;
+        the slots of the rejected ones are written again by later steps."""
+        tokens = verify_drafts(logits, drafts, request.params, request.generator)
+        accepted = len(tokens) - 1
         request.num_computed_tokens += accepted
         self.spec_draft_tokens += len(drafts)
         self.spec_accepted_tokens += accepted
-        return [SampledToken(request, token) for token in chosen[:accepted + 1]]
+        return [SampledToken(request, token) for token in tokens]
 
     def _batch_input(self, item: ScheduledRequest) -> SeqBatchInput:
         """The model runner's input for one scheduled request: its next ``num_new_tokens``."""

@@ -116,6 +116,54 @@ def plain_greedy(params: SamplingParams, num_output: int) -> bool:
             and not has_penalties(params) and not has_token_controls(params))
 
 
+def verifiable(params: SamplingParams, num_output: int) -> bool:
+    """Whether a row's drafts can be checked by :func:`verify_drafts`: greedy or a plain draw
+    (temperature, top-k, top-p, min-p), with no penalty, active ``min_tokens`` mask, token
+    control or logprobs, whose distribution at a position depends on the tokens before it
+    only through the model's logits."""
+    return (num_output >= params.min_tokens and params.logprobs is None
+            and not has_penalties(params) and not has_token_controls(params))
+
+
+def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams,
+                  generator: torch.Generator | None) -> list[int]:
+    """The tokens a sequence gains from a step that computed its next token and ``drafts``
+    (``verifiable`` params): row j of ``logits`` ``[len(drafts) + 1, V]`` is the distribution
+    after draft j (row 0 after the sequence's own last token).
+
+    Greedy: the drafts are kept while each equals the argmax before it, then the argmax after
+    the last kept one. Sampled (speculative sampling with a draft that is a single token, so its
+    proposal puts all its mass there): draft j is kept with probability ``p_j(draft)``; the
+    first one rejected is replaced by a draw from ``p_j`` without that token, renormalised; when
+    all are kept, a draw from the last row follows. Each returned token then has exactly the
+    distribution the sampler would have drawn it from, given the tokens before it (``p_j``:
+    temperature, then top-k, top-p and min-p, as in :meth:`Sampler.sample`). Uniforms and draws
+    come from ``generator`` (None: torch's default), so a seeded request stays reproducible.
+    """
+    if params.greedy:
+        chosen = argmax_rows(logits.float())
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == chosen[kept]:
+            kept += 1
+        return [*drafts[:kept], chosen[kept]]
+    scaled = logits.float() / params.temperature
+    rows = scaled.shape[0]
+    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+        scaled = filter_logits(scaled, [params.top_k] * rows, [params.top_p] * rows,
+                               [params.min_p] * rows)
+    probs = scaled.softmax(dim=1)
+    uniforms = torch.rand(len(drafts), generator=generator, device=probs.device).tolist()
+    for j, draft in enumerate(drafts):
+        if uniforms[j] < float(probs[j, draft]):
+            continue
+        rest = probs[j].clone()
+        rest[draft] = 0.0
+        token = int(torch.multinomial(rest, 1, generator=generator))
+        return [*drafts[:j], token]
+    last = int(torch.multinomial(probs[len(drafts)], 1, generator=generator))
+    return [*drafts, last]
+
+
 def has_token_controls(params: SamplingParams) -> bool:
     """True when ``logit_bias`` or ``allowed_token_ids`` is set."""
     return params.logit_bias is not None or params.allowed_token_ids is not None

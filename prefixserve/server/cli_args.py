@@ -169,7 +169,7 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
 
 def _add_speculation(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--num-speculative-tokens", type=int, metavar="K",
-                       help="draft up to K tokens per step for greedy requests by looking up "
+                       help="draft up to K tokens per step by looking up "
                        "the sequence's last tokens earlier in it, and keep those the model "
                        "agrees with (default 0: off)")
     group.add_argument("--prompt-lookup-min", type=int, metavar="N",
