@@ -192,7 +192,7 @@ class Scheduler:
         drafts = request.draft_token_ids
         if not drafts or num_new != 1:
             return []
-        return drafts[:budget - 1] if len(drafts) > budget - 1 else drafts
+        return drafts[:budget - 1]
 
     def _add_block_ids(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         """Appends the ids of the blocks just allocated to ``request.block_ids``, so that it
