@@ -569,7 +569,8 @@ class LLMEngine:
         give the distribution of each position and ``verify_drafts`` can check a draft), as
         many as each may still produce after its next token."""
         for request in self.scheduler.running:
-            request.draft_token_ids = []
+            if request.draft_token_ids:  # last step's, verified or dropped
+                request.draft_token_ids = []
             num_out = len(request.output_token_ids)
             params = request.params
             if (request.num_computed_tokens != request.num_tokens - 1 or not num_out

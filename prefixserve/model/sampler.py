@@ -109,20 +109,30 @@ def argmax_rows(logits: Tensor) -> list[int]:
     return logits.argmax(dim=1).tolist()
 
 
-def plain_greedy(params: SamplingParams, num_output: int) -> bool:
-    """Whether a row is a bare argmax: greedy, no penalty, ``min_tokens`` reached (so no token
-    is masked), no token control and no logprobs asked for."""
-    return (params.greedy and num_output >= params.min_tokens and params.logprobs is None
-            and not has_penalties(params) and not has_token_controls(params))
-
-
 def verifiable(params: SamplingParams, num_output: int) -> bool:
-    """Whether a row's drafts can be checked by :func:`verify_drafts`: greedy or a plain draw
-    (temperature, top-k, top-p, min-p), with no penalty, active ``min_tokens`` mask, token
-    control or logprobs, whose distribution at a position depends on the tokens before it
-    only through the model's logits."""
+    """Whether a row's distribution depends on the tokens before it only through the model's
+    logits: greedy or a plain draw (temperature, top-k, top-p, min-p), with no penalty, no
+    active ``min_tokens`` mask, no token control and no logprobs. Its drafts can be checked
+    by :func:`verify_drafts`."""
     return (num_output >= params.min_tokens and params.logprobs is None
             and not has_penalties(params) and not has_token_controls(params))
+
+
+def plain_greedy(params: SamplingParams, num_output: int) -> bool:
+    """Whether a row is a bare argmax: greedy and ``verifiable``."""
+    return params.greedy and verifiable(params, num_output)
+
+
+def draw_probabilities(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """The probabilities sampled rows draw from: each row of ``logits`` divided by its
+    temperature, filtered by top-k, top-p and min-p (:func:`filter_logits`), softmaxed."""
+    scaled = logits / _column((p.temperature for p in params), logits)
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0.0 for m in min_p):
+        scaled = filter_logits(scaled, top_k, top_p, min_p)
+    return scaled.softmax(dim=1)
 
 
 def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams,
@@ -137,7 +147,7 @@ def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams,
     first one rejected is replaced by a draw from ``p_j`` without that token, renormalised; when
     all are kept, a draw from the last row follows. Each returned token then has exactly the
     distribution the sampler would have drawn it from, given the tokens before it (``p_j``:
-    temperature, then top-k, top-p and min-p, as in :meth:`Sampler.sample`). Uniforms and draws
+    ``draw_probabilities``, what :meth:`Sampler.sample` draws from). Uniforms and draws
     come from ``generator`` (None: torch's default), so a seeded request stays reproducible.
     """
     if params.greedy:
@@ -146,12 +156,7 @@ def verify_drafts(logits: Tensor, drafts: Sequence[int], params: SamplingParams,
         while kept < len(drafts) and drafts[kept] == chosen[kept]:
             kept += 1
         return [*drafts[:kept], chosen[kept]]
-    scaled = logits.float() / params.temperature
-    rows = scaled.shape[0]
-    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
-        scaled = filter_logits(scaled, [params.top_k] * rows, [params.top_p] * rows,
-                               [params.min_p] * rows)
-    probs = scaled.softmax(dim=1)
+    probs = draw_probabilities(logits.float(), [params] * logits.shape[0])
     uniforms = torch.rand(len(drafts), generator=generator, device=probs.device).tolist()
     for j, draft in enumerate(drafts):
         if uniforms[j] < float(probs[j, draft]):
@@ -570,13 +575,7 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> list[int]:
         """Sample one token per row (no greedy rows here) by an exponential race."""
-        scaled = logits / _column((p.temperature for p in params), logits)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0.0 for m in min_p):
-            scaled = filter_logits(scaled, top_k, top_p, min_p)
-        probs = scaled.softmax(dim=1)
+        probs = draw_probabilities(logits, params)
         uniform = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if len(unseeded) == len(generators):
