@@ -237,12 +237,22 @@ def test_sampled_drafts_keep_each_tokens_distribution(filters: dict[str, float])
                 assert (counts[j] / counts[j].sum() - want[j]).abs().max() < 0.06, (drafts, j)
 
 
-def test_fused_verification_rows_give_the_logits_of_one_token_steps() -> None:
+def test_fused_verification_rows_give_the_logits_of_one_token_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The default mode: a decoding sequence's token and its drafts go through the fused
     decode layers as rows at consecutive positions on one block table. Their logits equal those
     of feeding the same tokens one step at a time, up to the fused step's float rounding."""
     llm = LLM(dtype="float32", num_blocks=64)
     runner = llm.engine.runner
+    assert runner._fused_ready() and runner._fused is not None
+    fused_calls: list[tuple[list[int], list[int]]] = []
+    fused_run = runner._fused.run
+
+    def recorded(hidden, positions, tables, rows):  # type: ignore[no-untyped-def]
+        fused_calls.append((list(positions), list(rows)))
+        return fused_run(hidden, positions, tables, rows)
+
+    monkeypatch.setattr(runner._fused, "run", recorded)
     tokens = llm.get_tokenizer().encode(REPEAT)
     prompt, extra = tokens[:-4], tokens[-4:]
     table = list(range(1, 1 + (len(tokens) + 15) // 16))
@@ -256,7 +266,12 @@ def test_fused_verification_rows_give_the_logits_of_one_token_steps() -> None:
                                for i, t in enumerate(extra)])
     verified = run(SeqBatchInput(extra, len(prompt), table, need_prompt_logits=True,
                                  seq_id="a", verify=True))
-    assert runner.fused_decode_reason is None  # the fused layers ran both
+    n = len(prompt)
+    # the one-token steps and the verification all ran through the fused layers; the last as
+    # four rows at consecutive positions on one table row
+    assert [positions for positions, _ in fused_calls] == [[n], [n + 1], [n + 2], [n + 3],
+                                                           [n, n + 1, n + 2, n + 3]]
+    assert len(set(fused_calls[-1][1])) == 1
     assert verified.shape == one_at_a_time.shape == (4, llm.engine.vocab_size)
     scale = one_at_a_time.abs().max().item()
     assert (verified - one_at_a_time).abs().max().item() <= 1e-3 * scale
