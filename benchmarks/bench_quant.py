@@ -169,13 +169,19 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return math.exp(torch.nn.functional.cross_entropy(logits, targets).item())
 
 
+def accuracy_reference(positions: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """``positions`` + 1 tokens of text, the next-token targets, and the dense float32 model's
+    logits at every position (the reference of the accuracy tables)."""
+    ids = text_tokens(positions)
+    reference = next_token_logits("bf16", ids, 256)
+    assert reference is not None  # SDPA: always
+    return ids, torch.tensor(ids[1:]), reference
+
+
 def part_accuracy(positions: int) -> None:
     print(f"\n## Part 2: next-token agreement with the dense float32 model, {positions} "
           "positions of this repository's docs (teacher forcing)")
-    ids = text_tokens(positions)
-    targets = torch.tensor(ids[1:])
-    reference = next_token_logits("bf16", ids, 256)
-    assert reference is not None  # SDPA: always
+    ids, targets, reference = accuracy_reference(positions)
     top1 = reference.argmax(-1)
     print("| activations | KV cache | top-1 agreement | positions that differ | perplexity | "
           "reference perplexity |")
