@@ -352,6 +352,38 @@ def test_a_tool_breakpoint_ends_at_its_own_tool(claude: anthropic.Anthropic) -> 
     assert on_second - on_first >= 90
 
 
+def test_a_tool_use_breakpoint_covers_the_call_and_no_more(claude: anthropic.Anthropic) -> None:
+    """``cache_control`` on an assistant's ``tool_use`` block (Anthropic accepts it there) is a
+    breakpoint at the end of that turn: it covers the call's ~70 tokens of input past a
+    breakpoint on the question before it, and not the ~120 tokens of the tool_result after it.
+    Kills: a tool_use breakpoint refused (400), ignored, or placed at the prompt's end."""
+    control = {"type": "ephemeral"}
+
+    def covered(on_call: bool) -> tuple[int, int]:
+        note = words(70)
+        use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+               "input": {"city": "Paris", "note": note}}
+        question = {"type": "text", "text": "Weather in Paris?"}
+        if on_call:
+            use["cache_control"] = control
+        else:
+            question["cache_control"] = control
+        messages = [{"role": "user", "content": [question]},
+                    {"role": "assistant", "content": [use]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                  "content": words(120)}]}]
+        reply = claude.messages.create(model=MODEL, max_tokens=1, messages=messages,
+                                       tools=[tool("get_weather", "Weather of a city.")])
+        usage = reply.usage
+        return usage.cache_creation_input_tokens + usage.cache_read_input_tokens, \
+            usage.input_tokens
+
+    on_question, _ = covered(False)
+    on_call, after = covered(True)
+    assert on_call - on_question >= 48
+    assert after >= 90
+
+
 def test_streamed_tool_use_parses_in_the_sdk(claude: anthropic.Anthropic,
                                              server: ServerProcess) -> None:
     tools = [tool("get_weather", "Weather of a city.")]

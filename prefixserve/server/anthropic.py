@@ -7,10 +7,11 @@ chat template and generates the assistant's reply, whole or as Anthropic's serve
 counts the prompt's tokens. Keys come in ``x-api-key`` (or ``Authorization: Bearer``); errors
 have Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
 
-**cache_control.** A text block (of ``system`` or of a message) with ``cache_control:
-{"type": "ephemeral", "ttl": "5m" | "1h"}`` is a breakpoint: the prompt's tokens up to the end
-of that block get a retention of ``CACHE_CONTROL_PRIORITY`` for the TTL (counted from each use,
-so refreshed on every hit). At most four breakpoints. Usage reports
+**cache_control.** A block (a tool, a text block of ``system`` or of a message, a
+``tool_result`` or a ``tool_use``) with ``cache_control: {"type": "ephemeral", "ttl": "5m" |
+"1h"}`` is a breakpoint: the prompt's tokens up to the end of that block (of a ``tool_use``:
+of its assistant turn) get a retention of ``CACHE_CONTROL_PRIORITY`` for the TTL (counted
+from each use, so refreshed on every hit). At most four breakpoints. Usage reports
 ``cache_read_input_tokens`` (prompt tokens served from the prefix cache, implicit hits
 included), ``cache_creation_input_tokens`` (tokens of the full blocks up to the last breakpoint
 that were not read, so were written now) and ``input_tokens`` (the rest); the three add up to
@@ -48,6 +49,7 @@ from prefixserve.server.anthropic_protocol import (
 )
 from prefixserve.server.anthropic_tools import (
     SENTINEL,
+    common_length,
     conversation,
     tool_calling,
     tool_cut,
@@ -138,9 +140,6 @@ class AnthropicPrompt:
             if isinstance(block, TextBlock) and not block.text:
                 raise ApiError(400, f"{where}: cache_control cannot be set on an empty text "
                                "block")
-            if isinstance(block, ToolUseBlock):
-                raise ApiError(400, f"{where}: cache_control on a tool_use block is not "
-                               "supported; set it on the next text or tool_result block")
             marked.append((where, block, TTL_SECONDS[ttl]))
         if len(marked) > MAX_BREAKPOINTS:
             counts = {part: sum(w.startswith(part) for w, _, _ in marked)
@@ -161,12 +160,37 @@ class AnthropicPrompt:
                 raise ApiError(400, "cache_control cannot be placed on this tool: the chat "
                                "template does not render the tools before the conversation")
             return cut
+        if isinstance(block, ToolUseBlock):
+            return self._turn_cut(block)
         marked = self._render(block)
         cut = marked.find(SENTINEL)
         if cut < 0 or marked.replace(SENTINEL, "") != self.text:
             raise ApiError(400, "cache_control cannot be placed here: the chat template "
                            "changes the block's text")
         return cut
+
+    def _turn_cut(self, block: ToolUseBlock) -> int:
+        """The length of the text up to the end of the assistant turn that holds ``block``.
+        The template renders a call from its name and input, so no sentinel can mark where the
+        call ends: the turns up to that one are rendered alone, and the cut is where that
+        rendering stops agreeing with the prompt (the turn's end, or earlier where a template
+        renders a conversation's last message its own way)."""
+        index = next(i for i, (_, blocks) in enumerate(self.turns)
+                     if any(b is block for b in blocks))
+        turns = conversation(self.system, self.turns[: index + 1], None)
+        messages = [turn.item() for turn in turns]
+        variables: dict[str, Any] = {}
+        if self.calling is not None:
+            messages, variables = self.calling.messages(messages, turns)
+        try:
+            text = self.serving.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=False, tokenize=False, **variables)
+        except Exception as exc:  # the template's own errors, of any kind
+            raise ApiError(400, "cache_control cannot be placed on this tool_use block: the "
+                           f"chat template cannot render the conversation up to it: {exc}"
+                           ) from exc
+        assert isinstance(text, str)
+        return common_length(text, self.text)
 
     def _breakpoints(self) -> list[tuple[int, float]]:
         """(tokens up to the end of the block, TTL) per breakpoint: the longest run of the

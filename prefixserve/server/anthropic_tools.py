@@ -107,14 +107,19 @@ def with_tools_ending_at(calling: ToolCalling, index: int) -> ToolCalling:
     return replace(calling, tools=[*calling.tools[:index + 1], stranger])
 
 
-def tool_cut(text: str, other: str) -> int:
-    """Where a tool's entry ends in ``text``: the last ``}`` of the part that ``other`` (the
-    rendering of :func:`with_tools_ending_at`) shares with it; 0 when there is none."""
+def common_length(text: str, other: str) -> int:
+    """The length of the longest common prefix of two renderings."""
     n = 0
     limit = min(len(text), len(other))
     while n < limit and text[n] == other[n]:
         n += 1
-    return text.rfind("}", 0, n) + 1
+    return n
+
+
+def tool_cut(text: str, other: str) -> int:
+    """Where a tool's entry ends in ``text``: the last ``}`` of the part that ``other`` (the
+    rendering of :func:`with_tools_ending_at`) shares with it; 0 when there is none."""
+    return text.rfind("}", 0, common_length(text, other)) + 1
 
 
 def _text(blocks: Sequence[TextBlock], mark: object) -> str:
