@@ -92,6 +92,31 @@ def test_mixed_batch_equals_each_alone(llm: LLM) -> None:
     assert_idle(llm)
 
 
+def test_adapter_prompts_attend_in_the_kernel(llm: LLM,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With adapters installed, prompt steps still attend through the C kernel (adapters change
+    the projections, not the attention), and give the tokens the torch attention gives. Kills:
+    the kernel turned off whenever adapters are installed (as it was: no plan), or handed rows
+    it attends wrongly (other tokens than torch's)."""
+    from prefixserve.model.prompt_attention import PromptAttention
+    plans = []
+    plan = PromptAttention.plan
+    monkeypatch.setattr(PromptAttention, "plan",
+                        lambda self, *a, **k: plans.append(1) or plan(self, *a, **k))
+    prompt = long_prompt(llm, 7)
+    kernel = llm.generate([prompt], GREEDY, lora="a", cache_salt="kernel")[0]
+    assert plans, "no prompt step of an adapter attended through the kernel"
+    runner = llm.engine.runner
+    saved = runner._prompt_attention
+    runner._prompt_attention = None  # the torch attention, for the reference
+    try:
+        torch_path = llm.generate([prompt], GREEDY, lora="a", cache_salt="torch")[0]
+    finally:
+        runner._prompt_attention = saved
+    assert kernel.outputs[0].token_ids == torch_path.outputs[0].token_ids
+    assert_idle(llm)
+
+
 def test_adapters_beyond_the_slots_wait_without_blocking_the_base(llm: LLM,
                                                                   adapters: dict[str, Path]
                                                                   ) -> None:

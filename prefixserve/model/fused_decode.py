@@ -99,6 +99,18 @@ def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
 
 def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     """Why :class:`FusedDecode` cannot run ``model`` over ``kv_cache``; None when it can."""
+    reason = unsupported_attention(model, kv_cache)
+    if reason is not None:
+        return reason
+    assert isinstance(model, CausalLM)
+    if any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)):
+        return "a projection not packed (dense weights or a LoRA wrapper)"
+    return None
+
+
+def unsupported_attention(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
+    """Why the kernel cannot attend for ``model`` over ``kv_cache`` (whatever its
+    projections are); None when it can."""
     if type(model) is not CausalLM:
         return "not a Llama-family CausalLM"
     config = model.config
@@ -111,8 +123,6 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
         (config.qk_norm, "Q/K norm"),
         (config.num_attention_heads % config.num_key_value_heads != 0, "uneven GQA groups"),
         (config.head_dim % 2 != 0, "odd head_dim"),
-        (any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)),
-         "a projection not packed (dense weights or a LoRA wrapper)"),
     ]
     for failed, reason in reasons:
         if failed:

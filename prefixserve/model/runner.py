@@ -149,6 +149,8 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self._fused: fused_decode.FusedDecode | None = None
         self._prompt_attention: prompt_attention.PromptAttention | None = None
+        self._attention_checked = False
+        """Whether the kernel's attention was considered for a model with LoRA adapters."""
         self.fused_decode_reason: str | None = None
         """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.model_seconds = 0.0
@@ -258,6 +260,21 @@ class ModelRunner:
             self.fused_decode_reason = reason
         return self._fused is not None
 
+    def _prompt_kernel(self) -> prompt_attention.PromptAttention | None:
+        """The C kernel's attention for this step's eager rows: where the fused layers apply,
+        and under LoRA adapters too, which change the projections, not the attention (built at
+        the first such step; not in the eager or the deterministic mode)."""
+        if self._fused_ready():
+            return self._prompt_attention
+        if self.lora is None or self.enforce_eager or self.deterministic:
+            return None
+        if not self._attention_checked:
+            self._attention_checked = True
+            if self._prompt_attention is None and \
+                    fused_decode.unsupported_attention(self.model, self.kv_cache) is None:
+                self._prompt_attention = self._new_prompt_attention()
+        return self._prompt_attention
+
     def _new_prompt_attention(self) -> prompt_attention.PromptAttention | None:
         """The C kernel's attention for the eager steps, where the fused layers apply and the
         kernel has its fast form for the head size (``prompt_attention.available``)."""
@@ -325,7 +342,7 @@ class ModelRunner:
             rows = rows0 if g == 0 and rows0 is not None else keeper.update(seqs, needed, tables)
             table_rows = TableRows(keeper.buffer, rows)
             if group.window is None:
-                kernel = self._prompt_attention if self._fused_ready() else None
+                kernel = self._prompt_kernel()
                 metas.append(build_metadata(seq_lens, tables, self.block_size, self.device,
                                             self.dtype, table_rows, self.deterministic, kernel))
             else:
