@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -103,15 +103,19 @@ class AnthropicPrompt:
         if self.turns[-1][0] != "user":
             raise ApiError(400, "the last message must have the user role (a final assistant "
                            "message, a prefill, is not supported here)")
-        turns = conversation(self.system, self.turns, mark)
-        messages = [turn.item() for turn in turns]
+        return self._template(self.turns, mark, calling or self.calling, True)
+
+    def _template(self, turns: Sequence[tuple[str, list[Any]]], mark: object,
+                  calling: ToolCalling | None, generation_prompt: bool) -> str:
+        """``turns`` rendered by the chat template, with ``SENTINEL`` after ``mark``."""
+        rendered = conversation(self.system, turns, mark)
+        messages = [turn.item() for turn in rendered]
         variables: dict[str, Any] = {}
-        calling = calling or self.calling
         if calling is not None:
-            messages, variables = calling.messages(messages, turns)
+            messages, variables = calling.messages(messages, rendered)
         try:
             text = self.serving.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **variables)
+                messages, add_generation_prompt=generation_prompt, tokenize=False, **variables)
         except Exception as exc:  # the template's own errors, of any kind
             raise ApiError(400, f"the chat template cannot render these messages: {exc}"
                            ) from exc
@@ -177,19 +181,7 @@ class AnthropicPrompt:
         renders a conversation's last message its own way)."""
         index = next(i for i, (_, blocks) in enumerate(self.turns)
                      if any(b is block for b in blocks))
-        turns = conversation(self.system, self.turns[: index + 1], None)
-        messages = [turn.item() for turn in turns]
-        variables: dict[str, Any] = {}
-        if self.calling is not None:
-            messages, variables = self.calling.messages(messages, turns)
-        try:
-            text = self.serving.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=False, tokenize=False, **variables)
-        except Exception as exc:  # the template's own errors, of any kind
-            raise ApiError(400, "cache_control cannot be placed on this tool_use block: the "
-                           f"chat template cannot render the conversation up to it: {exc}"
-                           ) from exc
-        assert isinstance(text, str)
+        text = self._template(self.turns[: index + 1], None, self.calling, False)
         return common_length(text, self.text)
 
     def _breakpoints(self) -> list[tuple[int, float]]:
