@@ -31,6 +31,15 @@ from prefixserve.engine.scheduler import SchedulerOutput
 from prefixserve.model import fused_decode, quant_kernels
 
 
+def step_kind(scheduled: SchedulerOutput) -> str:
+    """"decode" when every request of the step adds one token after its prompt, else "mixed"
+    (some request computes prompt tokens)."""
+    decode = all(s.num_new_tokens == 1
+                 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
+                 for s in scheduled.scheduled)
+    return "decode" if decode else "mixed"
+
+
 def replay(prompts: list[list[int]], concurrency: int, output_len: int,
            kv_cache_dtype: str) -> tuple[float, dict[str, list[float]]]:
     """The wall time of a closed-loop replay, and per step kind [steps, seconds, tokens]."""
@@ -40,9 +49,7 @@ def replay(prompts: list[list[int]], concurrency: int, output_len: int,
     execute = engine._execute
 
     def timed(scheduled: SchedulerOutput) -> ExecutedStep:
-        kind = "decode" if all(
-            s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
-            for s in scheduled.scheduled) else "mixed"
+        kind = step_kind(scheduled)
         start = time.perf_counter()
         out = execute(scheduled)
         row = split[kind]

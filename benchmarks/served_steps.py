@@ -8,7 +8,8 @@ writes one line per step (start, seconds, kind, tokens, requests) to ``DIR/steps
 ``prefixserve bench`` against it (by default side_by_side.py's multi-turn run at 16 clients:
 16 conversations x 6 turns, 64-token messages and answers); stops the server and prints the
 bench's wall time next to the engine's busy time, split into decode steps (every request adds
-one token) and mixed steps (some request computes prompt tokens), and each mixed step. Where
+one token) and mixed steps (some request computes prompt tokens; ``replay_split.step_kind``),
+and each mixed step. Where
 the engine is busy nearly the whole wall, the HTTP side costs the run nothing measurable and
 the run's speed is the steps' (``replay_split.py`` replays the prompts without HTTP).
 The per-step timing costs the step one ``perf_counter`` pair and one short write.
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from replay_split import step_kind
 from side_by_side import REPO, Server, start, stop
 
 BENCH_DEFAULT = ("--dataset multi-turn --num-conversations 16 --num-turns 6 --question-len 64 "
@@ -40,14 +42,11 @@ def serve_timed(log_path: str, serve_argv: list[str]) -> int:
     log = open(log_path, "w")  # noqa: SIM115 - open for the server's lifetime
 
     def timed(engine: llm_engine.LLMEngine, scheduled: SchedulerOutput):  # type: ignore[no-untyped-def]
-        decode = all(s.num_new_tokens == 1
-                     and s.request.num_computed_tokens >= s.request.num_prompt_tokens
-                     for s in scheduled.scheduled)
         begin = time.perf_counter()
         out = execute(engine, scheduled)
         seconds = time.perf_counter() - begin
-        log.write(json.dumps([begin, seconds, "decode" if decode else "mixed",
-                              scheduled.num_tokens, len(scheduled.scheduled)]) + "\n")
+        log.write(json.dumps([begin, seconds, step_kind(scheduled), scheduled.num_tokens,
+                              len(scheduled.scheduled)]) + "\n")
         log.flush()
         return out
 
