@@ -107,12 +107,13 @@ def test_adapter_prompts_attend_in_the_kernel(llm: LLM,
     kernel = llm.generate([prompt], GREEDY, lora="a", cache_salt="kernel")[0]
     assert plans, "no prompt step of an adapter attended through the kernel"
     runner = llm.engine.runner
-    saved = runner._prompt_attention
+    saved, planned = runner._prompt_attention, len(plans)
     runner._prompt_attention = None  # the torch attention, for the reference
     try:
         torch_path = llm.generate([prompt], GREEDY, lora="a", cache_salt="torch")[0]
     finally:
         runner._prompt_attention = saved
+    assert len(plans) == planned, "the reference did not run the torch attention"
     assert kernel.outputs[0].token_ids == torch_path.outputs[0].token_ids
     assert_idle(llm)
 
