@@ -155,18 +155,25 @@ typedef struct {
     int bf16;
 } Quantized;
 
-/* Rounds x [B, K] for a product (one thread): to bfloat16 for a bfloat16 model's batch of
- * bf16_batch_rows() or more where the build has that kernel, else to 16 bits per block of 32. */
-static void quantize_rows(const DecodeModel *m, const float *x, int64_t B, int64_t K,
-                          Quantized *q) {
+/* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch): a
+ * bfloat16 model's batch of bf16_batch_rows() or more where the build has that kernel; else
+ * they are rounded to 16 bits per block of 32. */
+static int bf16_rows(const DecodeModel *m, int64_t B) {
     int from = bf16_batch_rows();
-    q->bf16 = m->bf16_products && from > 0 && B >= from;
+    return m->bf16_products && from > 0 && B >= from;
+}
+
+/* Rounds rows [b0, b0 + n) of x [B, K] for a product as q->bf16 says. The rows of 16-bit
+ * products are rounded in units of 8 (b0 a multiple of 8), each full unit's scales regrouped
+ * for tile8_q16 (regroup8); bfloat16 rows one by one. */
+static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quantized *q) {
     if (q->bf16) {
-        round_rows_bf16(x, B * K, (uint16_t *)q->xq);
+        round_rows_bf16(x + b0 * K, n * K, (uint16_t *)q->xq + b0 * K);
         return;
     }
-    quantize_q16(x, B, K, q->xq, q->xd, q->xs);
-    regroup8(q->xd, q->xs, B, K / QK, q->dT, q->sT);
+    int64_t nb = K / QK;
+    quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
+    if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
 }
 
 /* y [B, N] = x [B, K] W^T (+ bias), W packed in format fmt, x as quantize_rows left it: the
@@ -1064,10 +1071,11 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv
     }
 }
 
+/* Writes the K and V of rows [b0, b0 + n) into the cache at their positions. */
 static void write_kv(const DecodeModel *m, const DecodeBatch *s, void *kv, const float *qkv,
-                     int64_t qkv_width) {
+                     int64_t qkv_width, int64_t b0, int64_t n) {
     int64_t D = m->head_dim, kv_size = m->kv_heads * D, q_size = m->heads * D;
-    for (int64_t b = 0; b < s->B; b++) {
+    for (int64_t b = b0; b < b0 + n; b++) {
         int64_t slot = slot_of(m, s, b, s->pos[b]);
         const float *k = qkv + b * qkv_width + q_size;
         for (int64_t which = 0; which < 2; which++) {
@@ -1138,9 +1146,62 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     return 0;
 }
 
+/* The row-wise steps of a layer on rows [b0, b0 + n), one unit of rows (rows_unit):
+ * rows_in: x += the last product's output (add), h = rmsnorm(x) * w, h rounded for a product;
+ * rows_qk: rotate q and k, write k and v into the cache;
+ * rows_act: act = silu(gate) * up, rounded for the down product. */
+static void rows_in(const DecodeModel *m, float *x, const float *w, Scratch *sc, int add,
+                    int64_t b0, int64_t n) {
+    int64_t H = m->hidden;
+    for (int64_t i = b0 * H; add && i < (b0 + n) * H; i++) x[i] += sc->delta[i];
+    rmsnorm(x + b0 * H, w, n, H, (float)m->eps, sc->h + b0 * H);
+    quantize_rows(sc->h, b0, n, H, &sc->q);
+}
+
+static void rows_qk(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
+                    Scratch *sc, int64_t b0, int64_t n) {
+    int64_t D = m->head_dim, qkv_width = (m->heads + 2 * m->kv_heads) * D;
+    for (int64_t b = b0; b < b0 + n; b++) {
+        rotate(sc->qkv + b * qkv_width, m->heads + m->kv_heads, D, sc->cos_ + b * D / 2,
+               sc->sin_ + b * D / 2);
+    }
+    write_kv(m, s, L->kv, sc->qkv, qkv_width, b0, n);
+}
+
+static void rows_act(const DecodeModel *m, Scratch *sc, int64_t b0, int64_t n) {
+    int64_t I = m->intermediate;
+    for (int64_t b = b0; b < b0 + n; b++) {
+        silu_mul(sc->gu + b * 2 * I, sc->gu + b * 2 * I + I, I, sc->act + b * I);
+    }
+    quantize_rows(sc->act, b0, n, I, &sc->q);
+}
+
+/* The rows a thread takes at once in the row-wise steps: 8 for 16-bit products (their
+ * rounding regroups scales 8 rows at a time), else 1. */
+static int64_t rows_unit(const Quantized *q) { return q->bf16 ? 1 : 8; }
+
+/* The rows of unit u of B rows: the first returned, their count in *n. */
+static int64_t unit_rows(int64_t u, int64_t unit, int64_t B, int64_t *n) {
+    *n = B - u * unit < unit ? B - u * unit : unit;
+    return u * unit;
+}
+
+/* Runs STEP(b0, n) on every unit of rows, the units shared out among the threads (an orphaned
+ * `omp for`, a barrier at its end). */
+#define FOR_ROWS(STEP)                                                                         \
+    do {                                                                                       \
+        int64_t unit_ = rows_unit(&sc->q), n_;                                                 \
+        _Pragma("omp for schedule(static)")                                                    \
+        for (int64_t u_ = 0; u_ < (B + unit_ - 1) / unit_; u_++) {                             \
+            int64_t b0_ = unit_rows(u_, unit_, B, &n_);                                        \
+            STEP(b0_, n_);                                                                     \
+        }                                                                                      \
+    } while (0)
+
 /* One decoder layer over x [B, hidden], called by every thread of the step's parallel region:
- * the products and attention are shared out (team_linear, attention), the small row-wise
- * steps between them run on one thread (`omp single`), each ending in a barrier. The last
+ * the products and attention are shared out (team_linear, attention), and so are the small
+ * row-wise steps between them, by rows (FOR_ROWS; on one thread, `omp single`, they left the
+ * other waiting ~9% of a 16-row step: issue 11, round 12). Each ends in a barrier. The last
  * product's output is left in sc->delta, added to x by the next layer (or decode_forward)
  * so that one barrier serves both. */
 static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
@@ -1148,43 +1209,26 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
                           int add_delta) {
     int64_t B = s->B, H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t q_size = m->heads * D, qkv_width = q_size + 2 * m->kv_heads * D;
-    float eps = (float)m->eps;
-#pragma omp single
-    {
-        if (add_delta) {
-            for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
-        }
-        rmsnorm(x, L->input_norm, B, H, eps, sc->h);
-        quantize_rows(m, sc->h, B, H, &sc->q);
-    }
+#define STEP_IN(b0, n) rows_in(m, x, L->input_norm, sc, add_delta, b0, n)
+#define STEP_QK(b0, n) rows_qk(m, L, s, sc, b0, n)
+#define STEP_ATTN(b0, n) quantize_rows(sc->attn, b0, n, q_size, &sc->q)
+#define STEP_POST(b0, n) rows_in(m, x, L->post_norm, sc, 1, b0, n)
+#define STEP_ACT(b0, n) rows_act(m, sc, b0, n)
+    FOR_ROWS(STEP_IN);
     team_linear(L->qkv, L->qkv_fmt, qkv_width, H, L->qkv_bias, &sc->q, B, sc->qkv);
-#pragma omp single
-    {
-        for (int64_t b = 0; b < B; b++) {
-            rotate(sc->qkv + b * qkv_width, m->heads + m->kv_heads, D, sc->cos_ + b * D / 2,
-                   sc->sin_ + b * D / 2);
-        }
-        write_kv(m, s, L->kv, sc->qkv, qkv_width);
-    }
+    FOR_ROWS(STEP_QK);
     attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts, cg);
-#pragma omp single
-    quantize_rows(m, sc->attn, B, q_size, &sc->q);
+    FOR_ROWS(STEP_ATTN);
     team_linear(L->o, L->o_fmt, H, q_size, L->o_bias, &sc->q, B, sc->delta);
-#pragma omp single
-    {
-        for (int64_t i = 0; i < B * H; i++) x[i] += sc->delta[i];
-        rmsnorm(x, L->post_norm, B, H, eps, sc->h);
-        quantize_rows(m, sc->h, B, H, &sc->q);
-    }
+    FOR_ROWS(STEP_POST);
     team_linear(L->gate_up, L->gate_up_fmt, 2 * I, H, L->gate_up_bias, &sc->q, B, sc->gu);
-#pragma omp single
-    {
-        for (int64_t b = 0; b < B; b++) {
-            silu_mul(sc->gu + b * 2 * I, sc->gu + b * 2 * I + I, I, sc->act + b * I);
-        }
-        quantize_rows(m, sc->act, B, I, &sc->q);
-    }
+    FOR_ROWS(STEP_ACT);
     team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta);
+#undef STEP_IN
+#undef STEP_QK
+#undef STEP_ATTN
+#undef STEP_POST
+#undef STEP_ACT
 }
 
 /* The floats of a thread's `run` scratch: a block's keys or values widened to float, or, when
@@ -1250,6 +1294,7 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
     ChunkGroups cg;
     int64_t half = m->head_dim / 2, chunks = context_chunks(s);
     if (scratch_alloc(m, s->B, chunks, &sc)) return -1;
+    sc.q.bf16 = bf16_rows(m, s->B);
     if (groups_alloc(m, s, chunks, &cg)) {
         free(sc.base);
         return -1;
