@@ -373,13 +373,20 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
  * apart): four independent accumulators, the activations loaded once for all of them. The
  * one-row kernel of decode steps, where tile_q16 would run a single dependent chain. */
 #define ROWS 4
-/* Bytes ahead of each row's block that the one-row kernels prefetch. The rows of a group lie
- * next to each other, so this reaches about a dozen rows ahead: a decode step's products are
- * short (0.2-1 MB each, split over the threads) and stream from memory, and 320 bytes left
- * the fused layers of one row 1.2x slower (benchmarks/RESULTS.md, issue 11, round 4). */
+/* Bytes ahead of a weight block that the batch kernels prefetch into L1 (tile8_q16, the
+ * bfloat16 expansion). A decode step's products are short (0.2-1 MB each, split over the
+ * threads) and stream from memory; 320 bytes ahead left the fused layers of one row 1.2x
+ * slower than 4 KB (benchmarks/RESULTS.md, issue 11, round 4). */
 #ifndef PREFETCH
 #define PREFETCH 4096
 #endif
+/* The one-row kernels ask 8 KB ahead of each row's block (the rows of a group lie next to each
+ * other: a few dozen rows ahead), into L2. Asked 4 KB ahead into L1, the 30 MB Q8_0 output
+ * head of the default model streamed at 16-19 GB/s and took 1.6-1.8 ms a decode step; so, at
+ * 34-40 GB/s (issue 11, round 12). The Q4_1 products, bound by their arithmetic, ran about
+ * as fast either way. */
+#define ROW_PREFETCH 8192
+#define ROW_PREFETCH_HINT _MM_HINT_T1
 /* v with its 16-bit lane r (0-3) set to x; r is a constant once the caller's loop unrolls. */
 static inline __m128i insert16(__m128i v, uint16_t x, int r) {
     switch (r) {
@@ -405,7 +412,7 @@ static void rows_q4_1_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq
         __m128i m = _mm_setzero_si128();
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *br = blk + r * row_bytes;
-            _mm_prefetch((const char *)(br + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(br + ROW_PREFETCH), ROW_PREFETCH_HINT);
             /* bytes widened to 16 bits: the low nibble is element j, the high one j + 16 */
             __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(br + 4)));
             __m256i lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
@@ -440,7 +447,7 @@ static void rows_q8_0_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq
         const uint8_t *blk = w + b * Q8_0_BYTES;
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *br = blk + r * row_bytes;
-            _mm_prefetch((const char *)(br + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(br + ROW_PREFETCH), ROW_PREFETCH_HINT);
             __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(br + 2)));
             __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(br + 18)));
             __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, a0),
