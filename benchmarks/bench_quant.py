@@ -18,10 +18,12 @@ through the C attention the engine's prompt steps take, attending in bfloat16
 (``bf16_queries``) and in float32. It is the measurement behind ``quant.ACTIVATION_BITS``, the
 bfloat16 batch kernel, the bfloat16 attention and ``--kv-cache-dtype``.
 
-Part 3 is the engine on the default model three ways, interleaved run by run: packed weights
+Part 3 is the engine on the default model four ways, interleaved run by run: packed weights
 (``--weights auto``) with the fused decode step, packed weights with ``--enforce-eager`` (the
-decode step layer by layer in torch), and dense weights (``--weights bf16``, float32 on a CPU
-without native bfloat16: the path before packed weights). Resident weight bytes, prefill
+decode step layer by layer in torch), dense weights (``--weights bf16``, float32 on a CPU
+without native bfloat16) with ``--enforce-eager``: the path before packed weights, torch's
+attention included, the reference of issue 11's ratios; and dense weights as the engine runs
+them, attending through the C kernel. Resident weight bytes, prefill
 tokens/s of a 1,024-token prompt, greedy decode tokens/s of 1 sequence (after 32 and after
 1,024 prompt tokens), of 8 and of 16 (prefill excluded); medians with ranges and ratios.
 With ``--llama-bench PATH`` llama.cpp's ``llama-bench`` then runs on the same GGUF file
@@ -218,7 +220,8 @@ def part_accuracy(positions: int) -> None:
 
 
 ENGINES = (("fused", {"weights": "auto"}), ("eager", {"weights": "auto", "enforce_eager": True}),
-           ("dense", {"weights": "bf16"}))
+           ("dense", {"weights": "bf16", "enforce_eager": True}),
+           ("dense, kernel attention", {"weights": "bf16"}))
 
 
 def long_decode(llm: LLM, rng: random.Random, context: int = 1024) -> float:
@@ -229,7 +232,9 @@ def long_decode(llm: LLM, rng: random.Random, context: int = 1024) -> float:
 def part_engine(repeat: int) -> dict[str, float]:
     """The engine three ways, interleaved run by run; returns the fused engine's medians."""
     print("\n## Part 3: the engine: packed weights with the fused decode step (auto), packed "
-          "with --enforce-eager, dense (--weights bf16)")
+          "with --enforce-eager, dense (--weights bf16) with --enforce-eager (torch's "
+          "attention: the path before packed weights) and as the engine runs it (the C "
+          "kernel's attention)")
     kwargs = {"kv_cache_memory": "1GiB", "max_num_batched_tokens": 2048, "max_num_seqs": 32}
     llms = {name: LLM(**options, **kwargs) for name, options in ENGINES}
     sizes = {name: quant.module_bytes(llm.engine.runner.model) / 2**20
@@ -241,10 +246,12 @@ def part_engine(repeat: int) -> dict[str, float]:
         ("decode x8 tok/s", lambda llm, rng: ours_decode(llm, 8, rng)),
         ("decode x16 tok/s", lambda llm, rng: ours_decode(llm, 16, rng)),
     ]
-    print("| case | fused (auto) | eager (auto) | dense (bf16) | fused / eager | fused / dense |")
-    print("|---|---|---|---|---|---|")
-    print(f"| resident weights MiB | {sizes['fused']:.1f} | {sizes['eager']:.1f} | "
-          f"{sizes['dense']:.1f} | | {sizes['fused'] / sizes['dense']:.2f}x |")
+    others = [name for name, _ in ENGINES if name != "fused"]
+    print("| case | fused (auto) | eager (auto) | dense (bf16), torch attention | dense (bf16), "
+          "kernel attention | " + " | ".join(f"fused / {name}" for name in others) + " |")
+    print("|---" * (2 + 2 * len(others)) + "|")
+    print(f"| resident weights MiB | {' | '.join(f'{sizes[n]:.1f}' for n, _ in ENGINES)} | | "
+          f"{sizes['fused'] / sizes['dense']:.2f}x | |")
     medians = {}
     for label, run in cases:
         rates: dict[str, list[float]] = {name: [] for name, _ in ENGINES}
@@ -253,7 +260,7 @@ def part_engine(repeat: int) -> dict[str, float]:
                 rates[name].append(run(llms[name], random.Random(i)))
         cells = [median_range(rates[name], "{:.1f}") for name, _ in ENGINES]
         ratios = [median_range([a / b for a, b in zip(rates["fused"], rates[other], strict=True)],
-                               "{:.2f}") + "x" for other in ("eager", "dense")]
+                               "{:.2f}") + "x" for other in others]
         print(f"| {label} | {' | '.join(cells)} | {' | '.join(ratios)} |")
         medians[label] = statistics.median(rates["fused"])
     return medians

@@ -46,14 +46,21 @@ def tiny_config(heads: int = 4, kv_heads: int = 2, bias: bool = False, head_dim:
                        max_position_embeddings=1024, rms_norm_eps=1e-6)
 
 
-def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> CausalLM:
-    """A random-weight model whose four projections per layer are packed in ``fmt``."""
+def dense_model(config: ModelConfig, seed: int = 0) -> CausalLM:
+    """A random-weight model with dense projections (what a safetensors model loads as)."""
     torch.manual_seed(seed)
     model = CausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name
                     else 0.15 * torch.randn_like(p))
+    return model.eval()
+
+
+def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> CausalLM:
+    """A random-weight model whose four projections per layer are packed in ``fmt``."""
+    model = dense_model(config, seed)
+    with torch.no_grad():
         for layer in model.layers:
             for owner, attr in ((layer.attn, "qkv_proj"), (layer.attn, "o_proj"),
                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):

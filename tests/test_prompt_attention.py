@@ -18,7 +18,7 @@ from prefixserve.model.attention import (
     paged_attention,
 )
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
-from tests.test_fused_decode import packed_model, tiny_config
+from tests.test_fused_decode import dense_model, packed_model, tiny_config
 
 BLOCK = 16
 #: (heads, kv heads, head size, cache dtype)
@@ -226,4 +226,31 @@ def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:
         out = runner.execute([SeqBatchInput(question, 300, second, seq_id=1)])
         assert (runner._prompt_attention is not None) == (not eager)
         logits.append(out.logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_dense_model_attends_in_the_kernel() -> None:
+    """A model with dense projections (a safetensors model, ``--weights bf16``) cannot take
+    the fused layers, but its steps, prompt and decode rows alike, attend through the kernel:
+    the projections keep the fused layers off, not the attention. The logits of a question
+    after a cached prefix and of the next decode step match --enforce-eager's (torch's
+    attention). Kills: the kernel kept for packed models and adapters only, as it was."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=64)
+    if not prompt_attention.available(config.head_dim):
+        pytest.skip("no 512-bit form of the kernel on this CPU")
+    model = dense_model(config)
+    rng = random.Random(4)
+    prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
+    question = [rng.randrange(config.vocab_size) for _ in range(30)]
+    first, second = list(range(19)), [*range(19), 40, 41]
+    logits = []
+    for eager in (False, True):
+        runner = ModelRunner(config, model, 64, BLOCK, torch.float32, "cpu",
+                             enforce_eager=eager)
+        runner.execute([SeqBatchInput(prefix, 0, first, seq_id=0)])
+        asked = runner.execute([SeqBatchInput(question, 300, second, seq_id=1)])
+        decoded = runner.execute([SeqBatchInput([7], 330, second, seq_id=1)])
+        assert runner._fused is None, "a dense model took the fused layers"
+        assert (runner._prompt_attention is not None) == (not eager)
+        logits.append(torch.cat([asked.logits, decoded.logits]))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

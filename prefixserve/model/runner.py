@@ -262,11 +262,12 @@ class ModelRunner:
 
     def _prompt_kernel(self) -> prompt_attention.PromptAttention | None:
         """The C kernel's attention for this step's eager rows: where the fused layers apply,
-        and under LoRA adapters too, which change the projections, not the attention (built at
-        the first such step; not in the eager or the deterministic mode)."""
+        and where only the projections keep them off (dense weights, LoRA adapters: they change
+        the projections, not the attention); built at the first such step, not in the eager or
+        the deterministic mode."""
         if self._fused_ready():
             return self._prompt_attention
-        if self.lora is None or self.enforce_eager or self.deterministic:
+        if self.enforce_eager or self.deterministic:
             return None
         if not self._attention_checked:
             self._attention_checked = True
