@@ -4,7 +4,7 @@ against torch's paged attention of the same step."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -229,16 +229,20 @@ def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
-def test_a_dense_model_attends_in_the_kernel() -> None:
-    """A model with dense projections (a safetensors model, ``--weights bf16``) cannot take
-    the fused layers, but its steps, prompt and decode rows alike, attend through the kernel:
-    the projections keep the fused layers off, not the attention. The logits of a question
-    after a cached prefix and of the next decode step match --enforce-eager's (torch's
-    attention). Kills: the kernel kept for packed models and adapters only, as it was."""
-    config = tiny_config(heads=6, kv_heads=2, head_dim=64)
+@pytest.mark.parametrize(("qk_norm", "packed"), [(False, False), (True, False), (True, True)],
+                         ids=["dense-llama", "dense-qwen3", "packed-qwen3"])
+def test_models_the_fused_layers_cannot_run_attend_in_the_kernel(qk_norm: bool,
+                                                                 packed: bool) -> None:
+    """A model with dense projections (a safetensors model, ``--weights bf16``) or with Qwen3's
+    Q/K norm cannot take the fused layers, but its steps, prompt and decode rows alike, attend
+    through the kernel: the projections and the norms (in torch, before the cache write) keep
+    the fused layers off, not the attention. The logits of a question after a cached prefix
+    and of the next decode step match --enforce-eager's (torch's attention). Kills: the kernel
+    kept for packed models and adapters only, or refused for Q/K norm, as it was."""
+    config = replace(tiny_config(heads=6, kv_heads=2, head_dim=64), qk_norm=qk_norm)
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
-    model = dense_model(config)
+    model = packed_model(config) if packed else dense_model(config)
     rng = random.Random(4)
     prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
     question = [rng.randrange(config.vocab_size) for _ in range(30)]
@@ -250,7 +254,7 @@ def test_a_dense_model_attends_in_the_kernel() -> None:
         runner.execute([SeqBatchInput(prefix, 0, first, seq_id=0)])
         asked = runner.execute([SeqBatchInput(question, 300, second, seq_id=1)])
         decoded = runner.execute([SeqBatchInput([7], 330, second, seq_id=1)])
-        assert runner._fused is None, "a dense model took the fused layers"
+        assert runner._fused is None, "the model took the fused layers"
         assert (runner._prompt_attention is not None) == (not eager)
         logits.append(torch.cat([asked.logits, decoded.logits]))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

@@ -103,6 +103,8 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     if reason is not None:
         return reason
     assert isinstance(model, CausalLM)
+    if model.config.qk_norm:
+        return "Q/K norm"
     if any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)):
         return "a projection not packed (dense weights or a LoRA wrapper)"
     return None
@@ -120,7 +122,6 @@ def unsupported_attention(model: nn.Module, kv_cache: torch.Tensor) -> str | Non
         (kv_cache.dtype not in KV_TYPES, "a KV cache not float32, bfloat16 or float16"),
         (model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None,
          "sliding-window attention"),
-        (config.qk_norm, "Q/K norm"),
         (config.num_attention_heads % config.num_key_value_heads != 0, "uneven GQA groups"),
         (config.head_dim % 2 != 0, "odd head_dim"),
     ]

@@ -11,10 +11,11 @@ prompts on one prefix) are grouped, each group reads its chunk from the cache on
 chunks' partial results are merged by their log-sum-exp.
 
 :class:`PromptAttention` applies where the fused decode step does
-(:func:`~prefixserve.model.fused_decode.unsupported`), and with LoRA adapters where only their
-wrapped projections keep the fused step off
-(:func:`~prefixserve.model.fused_decode.unsupported_attention`), when the kernel has its
-512-bit form for the head size (:func:`available`); the runner then plans each eager step's
+(:func:`~prefixserve.model.fused_decode.unsupported`), and where only the projections (dense
+weights, LoRA wrappers) or Qwen3's Q/K norm (applied in torch before the keys are written) keep
+the fused step off (:func:`~prefixserve.model.fused_decode.unsupported_attention`): there it
+takes every step's rows, decode rows included. It needs the kernel's
+512-bit form for the head size (:func:`available`). The runner plans each eager step's
 attention with it (:meth:`PromptAttention.plan`, once a step) and every layer runs it
 (:meth:`KernelPlan.run`). The result equals SDPA's up to float rounding (another summation
 order): ``tests/test_prompt_attention.py`` bounds the difference.
