@@ -228,7 +228,8 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
 
 # ---------------------------------------------------------------------- torch-free imports
 
-#: Statements that load the values users import without running a model, and must stay cheap.
+#: Statements that load the values users import without running a model, and the scheduler
+#: (pure bookkeeping over the core), which must stay cheap.
 TORCH_FREE = [
     "import prefixserve.core",
     "import prefixserve.router",
@@ -237,6 +238,7 @@ TORCH_FREE = [
     "import prefixserve.outputs",
     "import prefixserve.engine.errors",
     "import prefixserve.server.protocol",
+    "import prefixserve.engine.scheduler",
 ]
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from prefixserve.core import CacheRequest
 from prefixserve.outputs import RequestMetrics
 from prefixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a generator is all of torch a request holds: the scheduler loads no torch
+    import torch
 
 
 class RequestStatus(enum.Enum):
