@@ -194,8 +194,8 @@ def test_a_new_block_and_a_new_pool_start_empty() -> None:
                                                                                   None)
     assert block.prev_free is block and block.next_free is block and block.is_null is False
     assert repr(block) == "KVCacheBlock(id=7, ref_cnt=0, cached=False)"
-    pool = BlockPool(3, enable_caching=False)
-    assert (pool.num_blocks, pool.enable_caching, pool.null_block) == (3, False, None)
+    pool = BlockPool(3)
+    assert (pool.num_blocks, pool.null_block) == (3, None)
     assert [b.block_id for b in pool.free_queue] == [0, 1, 2]
     assert pool.cached_block_hash_to_block == {}
     with pytest.raises(ValueError, match="num_blocks must be at least 1, got 0"):

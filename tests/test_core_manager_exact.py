@@ -54,13 +54,19 @@ def test_enable_caching_that_is_not_a_bool_is_a_type_error_naming_the_setting() 
         "e.g. EngineConfig.prefix_caching)")
 
 
-def test_the_pool_is_told_whether_caching_is_on() -> None:
-    """Catches a pool built with the wrong caching flag (None, or its default instead of False)."""
-    assert BlockPool(4).enable_caching is True
-    assert KVCacheManager(4, 4).block_pool.enable_caching is True
-    assert KVCacheManager(4, 4, False).block_pool.enable_caching is False
-    assert SlidingWindowKVCacheManager(4, 4, False, sliding_window=4).block_pool.enable_caching \
-        is False
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding-window"])
+def test_with_caching_off_the_pool_map_stays_empty(window: int | None) -> None:
+    """Caching off is the manager's decision alone (the pool has no flag): a prompt run twice
+    fills no map entry and hits nothing the second time. Catches a manager that caches full
+    blocks, or looks them up, with caching off."""
+    manager = (KVCacheManager(8, 4, False) if window is None
+               else SlidingWindowKVCacheManager(8, 4, False, sliding_window=window))
+    tokens = list(range(13))
+    cache_prefix(manager, "a", tokens)
+    assert manager.block_pool.cached_block_hash_to_block == {}
+    again = req("b", tokens)
+    assert manager.get_computed_blocks(again)[1] == 0
+    assert manager.block_pool.cached_block_hash_to_block == {}
 
 
 def test_a_given_hash_root_is_the_parent_of_block_zero() -> None:

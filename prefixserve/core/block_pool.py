@@ -154,23 +154,25 @@ class BlockPool:
     that computed it at the same time), so a running request's block table never has to be
     rewritten. A lookup returns any one of them.
 
+    Whether anything is cached is the manager's decision (``KVCacheManager.enable_caching``): with
+    caching off it never fills the map nor looks anything up in it, so the pool needs no flag.
+
     Without retention every block stays at ``DEFAULT_PRIORITY`` and only ``free_queue`` is used:
     the hot paths check one attribute per block more than a single-list pool. ``clock`` (default
     ``time.monotonic``) is injectable, so tests drive expiry with a simulated clock.
     """
 
     __slots__ = ("_expiry_heap", "_heap_seq", "_levels", "blocks", "cached_block_hash_to_block",
-                 "clock", "enable_caching", "event_sink", "evicted", "evictions_by_priority",
+                 "clock", "event_sink", "evicted", "evictions_by_priority",
                  "expired_retentions", "free_queue", "null_block", "num_blocks",
                  "num_free_retained", "retained_queues")
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 reserve_null_block: bool = False, clock: Clock | None = None) -> None:
+    def __init__(self, num_blocks: int, reserve_null_block: bool = False,
+                 clock: Clock | None = None) -> None:
         if num_blocks < 1 + reserve_null_block:
             raise ValueError(f"num_blocks must be at least {1 + reserve_null_block}, "
                              f"got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.clock: Clock = clock or time.monotonic
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.cached_block_hash_to_block: dict[

@@ -92,8 +92,7 @@ class KVCacheManager:
         self.log_stats = log_stats
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
-        self.block_pool = BlockPool(num_blocks, enable_caching,
-                                    reserve_null_block=self.sliding_window is not None,
+        self.block_pool = BlockPool(num_blocks, reserve_null_block=self.sliding_window is not None,
                                     clock=clock)
         self.num_blocks = num_blocks
         usable = num_blocks - (self.sliding_window is not None)
