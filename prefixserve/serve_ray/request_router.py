@@ -15,7 +15,16 @@ seconds which replica it sent each prefix to (``RECENT_S``), as SGLang's router 
 prompt into its tree at once; a prefix is taken to be cached where either says so.
 
 Loads are the requests this router has in flight on each replica (counted on routing, released
-on completion), the figure the balance rule compares.
+on completion), the figure the balance rule compares; a replica whose load has reached its
+``max_ongoing_requests`` is not offered while another has room.
+
+``choose_replicas`` offers Ray Serve the chosen replica alone. Ray probes a candidate's queue
+length before sending (0.1 s deadline) and, when the probe is late or the queue full, tries the
+next rank at once; the second rank this router used to offer (the other replicas by load) thus
+sent a request away from its cached prefix whenever the chosen engine was too busy to answer the
+probe in time, which the ingress logged ("Failed to get queue length") in 19 of 26 test sessions
+of the cluster tests. With one rank Ray asks the router again, after a backoff, and the router
+decides again with the loads of that moment.
 
 The index follows Ray Serve's replica set: ``update_replicas`` (every scale-up, scale-down or
 replacement) adds new replicas empty and forgets gone ones, ``on_replica_actor_died`` forgets a
@@ -191,19 +200,21 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         hashes = [decode_hash(h) for h in route.get("hashes", ())]
         request = RouteRequest(hashes, route.get("session"), route.get("lora"))
         loads = {rid: self.in_flight.get(rid, 0) for rid in by_id}
-        matched = self._matched(hashes, list(by_id)) if hashes else {}
+        # a replica this router has filled is left out while another has room
+        room = {rid: load for rid, load in loads.items()
+                if load < by_id[rid].max_ongoing_requests} or loads
+        matched = self._matched(hashes, list(room)) if hashes else {}
         router = self.by_policy.get(route.get("policy") or "", self.router)
-        decision = router.route(request, loads, matched)
-        chosen = decision.replica_id
+        chosen = router.route(request, room, matched).replica_id
         if hashes:
             now = time.monotonic()
             for value in hashes:
                 self.recent[value] = (chosen, now)
             if len(self.recent) > 200_000:
                 self.recent.clear()
-        rest = [r for rid, r in by_id.items() if rid != chosen]
-        rest.sort(key=lambda r: loads[r.replica_id.unique_id])
-        return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
+        if pending_request is not None:  # retries of this one rank back off between attempts
+            pending_request.routing_context.should_backoff = True
+        return [[by_id[chosen]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
