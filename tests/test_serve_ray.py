@@ -265,6 +265,35 @@ def _live(cluster: ServerProcess) -> list[dict[str, Any]]:
     return _state(cluster)["replicas"]
 
 
+@pytest.fixture(scope="module")
+def adapter_replicas() -> list[str]:
+    """The replica ids when adapter ``c`` was loaded at run time (filled by that test)."""
+    return []
+
+
+@slow
+def test_an_adapter_loaded_at_run_time_reaches_the_replicas(cluster: ServerProcess,
+                                                             adapter_replicas: list[str],
+                                                             tmp_path: Path) -> None:
+    """Adapter ``c``, loaded through the ingress before the crash and the scale-up, is on both
+    replicas (their routing stats list it); the autoscaling test then finds it on the replicas
+    Ray starts later, which the ingress loads it onto."""
+    path = write_peft_adapter(tmp_path / "c", default_config(), seed=23, rank=2)
+    response = httpx.post(cluster.url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
+                          json={"lora_name": "c", "lora_path": str(path)})
+    assert response.status_code == 200, response.text
+    adapter_replicas.extend(r["id"] for r in _live(cluster))
+    assert len(adapter_replicas) == 2
+    _wait("adapter c on both replicas", lambda: _all_hold(cluster, "c"), 60, cluster)
+
+
+def _all_hold(cluster: ServerProcess, adapter: str) -> bool:
+    """Whether every live replica lists ``adapter`` (the router reads the replicas' stats as
+    it routes, so one request goes through first)."""
+    _complete(cluster.url, "smol", [7, 8, 9])
+    return all(adapter in r["loras"] for r in _live(cluster))
+
+
 @slow
 def test_a_killed_replica_fails_no_waiting_request_and_is_forgotten(cluster: ServerProcess,
                                                                     load: Load) -> None:
@@ -298,13 +327,14 @@ def test_a_killed_replica_fails_no_waiting_request_and_is_forgotten(cluster: Ser
 
 @slow
 def test_ray_restarts_and_autoscaling_adds_replicas_the_router_routes_to(
-        cluster: ServerProcess, load: Load) -> None:
+        cluster: ServerProcess, load: Load, adapter_replicas: list[str]) -> None:
     """Under the same load Ray Serve replaces the dead replica and scales up to --max-replicas
     (3: more than --replicas, so autoscaling did it); the router learns each new replica (its
     KV events arrive) and routes to it: a router that ignored new replicas' events would leave
     their indexed blocks at 0 and the wait would fail (not planted; with the router's forgetting
-    planted away this test failed too). Then every request so far has completed but those the
-    dead replica had taken."""
+    planted away this test failed too). The new replicas hold adapter ``c``, loaded at run time
+    before they started. Then every request so far has completed but those the dead replica
+    had taken."""
     # the replicas from before the crash: Ray may have started the dead one's replacement
     # before this test begins, and that one counts as new too
     first = set(load.first) or set(_state(cluster)["indexed"]) | set(_state(cluster)["removed"])
@@ -316,6 +346,11 @@ def test_ray_restarts_and_autoscaling_adds_replicas_the_router_routes_to(
             r["id"] in state["indexed"] and r["cached_blocks"] > 0 for r in new)
 
     _wait("3 replicas serving, 2 of them new", three_serving, REPLICA_START_S, cluster)
+    # adapter c was loaded at run time before the new replicas started: the ingress loads it
+    # onto each before routing the next generation request (planted: no replay fails here)
+    assert adapter_replicas and set(adapter_replicas) <= first
+    _wait("adapter c on every replica, the new ones included", lambda: _all_hold(cluster, "c"),
+          60, cluster)
     load.peak = [r["id"] for r in _live(cluster)]
     load.stop()
     assert sum(not o.complete for o in load.outcomes) <= MAX_NUM_SEQS

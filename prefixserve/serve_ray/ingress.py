@@ -11,9 +11,11 @@ their adapters in their routing stats), so its route matches the blocks the repl
 
 ``GET /metrics`` scrapes every replica (each call pinned to one replica) and merges the texts,
 adding a ``replica`` label to every sample. ``POST /v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` go to every replica. ``GET /router/replicas`` (an admin action) is
-answered here: the replicas the router knows, with their pid, requests in flight, event stream
-position and indexed blocks, and the ids it removed. Other paths go to any replica. With
+``/v1/unload_lora_adapter`` go to every replica; the ingress keeps the adapters loaded so and
+loads them onto replicas that start later (autoscaling, a restart) before it routes the next
+generation request. ``GET /router/replicas`` (an admin action) is answered here: the replicas
+the router knows, with their pid, requests in flight, event stream position, indexed blocks and
+adapters, and the ids it removed. Other paths go to any replica. With
 ``--routing-override``, a path under ``/routing/<policy>/`` is served as the rest of the path,
 routed by that policy instead of ``--routing``.
 """
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import inspect
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, get_args
 
@@ -42,6 +45,8 @@ policies on one deployment, e.g. ``prefixserve bench --base-url .../routing/roun
 ROUTER_STATE_PATH = "/router/replicas"
 """What the router knows of each replica (an admin action; see ``router_state``)."""
 LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+logger = logging.getLogger(__name__)
 """Sent to every replica, so that each serves the same adapters."""
 SESSION_HEADER = "x-session-id"
 """Header naming a session for the ``session`` policy (else the body's ``user``)."""
@@ -70,6 +75,13 @@ class Ingress:
         self.hasher = PromptHasher(namespace.block_size or 16, namespace.prefix_caching_hash_algo)
         self.routing_override = bool(namespace.routing_override)
         self.admin_check = get_args(KeyParameters.for_config(self.config).admin)[1].dependency
+        self.adapters: dict[str, dict[str, Any]] = {}
+        """Adapters loaded or unloaded at run time through the ingress: name -> the latest load
+        or unload request as it was forwarded (the admin's credentials included), for replicas
+        that start later."""
+        self.replicas_with_adapters: set[str] = set()
+        """Replicas that have seen every request of ``adapters``."""
+        self.adapter_lock = asyncio.Lock()
 
     # ----------------------------------------------------------------- routes
     def route_for(self, path: str, body: bytes, headers: dict[str, str],
@@ -149,6 +161,7 @@ class Ingress:
         forwarded = _forwarded(request, body, path)
         kwargs: dict[str, Any] = {}
         if request.method == "POST" and path in GENERATION_PATHS:
+            await self._replay_adapters()
             headers = {k.lower(): v for k, v in request.headers.items()}
             loras = await self.lora_ids(body)
             kwargs["route"] = {**self.route_for(path, body, headers, loras), "policy": policy}
@@ -194,20 +207,48 @@ class Ingress:
 
     async def on_every_replica(self, request: Request, body: bytes, path: str) -> Response:
         """A LoRA load/unload sent to every replica (each keeps its own adapters), answered
-        with the first error, else the last answer. A replica started later (autoscaling, a
-        restart) has only the ``--lora-modules`` adapters."""
+        with the first error, else the last answer. Once every replica took it, the ingress
+        remembers it (``adapters``), for replicas that start later."""
         forwarded = _forwarded(request, body, path)
         answer = Response(status_code=503)
-        for rid in await self._replicas():
-            stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded,
-                                                                               replica=rid)
-            start = await stream.__anext__()
-            chunks = [chunk async for chunk in stream]
-            answer = Response(b"".join(chunks), status_code=start["status"],
-                              headers=_response_headers(start["headers"]))
-            if start["status"] >= 400:
-                break
+        async with self.adapter_lock:
+            replicas = await self._replicas()
+            for rid in replicas:
+                answer = await self._on_replica(forwarded, rid)
+                if answer.status_code >= 400:
+                    return answer
+            if replicas:
+                self.adapters[str(json.loads(body).get("lora_name"))] = forwarded
+                self.replicas_with_adapters = set(replicas)
         return answer
+
+    async def _on_replica(self, forwarded: dict[str, Any], rid: str) -> Response:
+        """The answer of replica ``rid`` to ``forwarded``, read whole."""
+        stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded, replica=rid)
+        start = await stream.__anext__()
+        chunks = [chunk async for chunk in stream]
+        return Response(b"".join(chunks), status_code=start["status"],
+                        headers=_response_headers(start["headers"]))
+
+    async def _replay_adapters(self) -> None:
+        """Sends the run-time loads and unloads to the replicas that started after them
+        (autoscaling, a restart: a new replica starts with the ``--lora-modules`` adapters). A
+        load a replica refuses (its file gone) is logged and not asked again; an unload of an
+        adapter the replica never had is nothing to do."""
+        if not self.adapters or \
+                set(router_module.known_replicas()) <= self.replicas_with_adapters:
+            return
+        async with self.adapter_lock:
+            for rid in router_module.known_replicas():
+                if rid in self.replicas_with_adapters:
+                    continue
+                for name, forwarded in self.adapters.items():
+                    answer = await self._on_replica(forwarded, rid)
+                    unload = forwarded["path"] == LORA_ADMIN_PATHS[1]
+                    if answer.status_code >= 400 and not (unload and answer.status_code == 404):
+                        logger.warning("replica %s refused adapter %r: %s", rid, name,
+                                       bytes(answer.body)[:200].decode(errors="replace"))
+                self.replicas_with_adapters.add(rid)
 
     async def _replicas(self) -> list[str]:
         """The engine replicas' ids, from this process's request routers (made with the first

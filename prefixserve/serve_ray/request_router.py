@@ -144,7 +144,8 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
                 "id": rid, "pid": self.pids.get(rid), "in_flight": self.in_flight.get(rid, 0),
                 "epoch": cache.epoch if cache else None, "seq": cache.seq if cache else 0,
                 "stale": bool(cache and cache.stale),
-                "cached_blocks": len(cache.blocks) if cache else 0})
+                "cached_blocks": len(cache.blocks) if cache else 0,
+                "loras": sorted(self.loras.get(rid, {}))})
         return {"policy": self.router.policy, "replicas": replicas,
                 "indexed": sorted(index.replicas), "removed": list(self.removed),
                 "gaps": index.gaps, "restarts": index.restarts}
