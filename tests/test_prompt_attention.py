@@ -17,6 +17,7 @@ from prefixserve.model.attention import (
     build_metadata,
     paged_attention,
 )
+from prefixserve.model.config import ModelConfig
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from tests.test_fused_decode import dense_model, packed_model, tiny_config
 
@@ -206,26 +207,37 @@ def test_only_a_bfloat16_model_attends_in_bfloat16(dtype: torch.dtype,
     assert bool(runner._fused.model.bf16_queries) is in_bf16
 
 
+def kernel_and_eager(config: ModelConfig, model: torch.nn.Module, seed: int, decode: bool
+                     ) -> tuple[list[ModelRunner], list[torch.Tensor]]:
+    """Two runners over ``model``, the default one and one with --enforce-eager, and the
+    logits each gives for a 30-token question after a cached 300-token prefix (and, with
+    ``decode``, for the decode step after it)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
+    question = [rng.randrange(config.vocab_size) for _ in range(30)]
+    first = list(range(19))
+    second = [*first, 40, 41]  # the prefix's blocks, its last one included, then its own
+    runners, logits = [], []
+    for eager in (False, True):
+        runner = ModelRunner(config, model, 64, BLOCK, torch.float32, "cpu",
+                             enforce_eager=eager)
+        runner.execute([SeqBatchInput(prefix, 0, first, seq_id=0)])
+        steps = [runner.execute([SeqBatchInput(question, 300, second, seq_id=1)]).logits]
+        if decode:
+            steps.append(runner.execute([SeqBatchInput([7], 330, second, seq_id=1)]).logits)
+        runners.append(runner)
+        logits.append(torch.cat(steps))
+    return runners, logits
+
+
 def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:
     """Where the fused layers apply (a packed Llama model on CPU) the eager steps' attention
     takes the kernel, and greedy logits after a cached prefix match --enforce-eager's."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=64)
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
-    model = packed_model(config)
-    rng = random.Random(3)
-    prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
-    question = [rng.randrange(config.vocab_size) for _ in range(30)]
-    first = list(range(19))
-    second = [*first[:19], 40, 41]  # the prefix's blocks, its last one included, then its own
-    logits = []
-    for eager in (False, True):
-        runner = ModelRunner(config, model, 64, BLOCK, torch.float32, "cpu",
-                             enforce_eager=eager)
-        runner.execute([SeqBatchInput(prefix, 0, first, seq_id=0)])
-        out = runner.execute([SeqBatchInput(question, 300, second, seq_id=1)])
-        assert (runner._prompt_attention is not None) == (not eager)
-        logits.append(out.logits)
+    runners, logits = kernel_and_eager(config, packed_model(config), 3, decode=False)
+    assert runners[0]._prompt_attention is not None and runners[1]._prompt_attention is None
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
@@ -243,18 +255,7 @@ def test_models_the_fused_layers_cannot_run_attend_in_the_kernel(qk_norm: bool,
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
     model = packed_model(config) if packed else dense_model(config)
-    rng = random.Random(4)
-    prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
-    question = [rng.randrange(config.vocab_size) for _ in range(30)]
-    first, second = list(range(19)), [*range(19), 40, 41]
-    logits = []
-    for eager in (False, True):
-        runner = ModelRunner(config, model, 64, BLOCK, torch.float32, "cpu",
-                             enforce_eager=eager)
-        runner.execute([SeqBatchInput(prefix, 0, first, seq_id=0)])
-        asked = runner.execute([SeqBatchInput(question, 300, second, seq_id=1)])
-        decoded = runner.execute([SeqBatchInput([7], 330, second, seq_id=1)])
-        assert runner._fused is None, "the model took the fused layers"
-        assert (runner._prompt_attention is not None) == (not eager)
-        logits.append(torch.cat([asked.logits, decoded.logits]))
+    runners, logits = kernel_and_eager(config, model, 4, decode=True)
+    assert all(r._fused is None for r in runners), "the model took the fused layers"
+    assert runners[0]._prompt_attention is not None and runners[1]._prompt_attention is None
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
