@@ -75,15 +75,15 @@ def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> Cau
 
 def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: int,
         seed: int = 1, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
-        extra: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
+        extra: int = 0, blocks: int = 2000) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
     """Five sequences prefilled, then five decode steps of all five; the logits of each decode
     step and the cache at the end. Contexts: ~300 tokens; ~37; ~530, sharing the first's first
     256 tokens and their blocks (one attention chunk, which the kernel reads once for both);
     ~300, as long as the first but sharing nothing; ~300, sharing only the first's first
     block, so a chunk that starts alike but is not the same. ``extra`` more sequences of 20
-    to 60 tokens make the batch as many rows larger."""
+    to 60 tokens make the batch as many rows larger; ``blocks`` tokens' worth of cache blocks."""
     rng = random.Random(seed)
-    num_blocks = 2000 // block_size
+    num_blocks = blocks // block_size
     runner = ModelRunner(config, model, num_blocks, block_size, dtype, "cpu",
                          enforce_eager=enforce_eager, kv_cache_dtype=kv_dtype)
     free = list(range(num_blocks))
@@ -346,3 +346,31 @@ def test_a_kernel_that_does_not_build_says_why(tmp_path, monkeypatch: pytest.Mon
     assert library.error is not None and "broken.c:1" in library.error  # the compiler's line
     source.write_text("int fine(void) { return 1; }\n")
     assert library.get() is None  # tried once per process
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_fused_step_gives_the_same_bits_on_one_and_on_two_threads(dtype: torch.dtype
+                                                                      ) -> None:
+    """Sixteen rows shared out among two threads (the products by weight rows, attention by
+    chunk groups, the row-wise steps by rows: two units of 8 rows for a float32 model's 16-bit
+    rounding, single rows for a bfloat16 model) give what one thread gives, bit for bit: every
+    output is computed by one thread in one order. The suite's workers run one thread each, so
+    this is the test that sees the threads meet. Kills: a row-wise step without its barrier (a
+    product reading rows another thread has not rounded yet), or one writing outside its rows."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=64)
+    model = packed_model(config).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            logits, cache, runner = run(model, config, False, 16, dtype=dtype, extra=11,
+                                        blocks=4000)
+            assert runner._fused is not None and logits[0].shape[0] == 16
+            results.append((logits, cache))
+    finally:
+        torch.set_num_threads(threads)
+    (one, one_cache), (two, two_cache) = results
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(one_cache, two_cache)
