@@ -472,3 +472,48 @@ def test_the_router_offers_its_choice_alone_and_passes_over_replicas_it_filled()
         assert choose()[0] == [[other]], "a full replica was chosen while another had room"
     finally:
         request_router._ROUTERS.remove(router)
+
+
+def test_the_ingress_replays_run_time_adapter_requests_onto_new_replicas_only(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The latest load or unload of each name goes to every replica the ingress has not sent
+    them to, once; an unload a new replica answers 404 (it never had the adapter) is nothing to
+    report, a refused load is logged. (The cluster test covers a load end to end; this one the
+    unload and the bookkeeping. Planted: replaying to every replica each time, or reporting
+    the 404 of an unload, fails it.)"""
+    import asyncio
+
+    from starlette.responses import Response
+
+    from prefixserve.serve_ray import ingress as ingress_module
+
+    replicas = ["r0", "r1"]
+    load, unload = ingress_module.LORA_ADMIN_PATHS
+    monkeypatch.setattr(ingress_module.router_module, "known_replicas", lambda: list(replicas))
+    sent: list[tuple[str, str, str]] = []
+
+    async def on_replica(forwarded: dict[str, Any], rid: str) -> Response:
+        name = json.loads(forwarded["body"])["lora_name"]
+        sent.append((rid, forwarded["path"], name))
+        if forwarded["path"] == unload:
+            return Response(b"{}", status_code=404)  # no new replica has x
+        return Response(b"gone", status_code=400) if rid == "r3" else Response(b"{}")
+
+    ingress = ingress_module.Ingress.__new__(ingress_module.Ingress)
+    ingress.adapters, ingress.replicas_with_adapters = {}, {"r0", "r1"}
+    ingress.adapter_lock = asyncio.Lock()
+    ingress._on_replica = on_replica  # type: ignore[method-assign]
+    for path, name in ((load, "x"), (load, "y"), (unload, "x")):
+        ingress.adapters[name] = {"path": path, "body": json.dumps({"lora_name": name})}
+    asyncio.run(ingress._replay_adapters())
+    assert sent == []  # nothing new
+    replicas.append("r2")
+    asyncio.run(ingress._replay_adapters())
+    assert sent == [("r2", unload, "x"), ("r2", load, "y")]
+    asyncio.run(ingress._replay_adapters())
+    assert len(sent) == 2  # r2 is not asked again
+    replicas.append("r3")
+    with caplog.at_level("WARNING", logger=ingress_module.__name__):
+        asyncio.run(ingress._replay_adapters())
+    assert sent[2:] == [("r3", unload, "x"), ("r3", load, "y")]
+    assert [r.getMessage() for r in caplog.records] == ["replica r3 refused adapter 'y': gone"]
