@@ -3,14 +3,17 @@
 It must compute what the eager layer stack computes: the same logits up to float rounding and
 the same K/V written into the cache, for batches of sequences with different context lengths
 (some longer than one attention chunk of the kernel), shuffled and shared blocks (a shared
-chunk, which the kernel reads once for all its rows), GQA groups of 2 and 3 and QKV biases;
-greedy tokens of the default model must not change; and it must stay out of the way wherever
-it does not apply.
+chunk, which the kernel reads once for all its rows), GQA groups of 2 and 3, QKV biases,
+Qwen3's Q/K norms, and sliding windows in one or several KV cache groups (Qwen2, Mistral,
+Gemma 3 with its norms, GELU and second rotary base); greedy tokens of the default model must
+not change; and it must stay out of the way wherever it does not apply.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,7 +62,11 @@ def dense_model(config: ModelConfig, seed: int = 0) -> CausalLM:
 
 def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> CausalLM:
     """A random-weight model whose four projections per layer are packed in ``fmt``."""
-    model = dense_model(config, seed)
+    return pack_projections(dense_model(config, seed), fmt)
+
+
+def pack_projections(model: CausalLM, fmt: int) -> CausalLM:
+    """``model`` with the four projections of each layer packed in ``fmt`` (in place)."""
     with torch.no_grad():
         for layer in model.layers:
             for owner, attr in ((layer.attn, "qkv_proj"), (layer.attn, "o_proj"),
@@ -130,6 +137,11 @@ CASES: dict[str, tuple[ModelConfig, int, int, torch.dtype, torch.dtype | None]] 
                                   torch.float32, torch.float16),
     "q4_1-head128-bfloat16-cache": (tiny_config(heads=2, kv_heads=1, head_dim=128), FMT_Q4_1,
                                     16, torch.float32, torch.bfloat16),
+    # Qwen3: a per-head RMSNorm of the queries and keys before rotary
+    "q4_1-qwen3": (replace(tiny_config(heads=6, kv_heads=2), qk_norm=True), FMT_Q4_1, 16,
+                   torch.float32, None),
+    "q8_0-qwen3-head64-bfloat16": (replace(tiny_config(heads=4, kv_heads=2, head_dim=64),
+                                           qk_norm=True), FMT_Q8_0, 16, torch.bfloat16, None),
 }
 #: With bfloat16 the eager path rounds every activation to bfloat16 (8 bits of mantissa) and
 #: the fused one computes in float32, rounding only the K/V it writes: both tolerances are
@@ -374,3 +386,114 @@ def test_the_fused_step_gives_the_same_bits_on_one_and_on_two_threads(dtype: tor
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
     assert torch.equal(one_cache, two_cache)
+
+
+#: Tiny sliding-window models built with transformers (as ``test_model_windows.py`` builds
+#: them) and packed here: Qwen2 with a sliding layer after a full one (two KV cache groups),
+#: Mistral (every layer slides: one window group) and Gemma 3 (a sliding and a full layer;
+#: Q/K norms, sandwich norms, GELU, a query scale that is not head_dim's, a second rotary
+#: base). name: (head size, activations).
+WINDOWED = {"qwen2": (16, torch.float32), "mistral": (16, torch.float32),
+            "gemma3": (16, torch.float32), "gemma3-head256-bfloat16": (256, torch.bfloat16)}
+
+
+def windowed_model(name: str, window: int, folder: Path) -> tuple[ModelConfig, CausalLM]:
+    """The model ``name`` of WINDOWED with random weights and a sliding window of ``window``,
+    loaded through ``load_model`` and its four projections per layer packed in Q8_0."""
+    transformers = pytest.importorskip("transformers")
+    from prefixserve.model.loader import load_model
+
+    common = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024}
+    head_dim, dtype = WINDOWED[name]
+    if name == "qwen2":
+        hf_config = transformers.Qwen2Config(**common, use_sliding_window=True,
+                                             sliding_window=window, max_window_layers=1)
+    elif name == "mistral":
+        hf_config = transformers.MistralConfig(**common, sliding_window=window)
+    else:
+        hf_config = transformers.Gemma3TextConfig(
+            **common, head_dim=head_dim, sliding_window=window, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.no_grad():
+        for param_name, param in hf.named_parameters():
+            noise = torch.randn(param.shape)
+            scale = 1.0 if "embed" in param_name else 0.15
+            param.copy_(1.0 + 0.2 * noise if "norm" in param_name else scale * noise)
+    hf.save_pretrained(folder)
+    config, model = load_model(str(folder), torch.float32)
+    return config, pack_projections(model, FMT_Q8_0).to(dtype)
+
+
+def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool, window: int,
+                 dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
+    """Three sequences of 700, 40 and 530 tokens prefilled (in chunks of 300), then five
+    decode steps of all three; each KV cache group's tables shuffled, and before every step a
+    window group's blocks wholly before the window replaced by block 0 (zeros: never
+    written), as the hybrid manager leaves them. The logits of each decode step and the
+    cache at the end."""
+    block_size, rng = 16, random.Random(3)
+    runner = ModelRunner(config, model, 400, block_size, dtype, "cpu",
+                         enforce_eager=enforce_eager)
+    groups = runner.layout.groups
+    free = list(range(1, 400))
+    rng.shuffle(free)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in (700, 40, 530)]
+    tables = [[[free.pop() for _ in range((len(p) + 5) // block_size + 1)] for _ in groups]
+              for p in prompts]
+
+    def seq(i: int, ids: list[int], start: int) -> SeqBatchInput:
+        last = start + len(ids) - 1  # window groups read from the first token's window on
+        own = [table if group.window is None else
+               [0] * max(0, (start - group.window + 1) // block_size)
+               + table[max(0, (start - group.window + 1) // block_size):]
+               for group, table in zip(groups, tables[i], strict=True)]
+        assert last // block_size < len(own[0])
+        return SeqBatchInput(ids, start, own[0], seq_id=i, extra_block_tables=tuple(own[1:]))
+
+    for i, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), 300):
+            runner.execute([seq(i, prompt[start:start + 300], start)])
+    logits = []
+    for step in range(5):
+        steps = [seq(i, [rng.randrange(config.vocab_size)], len(p) + step)
+                 for i, p in enumerate(prompts)]
+        logits.append(runner.execute(steps).logits)
+    return logits, runner.kv_cache, runner
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+@pytest.mark.parametrize("window", [8, 300])
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_sliding_window_models_take_the_fused_layers(name: str, window: int, build: str,
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliding-window and hybrid models (Qwen2, Mistral, Gemma 3) decode through the fused
+    layers, each layer attending through its KV cache group's tables over its window (8
+    positions: inside one block; 300: across the kernel's chunks of 256), with the logits and
+    the K/V written of the eager layers, in the native build and (on an AVX-512 machine) in
+    the AVX2 one. The blocks before a window hold zeros, so attending a position outside it
+    fails the logits. Kills: a window ignored or off by one, a layer on another group's
+    tables, a missing Gemma norm, GELU taken for SiLU, the query scale or the local rotary
+    base left out."""
+    if build == "avx2":
+        if not has_avx512_and_avx2():
+            pytest.skip("the native build is the AVX2 one, or there is none")
+        monkeypatch.setattr(fused_decode, "_library", quant_kernels.KernelLibrary(
+            fused_decode._SOURCE, fused_decode._declare, AVX2_BUILD))
+    config, model = windowed_model(name, window, tmp_path)
+    dtype = WINDOWED[name][1]
+    fused, fused_cache, fused_runner = run_windowed(model, config, False, window, dtype)
+    eager, eager_cache, eager_runner = run_windowed(model, config, True, window, dtype)
+    assert fused_runner.fused_decode_reason is None and fused_runner._fused is not None
+    assert eager_runner._fused is None
+    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
+                         else (LOGIT_TOL, KV_TOL))
+    for step, (got, want) in enumerate(zip(fused, eager, strict=True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=logit_tol * float(want.abs().max()),
+                                   msg=lambda m, step=step: f"decode step {step}: {m}")
+    torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
+                               atol=kv_tol * float(eager_cache.abs().max()))

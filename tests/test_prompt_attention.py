@@ -241,20 +241,18 @@ def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("qk_norm", "packed"), [(False, False), (True, False), (True, True)],
-                         ids=["dense-llama", "dense-qwen3", "packed-qwen3"])
-def test_models_the_fused_layers_cannot_run_attend_in_the_kernel(qk_norm: bool,
-                                                                 packed: bool) -> None:
-    """A model with dense projections (a safetensors model, ``--weights bf16``) or with Qwen3's
-    Q/K norm cannot take the fused layers, but its steps, prompt and decode rows alike, attend
-    through the kernel: the projections and the norms (in torch, before the cache write) keep
-    the fused layers off, not the attention. The logits of a question after a cached prefix
-    and of the next decode step match --enforce-eager's (torch's attention). Kills: the kernel
-    kept for packed models and adapters only, or refused for Q/K norm, as it was."""
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["dense-llama", "dense-qwen3"])
+def test_models_the_fused_layers_cannot_run_attend_in_the_kernel(qk_norm: bool) -> None:
+    """A model with dense projections (a safetensors model, ``--weights bf16``), Qwen3's Q/K
+    norm included, cannot take the fused layers, but its steps, prompt and decode rows alike,
+    attend through the kernel: the projections keep the fused layers off, not the attention.
+    The logits of a question after a cached prefix and of the next decode step match
+    --enforce-eager's (torch's attention). Kills: the kernel kept for packed models and
+    adapters only, or refused for Q/K norm, as it was."""
     config = replace(tiny_config(heads=6, kv_heads=2, head_dim=64), qk_norm=qk_norm)
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
-    model = packed_model(config) if packed else dense_model(config)
+    model = dense_model(config)
     runners, logits = kernel_and_eager(config, model, 4, decode=True)
     assert all(r._fused is None for r in runners), "the model took the fused layers"
     assert runners[0]._prompt_attention is not None and runners[1]._prompt_attention is None

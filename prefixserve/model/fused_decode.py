@@ -6,12 +6,14 @@ products with packed weights (``benchmarks/RESULTS.md``, issue 11). :class:`Fuse
 the whole layer stack to one C function that reads the cache in place. The embedding lookup,
 the final norm and the logits stay in torch.
 
-It applies (:func:`unsupported` says why not) to a Llama-family :class:`CausalLM` on CPU with
-float32 or bfloat16 activations (the layers compute in float32 either way) and a float32,
-bfloat16 or float16 cache, every projection packed (:class:`QuantLinear`, so not wrapped by
-LoRA), one KV cache group of full attention and no Q/K norm; and per step (the runner checks)
-when every sequence adds one token and none asks for prompt logits. ``--enforce-eager`` turns
-it off. The deterministic mode never uses it (its attention has its own reduction order).
+It applies (:func:`unsupported` says why not) to a Llama-family :class:`CausalLM` (Q/K norms
+included: Qwen3) or a Gemma 3 model on CPU with float32 or bfloat16 activations (the layers
+compute in float32 either way) and a float32, bfloat16 or float16 cache, every projection
+packed (:class:`QuantLinear`, so not wrapped by LoRA), with any KV cache groups (full
+attention or sliding windows: each layer attends through its group's tables); and per step
+(the runner checks) when every sequence adds one token and none asks for prompt logits.
+``--enforce-eager`` turns it off. The deterministic mode never uses it (its attention has its
+own reduction order).
 
 The result equals the eager path's up to float rounding (a different summation order in the
 norms and attention, and the exponential of ``decode.c``): ``tests/test_fused_decode.py`` bounds
@@ -21,6 +23,7 @@ the difference and checks that greedy tokens agree.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from prefixserve.model import quant_kernels
+from prefixserve.model.gemma3 import GeGLU, Gemma3CausalLM
 from prefixserve.model.llama import CausalLM, DecoderLayer
 from prefixserve.model.quant import QuantLinear
 
@@ -47,7 +51,9 @@ class _Layer(ctypes.Structure):
                [(name, ctypes.c_int64) for name in
                 ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")] + \
                [(name, ctypes.c_void_p) for name in
-                ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "kv")]
+                ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "kv", "q_norm", "k_norm",
+                 "attn_out_norm", "mlp_out_norm")] + \
+               [("group", ctypes.c_int64), ("local_rope", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -57,7 +63,10 @@ class _Model(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
                 ("kv_type", ctypes.c_int64), ("bf16_products", ctypes.c_int64),
                 ("bf16_queries", ctypes.c_int64), ("eps", ctypes.c_double),
-                ("inv_freq", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
+                ("inv_freq", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)),
+                ("gelu", ctypes.c_int64), ("query_factor", ctypes.c_double),
+                ("inv_freq_local", ctypes.c_void_p), ("num_groups", ctypes.c_int64),
+                ("windows", ctypes.c_void_p)]
 
 
 class _Batch(ctypes.Structure):
@@ -99,29 +108,35 @@ def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
 
 def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     """Why :class:`FusedDecode` cannot run ``model`` over ``kv_cache``; None when it can."""
-    reason = unsupported_attention(model, kv_cache)
+    if type(model) not in (CausalLM, Gemma3CausalLM):
+        return "not a Llama-family or Gemma 3 model"
+    assert isinstance(model, CausalLM)
+    reason = _kernel_reason(model, kv_cache)
     if reason is not None:
         return reason
-    assert isinstance(model, CausalLM)
-    if model.config.qk_norm:
-        return "Q/K norm"
     if any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)):
         return "a projection not packed (dense weights or a LoRA wrapper)"
     return None
 
 
 def unsupported_attention(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
-    """Why the kernel cannot attend for ``model`` over ``kv_cache`` (whatever its
-    projections are); None when it can."""
+    """Why the kernel cannot attend for ``model``'s eager steps over ``kv_cache`` (whatever its
+    projections are: :class:`~prefixserve.model.prompt_attention.PromptAttention`); None when
+    it can. Its prompt attention knows no sliding window."""
     if type(model) is not CausalLM:
         return "not a Llama-family CausalLM"
+    if model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None:
+        return "sliding-window attention"
+    return _kernel_reason(model, kv_cache)
+
+
+def _kernel_reason(model: CausalLM, kv_cache: torch.Tensor) -> str | None:
+    """What of ``model``'s shapes and dtypes, ``kv_cache`` or the build keeps the kernel off."""
     config = model.config
     reasons = [
         (kv_cache.device.type != "cpu", "not on CPU"),
         (model.norm.weight.dtype not in SUPPORTED_DTYPES, "activations not float32 or bfloat16"),
         (kv_cache.dtype not in KV_TYPES, "a KV cache not float32, bfloat16 or float16"),
-        (model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None,
-         "sliding-window attention"),
         (config.num_attention_heads % config.num_key_value_heads != 0, "uneven GQA groups"),
         (config.head_dim % 2 != 0, "odd head_dim"),
     ]
@@ -143,21 +158,34 @@ class FusedDecode:
         assert lib is not None, "check unsupported() first"
         self._lib = lib
         config = model.config
-        self._keep = [kv_cache, model.rope_inv_freq.float().contiguous()]
+        layout = model.kv_layout
+        windows = torch.tensor([group.window or 0 for group in layout.groups], dtype=torch.int64)
+        self._keep = [kv_cache, model.rope_inv_freq.float().contiguous(), windows]
+        # Gemma 3: its sliding layers rotate with another base
+        local = getattr(model, "rope_local_inv_freq", None)
+        sliding = getattr(model, "sliding", [False] * len(model.layers))
+        if local is not None:
+            self._keep.append(local.float().contiguous())
         layers = (_Layer * len(model.layers))()
-        slot = model.kv_layout.slot
         for i, layer in enumerate(_layers(model)):
-            layers[i] = self._layer(layer, kv_cache[slot[i]])
+            layers[i] = self._layer(layer, kv_cache[layout.slot[i]])
+            layers[i].group = layout.group[i]
+            layers[i].local_rope = int(local is not None and sliding[i])
         self._layers = layers
+        self.num_groups = len(layout.groups)
         # a bfloat16 model's batch products may take bfloat16 activations, and it attends in
         # bfloat16 over a bfloat16 cache (queries and softmax weights rounded, as its eager
         # SDPA rounds them); both on AVX512-BF16 builds
         bf16 = int(_layers(model)[0].input_norm.weight.dtype == torch.bfloat16)
+        first = _layers(model)[0]
+        query_factor = getattr(first.attn, "query_factor", 1.0)
         self.model = _Model(
             len(model.layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
             kv_cache.shape[2], KV_TYPES[kv_cache.dtype], bf16, bf16, config.rms_norm_eps,
-            self._keep[1].data_ptr(), layers)
+            self._keep[1].data_ptr(), layers, int(isinstance(first.mlp, GeGLU)), query_factor,
+            None if local is None else self._keep[3].data_ptr(), self.num_groups,
+            windows.data_ptr())
 
     def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> _Layer:
         def as_float(tensor: torch.Tensor) -> int:
@@ -168,26 +196,40 @@ class FusedDecode:
         def bias(p: QuantLinear) -> int | None:
             return None if p.bias is None else as_float(p.bias)
 
+        def norm(owner: nn.Module, name: str) -> int | None:
+            module = getattr(owner, name, None)  # absent, or None: not this model's
+            return None if module is None else as_float(module.weight)
+
         projections = [cast(QuantLinear, p) for p in _projections(layer)]
         assert cache.is_contiguous()
         norms = [as_float(layer.input_norm.weight), as_float(layer.post_attn_norm.weight)]
+        # Q/K norms (Qwen3, Gemma 3); Gemma 3's norms of each block's output
+        extra = [norm(layer.attn, "q_norm"), norm(layer.attn, "k_norm"),
+                 norm(layer, "post_attn_out_norm"), norm(layer, "post_mlp_norm")]
         return _Layer(*norms, *(p.qweight.data_ptr() for p in projections),
                       *(p.fmt for p in projections), *(bias(p) for p in projections),
-                      cache.data_ptr())
+                      cache.data_ptr(), *extra)
 
     def run(self, hidden: torch.Tensor, positions: list[int], tables: torch.Tensor,
-            rows: list[int]) -> torch.Tensor:
+            rows: list[int], extra: Sequence[tuple[torch.Tensor, list[int]]] = ()
+            ) -> torch.Tensor:
         """The decoder layers over ``hidden`` (the embeddings ``[B, hidden]``). Row b is at
         position ``positions[b]``, its block table row ``rows[b]`` of ``tables`` (long,
-        ``[num_rows, width]``), covering that position. Writes each row's K/V into the cache;
-        returns the last layer's output, in the model's dtype."""
+        ``[num_rows, width]``), covering that position. A model of several KV cache groups
+        takes the tables and rows of groups 1, 2, ... in ``extra``. Writes each row's K/V into
+        the cache; returns the last layer's output, in the model's dtype."""
+        if len(extra) != self.num_groups - 1:
+            raise ValueError(f"{self.num_groups} KV cache groups: give {self.num_groups - 1} "
+                             f"more tables, got {len(extra)}")
         given = hidden.dtype
         hidden = hidden.float().contiguous()
         pos_t = torch.tensor(positions, dtype=torch.int64)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        batch = _Batch(len(positions), pos_t.data_ptr(), tables.data_ptr(), rows_t.data_ptr(),
-                       tables.stride(0))
-        if self._lib.decode_forward(ctypes.byref(self.model), ctypes.byref(batch),
+        groups = [(tables, torch.tensor(rows, dtype=torch.int64))]
+        groups += [(t, torch.tensor(r, dtype=torch.int64)) for t, r in extra]
+        batches = (_Batch * len(groups))(*(
+            _Batch(len(positions), pos_t.data_ptr(), t.data_ptr(), r.data_ptr(), t.stride(0))
+            for t, r in groups))
+        if self._lib.decode_forward(ctypes.byref(self.model), batches,
                                     hidden.data_ptr()) != 0:
             raise MemoryError("the fused decode step could not allocate its scratch memory")
         return hidden.to(given)

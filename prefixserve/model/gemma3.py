@@ -119,8 +119,7 @@ class Gemma3CausalLM(CausalLM):
                 meta: AttentionMetadata | list[AttentionMetadata], block_size: int
                 ) -> torch.Tensor:
         """As :meth:`CausalLM.forward`."""
-        x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = self.embed(input_ids)
         tables = {False: rope_cos_sin(self.rope_inv_freq, positions, x.dtype),
                   True: rope_cos_sin(self.rope_local_inv_freq, positions, x.dtype)}
         metas = meta if isinstance(meta, list) else [meta]
@@ -129,6 +128,11 @@ class Gemma3CausalLM(CausalLM):
             cos, sin = tables[self.sliding[i]]
             x = layer(x, cos, sin, kv_cache[slot[i]], metas[group[i]], block_size)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings times ``sqrt(hidden_size)`` (in the activations' dtype)."""
+        x = super().embed(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:

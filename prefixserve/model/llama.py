@@ -135,12 +135,17 @@ class CausalLM(nn.Module):
         attention kind has one group of all layers, and may be given its metadata alone);
         this call writes the step's K/V into the cache.
         """
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
         metas = meta if isinstance(meta, list) else [meta]
         group, slot = self.kv_layout.group, self.kv_layout.slot
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[slot[i]], metas[group[i]], block_size)
+        return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input ``[num_tokens, hidden]``: the tokens' embeddings."""
+        x: torch.Tensor = self.embed_tokens(input_ids)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -206,15 +206,21 @@ class ModelRunner:
         decoding = self._fused_rows(seqs)
         if not decoding:
             return self._eager_step(seqs, needed)
-        rows = self.block_tables[0].update(seqs, needed)
+        rows = [self.block_tables[g].update(seqs, needed, self._group_tables(seqs, g))
+                for g in range(len(self.layout.groups))]
         if len(decoding) == len(seqs):
             return self._fused_step(seqs, rows)
         return self._split_step(seqs, needed, rows, decoding)
 
+    @staticmethod
+    def _group_tables(seqs: list[SeqBatchInput], group: int) -> list[list[int]]:
+        """The sequences' block tables of KV cache group ``group``."""
+        return [s.block_table if group == 0 else s.extra_block_tables[group - 1] for s in seqs]
+
     def _eager_step(self, seqs: list[SeqBatchInput], needed: list[int],
-                    rows: list[int] | None = None) -> ExecuteOutput:
+                    rows: list[list[int]] | None = None) -> ExecuteOutput:
         """The step through the torch modules: one forward pass over all new tokens. ``rows``:
-        the sequences' rows of group 0's block tables when already updated."""
+        the sequences' rows of each group's block tables when already updated."""
         meta = self._metadata(seqs, needed, rows)
         token_ids: list[int] = []
         positions: list[int] = []
@@ -277,32 +283,38 @@ class ModelRunner:
         return self._prompt_attention
 
     def _new_prompt_attention(self) -> prompt_attention.PromptAttention | None:
-        """The C kernel's attention for the eager steps, where the fused layers apply and the
-        kernel has its fast form for the head size (``prompt_attention.available``)."""
+        """The C kernel's attention for the eager steps, where the fused layers apply, the
+        kernel has its fast form for the head size (``prompt_attention.available``) and the
+        model is one it attends for (no sliding windows: ``unsupported_attention``)."""
         config = self.model.config
-        if not prompt_attention.available(config.head_dim):
+        if not prompt_attention.available(config.head_dim) or \
+                fused_decode.unsupported_attention(self.model, self.kv_cache) is not None:
             return None
         return prompt_attention.PromptAttention(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim,
             self.block_size, self.kv_cache, bf16_queries=self.dtype == torch.bfloat16)
 
-    def _fused_step(self, seqs: list[SeqBatchInput], rows: list[int]) -> ExecuteOutput:
+    def _fused_step(self, seqs: list[SeqBatchInput], rows: list[list[int]]) -> ExecuteOutput:
         """Sequences of one new token each, or a few to verify, through :class:`FusedDecode`
-        (``rows``: theirs of the block tables, already updated): embeddings, the fused layers,
-        logits. A sequence's tokens are rows of their own, at consecutive positions, on one
-        block table row: each layer writes every row's K/V before attending, so a row sees the
-        rows before it, and the kernel reads their shared context once for all of them."""
+        (``rows``: theirs of each KV cache group's block tables, already updated): embeddings,
+        the fused layers, logits. A sequence's tokens are rows of their own, at consecutive
+        positions, on one block table row (of each group): each layer writes every row's K/V
+        before attending, so a row sees the rows before it, and the kernel reads their shared
+        context once for all of them."""
         assert self._fused is not None
         ids: list[int] = []
         positions: list[int] = []
-        table_rows: list[int] = []
-        for seq, row in zip(seqs, rows, strict=True):
+        for seq in seqs:
             ids += seq.token_ids
             positions += range(seq.start_pos, seq.start_pos + len(seq.token_ids))
-            table_rows += [row] * len(seq.token_ids)
+        # each token a row of its own, on its sequence's row of every group's tables
+        table_rows = [[row for seq, row in zip(seqs, group, strict=True)
+                       for _ in seq.token_ids] for group in rows]
         start = time.perf_counter()
-        hidden = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long))
-        hidden = self._fused.run(hidden, positions, self.block_tables[0].buffer, table_rows)
+        hidden = self.model.embed(torch.tensor(ids, dtype=torch.long))
+        extra = [(self.block_tables[g].buffer, table_rows[g]) for g in range(1, len(rows))]
+        hidden = self._fused.run(hidden, positions, self.block_tables[0].buffer, table_rows[0],
+                                 extra)
         if len(ids) == len(seqs):
             out = ExecuteOutput(self.model.compute_logits(hidden), [None] * len(seqs))
         else:
@@ -310,7 +322,7 @@ class ModelRunner:
         self.model_seconds += time.perf_counter() - start
         return out
 
-    def _split_step(self, seqs: list[SeqBatchInput], needed: list[int], rows: list[int],
+    def _split_step(self, seqs: list[SeqBatchInput], needed: list[int], rows: list[list[int]],
                     decoding: list[int]) -> ExecuteOutput:
         """A step of prefills and decodes: the prefills through the torch modules, the decodes
         through the fused layers (they write different slots and read no slot the other part
@@ -318,8 +330,9 @@ class ModelRunner:
         chosen = set(decoding)
         others = [i for i in range(len(seqs)) if i not in chosen]
         eager = self._eager_step([seqs[i] for i in others], [needed[i] for i in others],
-                                 [rows[i] for i in others])
-        fused = self._fused_step([seqs[i] for i in decoding], [rows[i] for i in decoding])
+                                 [[group[i] for i in others] for group in rows])
+        fused = self._fused_step([seqs[i] for i in decoding],
+                                 [[group[i] for i in decoding] for group in rows])
         logits = eager.logits.new_empty((len(seqs), eager.logits.shape[1]))
         logits[others] = eager.logits
         logits[decoding] = fused.logits
@@ -331,16 +344,16 @@ class ModelRunner:
         return ExecuteOutput(logits, prompt_logits)
 
     def _metadata(self, seqs: list[SeqBatchInput], needed: list[int],
-                  rows0: list[int] | None = None) -> list[AttentionMetadata]:
+                  updated: list[list[int]] | None = None) -> list[AttentionMetadata]:
         """One metadata per KV cache group, from each group's tables (window groups with the
-        window's masks). ``rows0``: the sequences' rows of group 0's tables when already
+        window's masks). ``updated``: the sequences' rows of each group's tables when already
         updated."""
         seq_lens = [(s.start_pos, len(s.token_ids)) for s in seqs]
         metas = []
         for g, group in enumerate(self.layout.groups):
-            tables = [s.block_table if g == 0 else s.extra_block_tables[g - 1] for s in seqs]
+            tables = self._group_tables(seqs, g)
             keeper = self.block_tables[g]
-            rows = rows0 if g == 0 and rows0 is not None else keeper.update(seqs, needed, tables)
+            rows = updated[g] if updated is not None else keeper.update(seqs, needed, tables)
             table_rows = TableRows(keeper.buffer, rows)
             if group.window is None:
                 kernel = self._prompt_kernel()

@@ -1,6 +1,7 @@
 /*
- * The fused decode forward pass: every decoder layer of a Llama-family model for a batch of
- * sequences that each add one token, in one call, over the paged KV cache.
+ * The fused decode forward pass: every decoder layer of a Llama-family or Gemma 3 model for a
+ * batch of sequences that each add one token, in one call, over the paged KV cache (its KV
+ * cache groups and sliding windows included).
  *
  * The eager path runs about 40 torch operations per layer (norms, rotary, cache writes, a
  * gather of the context's blocks, attention, residual adds), each a few to a few hundred
@@ -14,6 +15,11 @@
  *   write k, v at each row's slot;  a = softmax(q k^T / sqrt(D)) v over the row's context
  *   x += a Wo^T (+ b);  h = rmsnorm(x) * post_norm;  gu = h Wgu^T (+ b)
  *   x += (silu(gate) * up) Wdown^T (+ b)
+ * Qwen3 and Gemma 3 normalise each head of q and k before rotating them; Gemma 3 also scales
+ * q, rotates its sliding layers with another base, takes GELU for SiLU and normalises the
+ * outputs of Wo and Wdown before adding them to x (the DecodeLayer and DecodeModel fields
+ * marked "Gemma 3"). A layer of a sliding-window KV cache group attends its last `window`
+ * positions only.
  * The result is x before the final norm, as CausalLM.forward returns it. Float32 activations;
  * prefixserve.model.fused_decode decides when this path applies.
  *
@@ -48,6 +54,16 @@ typedef struct {
     const float *gate_up_bias;
     const float *down_bias;
     void *kv;
+    /* Gemma 3 (NULL and 0 for a Llama-family layer): per-head RMSNorm weights [head_dim] of the
+     * queries and keys (before rotary), the norms of the attention block's and of the MLP's
+     * output (before each residual add), the layer's KV cache group (the DecodeBatch and the
+     * window it attends through) and whether it rotates with inv_freq_local. */
+    const float *q_norm;
+    const float *k_norm;
+    const float *attn_out_norm;
+    const float *mlp_out_norm;
+    int64_t group;
+    int64_t local_rope;
 } DecodeLayer;
 
 typedef struct {
@@ -58,10 +74,17 @@ typedef struct {
     double eps;
     const float *inv_freq; /* [head_dim / 2] rotary inverse frequencies */
     const DecodeLayer *layers;
+    /* Gemma 3 (0 and NULL for a Llama-family model, num_groups 0 or 1): */
+    int64_t gelu;                /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation) */
+    double query_factor;         /* queries scaled by this after rotary (0: not scaled) */
+    const float *inv_freq_local; /* rotary of the layers with local_rope */
+    int64_t num_groups;          /* KV cache groups: decode_forward takes a batch of each */
+    const int64_t *windows;      /* [num_groups]: each group's sliding window, 0 for none */
 } DecodeModel;
 
 /* The step's rows: row b is at position pos[b] (its context is pos[b] + 1 tokens) and its
- * block table is tables[rows[b] * table_stride ...]. */
+ * block table is tables[rows[b] * table_stride ...]. A model of several KV cache groups has a
+ * batch of each, the same rows and positions, each with its group's tables. */
 typedef struct {
     int64_t B;
     const int64_t *pos;
@@ -302,7 +325,7 @@ static inline __m256 load_f16_soft(const uint16_t *p) {
  *   dot_DD_T(q, k, D): q . k;
  *   vacc_DD_T(row, stride, count, p, out): out [D] += sum over i < count of p[i] * row_i, the
  *     values of count consecutive slots stride elements apart, accumulated in registers for
- *     DD 64 and 128;
+ *     DD 64, 128 and 256;
  *   scores8_DD_T(q, k, stride, scale, out) (DD 64 and 128): out [8] = scale * q . k_i for eight
  *     consecutive keys stride elements apart. */
 #define DEFINE_SCALAR(T, C)                                                                    \
@@ -370,6 +393,9 @@ DEFINE_VECTOR(64, bf16, uint16_t)
 DEFINE_VECTOR(128, bf16, uint16_t)
 DEFINE_VECTOR(64, f16, uint16_t)
 DEFINE_VECTOR(128, f16, uint16_t)
+DEFINE_VECTOR(256, f32, float)
+DEFINE_VECTOR(256, bf16, uint16_t)
+DEFINE_VECTOR(256, f16, uint16_t)
 #endif
 
 /* widen_T(src, stride, count, D, dst): dst [count, D] = the float values of count slots of
@@ -405,11 +431,15 @@ static void widen_f32(const float *src, int64_t stride, int64_t count, int64_t D
  * group * CHUNK floats. One definition per cache element type. */
 #ifdef __AVX2__
 #define HEAD_DOT(T, a, b, D)                                                                   \
-    ((D) == 64 ? dot_64_##T(a, b) : (D) == 128 ? dot_128_##T(a, b) : dot_0_##T(a, b, D))
+    ((D) == 64    ? dot_64_##T(a, b)                                                          \
+     : (D) == 128 ? dot_128_##T(a, b)                                                         \
+     : (D) == 256 ? dot_256_##T(a, b)                                                         \
+                  : dot_0_##T(a, b, D))
 #define HEAD_VACC(T, row, stride, count, p, D, out)                                           \
     do {                                                                                       \
         if ((D) == 64) vacc_64_##T(row, stride, count, p, out);                                \
         else if ((D) == 128) vacc_128_##T(row, stride, count, p, out);                         \
+        else if ((D) == 256) vacc_256_##T(row, stride, count, p, out);                         \
         else vacc_0_##T(row, stride, count, p, D, out);                                        \
     } while (0)
 /* Scores of eight consecutive positions (keys stride elements apart) for head sizes 64 and
@@ -457,8 +487,15 @@ typedef struct {
     int64_t *members;
     int64_t *chunk_first; /* [chunks + 1]: the first group of each chunk, then count */
     int64_t count, queries, thread_floats;
+    int64_t window; /* the sliding window the rows attend over, 0 for their whole context */
     float *per_thread;
 } ChunkGroups;
+
+/* The first position row b attends: pos[b] + 1 - window within a sliding window, else 0. */
+static inline int64_t window_start(const DecodeBatch *s, int64_t b, int64_t window) {
+    int64_t lo = s->pos[b] + 1 - window;
+    return window > 0 && lo > 0 ? lo : 0;
+}
 
 /* Whether rows a and b hold the same blocks for positions [t0, t1). */
 static int same_blocks(const DecodeModel *m, const DecodeBatch *s, int64_t a, int64_t b,
@@ -480,22 +517,25 @@ static int same_blocks(const DecodeModel *m, const DecodeBatch *s, int64_t a, in
 
 /* Splits every row's context into chunks of CHUNK positions and groups the rows of each chunk
  * that share it, up to MAX_GROUP_ROWS a group. groups and members hold B * chunks entries,
- * taken B; returns the number of groups. The same for every layer, so built once a step. */
+ * taken B; returns the number of groups. The same for every layer of a KV cache group, so
+ * built once a step. Within a sliding window (window > 0) a row attends its last `window`
+ * positions only: its chunks start there, and it keeps its groups to itself (windows of
+ * different rows start at different positions). */
 static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
-                            ChunkGroup *groups, int64_t *members, int64_t *chunk_first,
-                            char *taken) {
+                            int64_t window, ChunkGroup *groups, int64_t *members,
+                            int64_t *chunk_first, char *taken) {
     int64_t count = 0, used = 0;
     for (int64_t c = 0; c < chunks; c++) {
-        int64_t t0 = c * CHUNK;
         chunk_first[c] = count;
         memset(taken, 0, (size_t)s->B);
         for (int64_t b = 0; b < s->B; b++) {
-            int64_t n = s->pos[b] + 1, t1 = t0 + CHUNK < n ? t0 + CHUNK : n;
-            if (taken[b] || t0 >= n) continue;
+            int64_t n = s->pos[b] + 1, t1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
+            int64_t lo = window_start(s, b, window), t0 = c * CHUNK > lo ? c * CHUNK : lo;
+            if (taken[b] || t0 >= t1) continue;
             ChunkGroup *gr = &groups[count++];
             *gr = (ChunkGroup){c, t0, t1, used, 1};
             members[used++] = b;
-            for (int64_t o = b + 1; o < s->B && gr->count < MAX_GROUP_ROWS; o++) {
+            for (int64_t o = b + 1; !window && o < s->B && gr->count < MAX_GROUP_ROWS; o++) {
                 int64_t on = s->pos[o] + 1, o1 = t0 + CHUNK < on ? t0 + CHUNK : on;
                 int64_t last = members[used - 1];
                 if (taken[o] || o1 < gr->t1) continue;
@@ -601,7 +641,7 @@ DEFINE_ATTEND(bf16, uint16_t)
 DEFINE_ATTEND(f16, uint16_t)
 
 #if defined(__AVX512F__)
-/* The attention of a chunk group at 512 bits, for head sizes 64 and 128: the result of
+/* The attention of a chunk group at 512 bits, for head sizes 64, 128 and 256: the result of
  * attend_group_T (up to float rounding: another summation order), with the work arranged for
  * arithmetic rather than for loads. A run of positions of one block is read from the cache
  * once for all the group's queries, a row alone included (its `group` query heads share the
@@ -687,6 +727,7 @@ static inline __m256 sum8x16(const __m512 *a) {
     }
 DEFINE_SCORES512(64)
 DEFINE_SCORES512(128)
+DEFINE_SCORES512(256)
 DEFINE_PV512(64, 1)
 DEFINE_PV512(64, 2)
 DEFINE_PV512(64, 3)
@@ -696,9 +737,10 @@ DEFINE_PV512(64, 6)
 DEFINE_PV512(128, 1)
 DEFINE_PV512(128, 2)
 DEFINE_PV512(128, 3)
+DEFINE_PV512(256, 1)
 /* Queries whose outputs pv512 accumulates at once: their accumulators, their weights and one
  * value vector fill the 32 registers. */
-#define PV_BLOCK(DD) ((DD) == 64 ? 6 : 3)
+#define PV_BLOCK(DD) ((DD) == 64 ? 6 : (DD) == 128 ? 3 : 1)
 
 /* out[j] += p[j] weighted values for j < nb <= PV_BLOCK(D). */
 static void pv512(int64_t D, int64_t nb, const float *v, int64_t vs, int64_t n, const float **p,
@@ -707,7 +749,8 @@ static void pv512(int64_t D, int64_t nb, const float *v, int64_t vs, int64_t n, 
     static const Pv pv64[6] = {pv512_64_1, pv512_64_2, pv512_64_3,
                                pv512_64_4, pv512_64_5, pv512_64_6};
     static const Pv pv128[3] = {pv512_128_1, pv512_128_2, pv512_128_3};
-    (D == 64 ? pv64 : pv128)[nb - 1](v, vs, n, p, out);
+    static const Pv pv256[1] = {pv512_256_1};
+    (D == 64 ? pv64 : D == 128 ? pv128 : pv256)[nb - 1](v, vs, n, p, out);
 }
 
 /* scores_bf16(D, q, Q, k, ks, n, scale, scores): for each query j < Q, scores[j * CHUNK + i] =
@@ -717,7 +760,7 @@ static void pv512(int64_t D, int64_t nb, const float *v, int64_t vs, int64_t n, 
  * buffer nor converted, and one instruction makes 32 multiply-adds where an FMA made 16. Only
  * for queries that are bfloat16 values already (a bfloat16 model's: the eager path's SDPA
  * rounds them so too), where the rounding changes nothing or what the model itself rounds.
- * Needs AVX512-BF16 (bf16_attention_built); head sizes 64 and 128. */
+ * Needs AVX512-BF16 (bf16_attention_built); head sizes 64, 128 and 256. */
 #if defined(__AVX512BF16__)
 #define DEFINE_SCORES_BF16(DD)                                                                 \
     static void scores_bf16_##DD(const float *q, const uint16_t *k, int64_t ks, int64_t n,    \
@@ -749,6 +792,7 @@ static void pv512(int64_t D, int64_t nb, const float *v, int64_t vs, int64_t n, 
     }
 DEFINE_SCORES_BF16(64)
 DEFINE_SCORES_BF16(128)
+DEFINE_SCORES_BF16(256)
 #endif
 
 static int bf16_attention_built(void) {
@@ -763,7 +807,7 @@ static void scores_bf16(int64_t D, const float *const *q, int64_t Q, const void 
                         int64_t n, float scale, float *scores) {
 #if defined(__AVX512BF16__)
     for (int64_t j = 0; j < Q; j++) {
-        (D == 64 ? scores_bf16_64 : scores_bf16_128)(q[j], (const uint16_t *)k, ks, n, scale,
+        (D == 64 ? scores_bf16_64 : D == 128 ? scores_bf16_128 : scores_bf16_256)(q[j], (const uint16_t *)k, ks, n, scale,
                                                       scores + j * CHUNK);
     }
 #else
@@ -820,6 +864,7 @@ DEFINE_PV_BF16(64, 6)
 DEFINE_PV_BF16(128, 1)
 DEFINE_PV_BF16(128, 2)
 DEFINE_PV_BF16(128, 3)
+DEFINE_PV_BF16(256, 1)
 #endif
 
 static void pv_bf16(int64_t D, int64_t nb, const void *v, int64_t vs, int64_t n,
@@ -829,7 +874,8 @@ static void pv_bf16(int64_t D, int64_t nb, const void *v, int64_t vs, int64_t n,
     static const Pv pv64[6] = {pv_bf16_64_1, pv_bf16_64_2, pv_bf16_64_3,
                                pv_bf16_64_4, pv_bf16_64_5, pv_bf16_64_6};
     static const Pv pv128[3] = {pv_bf16_128_1, pv_bf16_128_2, pv_bf16_128_3};
-    (D == 64 ? pv64 : pv128)[nb - 1]((const uint16_t *)v, vs, n, p, out);
+    static const Pv pv256[1] = {pv_bf16_256_1};
+    (D == 64 ? pv64 : D == 128 ? pv128 : pv256)[nb - 1]((const uint16_t *)v, vs, n, p, out);
 #else
     (void)D, (void)nb, (void)v, (void)vs, (void)n, (void)p, (void)out;
 #endif
@@ -940,7 +986,8 @@ static inline void prefetch_part(const void *p, int64_t bytes, int64_t part, int
                     if (in_place) {                                                            \
                         scores_bf16(D, q + h * Qg + j, 1, k, stride, end - t, scale, sc + j * CHUNK); \
                     } else {                                                                   \
-                        (D == 64 ? scores512_64 : scores512_128)(q[h * Qg + j], keys, rs, end - t, \
+                        (D == 64 ? scores512_64 : D == 128 ? scores512_128 : scores512_256)(     \
+                            q[h * Qg + j], keys, rs, end - t,                                  \
                                                                   scale, sc + j * CHUNK);      \
                     }                                                                          \
                 }                                                                              \
@@ -985,7 +1032,7 @@ static inline void prefetch_part(const void *p, int64_t bytes, int64_t part, int
 DEFINE_ATTEND512(f32, float)
 DEFINE_ATTEND512(bf16, uint16_t)
 DEFINE_ATTEND512(f16, uint16_t)
-#define ATTEND512(D) ((D) == 64 || (D) == 128)
+#define ATTEND512(D) ((D) == 64 || (D) == 128 || (D) == 256)
 #endif
 
 /* Merges the chunks' partial results of one query head (each D + 2 floats: out, max, sum). */
@@ -1066,8 +1113,9 @@ static void attention(const DecodeModel *m, const DecodeBatch *s, const void *kv
     }
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < s->B * m->heads; bh++) {
-        int64_t used = (s->pos[bh / m->heads] + 1 + CHUNK - 1) / CHUNK;
-        merge_chunks(parts + bh * chunks * part, used, D, out + bh * D);
+        int64_t b = bh / m->heads, used = (s->pos[b] + 1 + CHUNK - 1) / CHUNK;
+        int64_t first = window_start(s, b, cg->window) / CHUNK; /* a window's first chunk */
+        merge_chunks(parts + (bh * chunks + first) * part, used - first, D, out + bh * D);
     }
 }
 
@@ -1111,9 +1159,33 @@ static void silu_mul(const float *gate, const float *up, int64_t n, float *out) 
     for (; i < n; i++) out[i] = silu(gate[i]) * up[i];
 }
 
+/* out[i] = gelu(gate[i]) * up[i] for i < n, GELU's tanh approximation (Gemma's gate):
+ * 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), tanh(u) = 1 - 2 / (exp(2u) + 1). */
+static void gelu_mul(const float *gate, const float *up, int64_t n, float *out) {
+    const float c = 0.7978845608028654f, k = 0.044715f;
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 u = _mm256_mul_ps(_mm256_set1_ps(c),
+                                 _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k), g),
+                                                 _mm256_mul_ps(g, g), g));
+        __m256 e = exp8(_mm256_add_ps(u, u));
+        __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(v, _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        float g = gate[i];
+        out[i] = 0.5f * g * (1.0f + tanhf(c * (g + k * g * g * g))) * up[i];
+    }
+}
+
 /* Scratch buffers of a forward pass, one allocation. */
 typedef struct {
-    float *h, *qkv, *attn, *gu, *act, *delta, *cos_, *sin_, *parts;
+    float *h, *qkv, *attn, *gu, *act, *delta, *cos_, *sin_, *cos_local, *sin_local, *parts;
     Quantized q;
     void *base;
 } Scratch;
@@ -1122,7 +1194,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D, widest = I > H ? I : H;
     if (m->heads * D > widest) widest = m->heads * D;
-    int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + D) + 4 * B * widest / QK
+    int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + 2 * D) + 4 * B * widest / QK
                      + B * m->heads * chunks * (D + 2);
     int64_t bytes = floats * (int64_t)sizeof(float) + B * widest * (int64_t)sizeof(int16_t) + 64;
     char *p = malloc((size_t)bytes);
@@ -1137,6 +1209,8 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->delta = f; f += B * H;
     sc->cos_ = f; f += B * D / 2;
     sc->sin_ = f; f += B * D / 2;
+    sc->cos_local = f; f += B * D / 2;
+    sc->sin_local = f; f += B * D / 2;
     sc->q.xd = f; f += B * widest / QK;
     sc->q.xs = f; f += B * widest / QK;
     sc->q.dT = f; f += B * widest / QK;
@@ -1147,12 +1221,17 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
 }
 
 /* The row-wise steps of a layer on rows [b0, b0 + n), one unit of rows (rows_unit):
- * rows_in: x += the last product's output (add), h = rmsnorm(x) * w, h rounded for a product;
- * rows_qk: rotate q and k, write k and v into the cache;
- * rows_act: act = silu(gate) * up, rounded for the down product. */
+ * rows_in: x += the last product's output (add; first normalised, rmsnorm(.) * delta_norm,
+ *   where that is not NULL), h = rmsnorm(x) * w, h rounded for a product;
+ * rows_qk: the Q/K norms (Gemma), rotate q and k (and scale q: Gemma), write k and v into
+ *   the cache;
+ * rows_act: act = silu(gate) * up (or gelu), rounded for the down product. */
 static void rows_in(const DecodeModel *m, float *x, const float *w, Scratch *sc, int add,
-                    int64_t b0, int64_t n) {
+                    const float *delta_norm, int64_t b0, int64_t n) {
     int64_t H = m->hidden;
+    if (add && delta_norm) {
+        rmsnorm(sc->delta + b0 * H, delta_norm, n, H, (float)m->eps, sc->delta + b0 * H);
+    }
     for (int64_t i = b0 * H; add && i < (b0 + n) * H; i++) x[i] += sc->delta[i];
     rmsnorm(x + b0 * H, w, n, H, (float)m->eps, sc->h + b0 * H);
     quantize_rows(sc->h, b0, n, H, &sc->q);
@@ -1160,10 +1239,16 @@ static void rows_in(const DecodeModel *m, float *x, const float *w, Scratch *sc,
 
 static void rows_qk(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
                     Scratch *sc, int64_t b0, int64_t n) {
-    int64_t D = m->head_dim, qkv_width = (m->heads + 2 * m->kv_heads) * D;
+    int64_t D = m->head_dim, q_size = m->heads * D, qkv_width = q_size + 2 * m->kv_heads * D;
+    const float *cos_ = L->local_rope ? sc->cos_local : sc->cos_;
+    const float *sin_ = L->local_rope ? sc->sin_local : sc->sin_;
+    float eps = (float)m->eps, factor = (float)m->query_factor;
     for (int64_t b = b0; b < b0 + n; b++) {
-        rotate(sc->qkv + b * qkv_width, m->heads + m->kv_heads, D, sc->cos_ + b * D / 2,
-               sc->sin_ + b * D / 2);
+        float *row = sc->qkv + b * qkv_width;
+        if (L->q_norm) rmsnorm(row, L->q_norm, m->heads, D, eps, row); /* head by head */
+        if (L->k_norm) rmsnorm(row + q_size, L->k_norm, m->kv_heads, D, eps, row + q_size);
+        rotate(row, m->heads + m->kv_heads, D, cos_ + b * D / 2, sin_ + b * D / 2);
+        for (int64_t i = 0; factor != 0.0f && factor != 1.0f && i < q_size; i++) row[i] *= factor;
     }
     write_kv(m, s, L->kv, sc->qkv, qkv_width, b0, n);
 }
@@ -1171,7 +1256,8 @@ static void rows_qk(const DecodeModel *m, const DecodeLayer *L, const DecodeBatc
 static void rows_act(const DecodeModel *m, Scratch *sc, int64_t b0, int64_t n) {
     int64_t I = m->intermediate;
     for (int64_t b = b0; b < b0 + n; b++) {
-        silu_mul(sc->gu + b * 2 * I, sc->gu + b * 2 * I + I, I, sc->act + b * I);
+        (m->gelu ? gelu_mul : silu_mul)(sc->gu + b * 2 * I, sc->gu + b * 2 * I + I, I,
+                                        sc->act + b * I);
     }
     quantize_rows(sc->act, b0, n, I, &sc->q);
 }
@@ -1206,13 +1292,13 @@ static int64_t unit_rows(int64_t u, int64_t unit, int64_t B, int64_t *n) {
  * so that one barrier serves both. */
 static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
                           float *x, Scratch *sc, int64_t chunks, const ChunkGroups *cg,
-                          int add_delta) {
+                          int add_delta, const float *delta_norm) {
     int64_t B = s->B, H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t q_size = m->heads * D, qkv_width = q_size + 2 * m->kv_heads * D;
-#define STEP_IN(b0, n) rows_in(m, x, L->input_norm, sc, add_delta, b0, n)
+#define STEP_IN(b0, n) rows_in(m, x, L->input_norm, sc, add_delta, delta_norm, b0, n)
 #define STEP_QK(b0, n) rows_qk(m, L, s, sc, b0, n)
 #define STEP_ATTN(b0, n) quantize_rows(sc->attn, b0, n, q_size, &sc->q)
-#define STEP_POST(b0, n) rows_in(m, x, L->post_norm, sc, 1, b0, n)
+#define STEP_POST(b0, n) rows_in(m, x, L->post_norm, sc, 1, L->attn_out_norm, b0, n)
 #define STEP_ACT(b0, n) rows_act(m, sc, b0, n)
     FOR_ROWS(STEP_IN);
     team_linear(L->qkv, L->qkv_fmt, qkv_width, H, L->qkv_bias, &sc->q, B, sc->qkv);
@@ -1252,9 +1338,9 @@ static size_t groups_bytes(const DecodeModel *m, const DecodeBatch *s, int64_t c
 }
 
 /* Lays a step's chunk groups and attention scratch out in p (groups_bytes of it) and plans
- * the groups. */
-static void groups_init(const DecodeModel *m, const DecodeBatch *s, int64_t chunks, char *p,
-                        ChunkGroups *cg) {
+ * the groups (of rows attending over `window` positions; 0: their whole contexts). */
+static void groups_init(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
+                        int64_t window, char *p, ChunkGroups *cg) {
     int64_t slots = s->B * chunks, rows = s->B < MAX_GROUP_ROWS ? s->B : MAX_GROUP_ROWS;
     int64_t queries = rows * m->heads; /* a task's: its rows' query heads of every KV head */
     int64_t pointers = (queries * (int64_t)sizeof(float *) + sizeof(float) - 1) / sizeof(float);
@@ -1266,15 +1352,17 @@ static void groups_init(const DecodeModel *m, const DecodeBatch *s, int64_t chun
     cg->chunk_first = cg->members + slots;
     cg->per_thread = (float *)(cg->chunk_first + chunks + 1);
     char *taken = (char *)(cg->per_thread + omp_get_max_threads() * cg->thread_floats);
-    cg->count = group_chunks(m, s, chunks, cg->groups, cg->members, cg->chunk_first, taken);
+    cg->window = window;
+    cg->count = group_chunks(m, s, chunks, window, cg->groups, cg->members, cg->chunk_first,
+                             taken);
 }
 
 /* The step's chunk groups and attention scratch, one allocation; 0, or -1 when out of memory. */
 static int groups_alloc(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
-                        ChunkGroups *cg) {
+                        int64_t window, ChunkGroups *cg) {
     char *p = malloc(groups_bytes(m, s, chunks));
     if (!p) return -1;
-    groups_init(m, s, chunks, p, cg);
+    groups_init(m, s, chunks, window, p, cg);
     return 0;
 }
 
@@ -1287,37 +1375,59 @@ static int64_t context_chunks(const DecodeBatch *s) {
     return (max_context + CHUNK - 1) / CHUNK;
 }
 
-/* Runs every layer over x [B, hidden] (the embeddings in, the last layer's output out).
- * Returns 0, or -1 when scratch memory could not be allocated (x is then unchanged). */
-int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
-    Scratch sc;
-    ChunkGroups cg;
-    int64_t half = m->head_dim / 2, chunks = context_chunks(s);
-    if (scratch_alloc(m, s->B, chunks, &sc)) return -1;
-    sc.q.bf16 = bf16_rows(m, s->B);
-    if (groups_alloc(m, s, chunks, &cg)) {
-        free(sc.base);
-        return -1;
-    }
+/* The rotary angles' cosines and sines of every row: [B, head_dim / 2] each. */
+static void rotary_tables(const DecodeModel *m, const DecodeBatch *s, const float *inv_freq,
+                          float *cos_, float *sin_) {
+    int64_t half = m->head_dim / 2;
     for (int64_t b = 0; b < s->B; b++) {
         for (int64_t i = 0; i < half; i++) {
-            float angle = (float)s->pos[b] * m->inv_freq[i];
-            sc.cos_[b * half + i] = cosf(angle);
-            sc.sin_[b * half + i] = sinf(angle);
+            float angle = (float)s->pos[b] * inv_freq[i];
+            cos_[b * half + i] = cosf(angle);
+            sin_[b * half + i] = sinf(angle);
         }
     }
+}
+
+/* Frees the first n plans of cg and cg itself, and the scratch; returns -1 (out of memory). */
+static int free_step(ChunkGroups *cg, int64_t n, Scratch *sc) {
+    for (int64_t g = 0; g < n; g++) free(cg[g].groups);
+    free(cg);
+    free(sc->base);
+    return -1;
+}
+
+/* Runs every layer over x [B, hidden] (the embeddings in, the last layer's output out); s is
+ * one batch per KV cache group (DecodeModel.num_groups, one where that is 0). Returns 0, or
+ * -1 when scratch memory could not be allocated (x is then unchanged). */
+int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
+    Scratch sc;
+    int64_t chunks = context_chunks(s), groups = m->num_groups > 1 ? m->num_groups : 1;
+    if (scratch_alloc(m, s->B, chunks, &sc)) return -1;
+    sc.q.bf16 = bf16_rows(m, s->B);
+    ChunkGroups *cg = calloc((size_t)groups, sizeof(ChunkGroups));
+    if (!cg) return free_step(cg, 0, &sc);
+    for (int64_t g = 0; g < groups; g++) {
+        if (groups_alloc(m, &s[g], chunks, m->windows ? m->windows[g] : 0, &cg[g])) {
+            return free_step(cg, g, &sc);
+        }
+    }
+    rotary_tables(m, s, m->inv_freq, sc.cos_, sc.sin_);
+    if (m->inv_freq_local) rotary_tables(m, s, m->inv_freq_local, sc.cos_local, sc.sin_local);
     /* one parallel region for every layer: a team forked per product (about 150 a step), with
      * the scalar rounding, left one row's layers 1.2x slower (benchmarks/RESULTS.md, issue 11,
      * round 4) */
 #pragma omp parallel
     {
         for (int64_t l = 0; l < m->num_layers; l++) {
-            layer_forward(m, &m->layers[l], s, x, &sc, chunks, &cg, l > 0);
+            const DecodeLayer *L = &m->layers[l];
+            layer_forward(m, L, &s[L->group], x, &sc, chunks, &cg[L->group], l > 0,
+                          l > 0 ? m->layers[l - 1].mlp_out_norm : NULL);
         }
     }
+    const float *last_norm = m->layers[m->num_layers - 1].mlp_out_norm;
+    if (last_norm) rmsnorm(sc.delta, last_norm, s->B, m->hidden, (float)m->eps, sc.delta);
     for (int64_t i = 0; i < s->B * m->hidden; i++) x[i] += sc.delta[i];
-    free(cg.groups);
-    free(sc.base);
+    free_step(cg, groups, &sc);
     return 0;
 }
 
@@ -1335,7 +1445,7 @@ int64_t attention_plan_bytes(const DecodeModel *m, const DecodeBatch *s) {
 void attention_plan(const DecodeModel *m, const DecodeBatch *s, void *plan) {
     ChunkGroups *cg = (ChunkGroups *)plan;
     int64_t chunks = context_chunks(s);
-    groups_init(m, s, chunks, (char *)plan + sizeof(ChunkGroups), cg);
+    groups_init(m, s, chunks, 0, (char *)plan + sizeof(ChunkGroups), cg);
 }
 
 void attention_run(const DecodeModel *m, const DecodeBatch *s, const void *plan, const void *kv,
