@@ -431,9 +431,11 @@ def windowed_model(name: str, window: int, folder: Path) -> tuple[ModelConfig, C
 def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool, window: int,
                  dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
     """Three sequences of 700, 40 and 530 tokens prefilled (in chunks of 300), then five
-    decode steps of all three; each KV cache group's tables shuffled, and before every step a
-    window group's blocks wholly before the window replaced by block 0 (zeros: never
-    written), as the hybrid manager leaves them. The logits of each decode step and the
+    decode steps of all three, then a step of their decodes beside a new 50-token prompt
+    (their contexts pass ``MIN_SPLIT_CONTEXT``: the decodes fused, the prompt eager); each
+    KV cache group's tables shuffled, and before every step a window group's blocks wholly
+    before the window replaced by block 0 (zeros: never written), as the hybrid manager
+    leaves them. The logits of each decode step (the last step's prompt logits too) and the
     cache at the end."""
     block_size, rng = 16, random.Random(3)
     runner = ModelRunner(config, model, 400, block_size, dtype, "cpu",
@@ -442,17 +444,19 @@ def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool, wind
     free = list(range(1, 400))
     rng.shuffle(free)
     prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in (700, 40, 530)]
-    tables = [[[free.pop() for _ in range((len(p) + 5) // block_size + 1)] for _ in groups]
-              for p in prompts]
+    late = [rng.randrange(config.vocab_size) for _ in range(50)]
+    tables = [[[free.pop() for _ in range((len(p) + 6) // block_size + 1)] for _ in groups]
+              for p in [*prompts, late]]
 
-    def seq(i: int, ids: list[int], start: int) -> SeqBatchInput:
+    def seq(i: int, ids: list[int], start: int, logits: bool = False) -> SeqBatchInput:
         last = start + len(ids) - 1  # window groups read from the first token's window on
         own = [table if group.window is None else
                [0] * max(0, (start - group.window + 1) // block_size)
                + table[max(0, (start - group.window + 1) // block_size):]
                for group, table in zip(groups, tables[i], strict=True)]
         assert last // block_size < len(own[0])
-        return SeqBatchInput(ids, start, own[0], seq_id=i, extra_block_tables=tuple(own[1:]))
+        return SeqBatchInput(ids, start, own[0], logits, seq_id=i,
+                             extra_block_tables=tuple(own[1:]))
 
     for i, prompt in enumerate(prompts):
         for start in range(0, len(prompt), 300):
@@ -462,7 +466,11 @@ def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool, wind
         steps = [seq(i, [rng.randrange(config.vocab_size)], len(p) + step)
                  for i, p in enumerate(prompts)]
         logits.append(runner.execute(steps).logits)
-    return logits, runner.kv_cache, runner
+    split = runner.execute([seq(0, [5], 705), seq(3, late, 0, logits=True), seq(1, [6], 45),
+                            seq(2, [7], 535)])
+    prompt_logits = split.prompt_logits[1]
+    assert prompt_logits is not None
+    return [*logits, split.logits, prompt_logits], runner.kv_cache, runner
 
 
 @pytest.mark.parametrize("name", sorted(WINDOWED))
