@@ -29,6 +29,9 @@ CASES = {
     "head64-gqa3-float16": (6, 2, 64, torch.float16),
     "head128-gqa2-bfloat16": (4, 2, 128, torch.bfloat16),
     "head128-mha-float32": (2, 2, 128, torch.float32),
+    # Gemma 3's head size, its 512-bit forms (round 13)
+    "head256-gqa4-float32": (4, 1, 256, torch.float32),
+    "head256-gqa2-float16": (4, 2, 256, torch.float16),
 }
 
 
@@ -140,7 +143,7 @@ def bf16_reference(q: torch.Tensor, plan: Planned, seq_lens: list[tuple[int, int
     return out
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_a_bfloat16_model_attends_in_bfloat16(head_dim: int) -> None:
     """With ``bf16_queries`` and a bfloat16 cache the kernel computes as a bfloat16 model does
     (:func:`bf16_reference`: queries and weights rounded to bfloat16, ``vdpbf16ps`` over keys
