@@ -19,6 +19,7 @@ from prefixserve.model.attention import (
 )
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.window_attention import build_window_metadata
 from tests.test_fused_decode import dense_model, packed_model, tiny_config
 
 BLOCK = 16
@@ -74,7 +75,7 @@ class Planned:
 
 
 def planned(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-            bf16_queries: bool = False) -> Planned:
+            bf16_queries: bool = False, window: int | None = None) -> Planned:
     rng = random.Random(7)
     torch.manual_seed(7)
     seq_lens, tables = step(rng)
@@ -87,10 +88,16 @@ def planned(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
     table_rows = TableRows(buffer, list(range(rows)))
     kernel = prompt_attention.PromptAttention(heads, kv_heads, head_dim, BLOCK, cache[None],
                                               bf16_queries=bf16_queries)
-    want_meta = build_metadata(seq_lens, tables, BLOCK, torch.device("cpu"), torch.float32,
-                               table_rows)
-    got_meta = build_metadata(seq_lens, tables, BLOCK, torch.device("cpu"), torch.float32,
-                              table_rows, kernel=kernel)
+    cpu = torch.device("cpu")
+    if window is None:
+        want_meta = build_metadata(seq_lens, tables, BLOCK, cpu, torch.float32, table_rows)
+        got_meta = build_metadata(seq_lens, tables, BLOCK, cpu, torch.float32, table_rows,
+                                  kernel=kernel)
+    else:
+        want_meta = build_window_metadata(seq_lens, tables, BLOCK, window, cpu, torch.float32,
+                                          table_rows)
+        got_meta = build_window_metadata(seq_lens, tables, BLOCK, window, cpu, torch.float32,
+                                         table_rows, kernel)
     assert got_meta.kernel is not None and want_meta.kernel is None
     torch.testing.assert_close(got_meta.slot_mapping, want_meta.slot_mapping, rtol=0, atol=0)
     k = cache[0].index_select(0, want_meta.slot_mapping).float()
@@ -116,6 +123,23 @@ def test_the_kernel_attends_as_torch_does(case: str) -> None:
     torch.testing.assert_close(again, paged_attention(q * 0.5, k, v, cache, want_meta, BLOCK),
                                rtol=1e-4, atol=1e-5)
     assert not torch.equal(again, got)  # a result of its own, not the plan's buffer
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [8, 300])
+def test_the_kernel_attends_over_sliding_windows_as_torch_does(head_dim: int,
+                                                               window: int) -> None:
+    """Sliding-window layers (Gemma 3, Mistral): every row's output equals torch's window
+    attention of the step (each row over its last ``window`` positions: 8, inside a block;
+    300, across the kernel's chunks), prompts several windows long and a decode row included.
+    The cache is random everywhere, so a position read outside a window fails it."""
+    if not prompt_attention.available(head_dim):
+        pytest.skip("no 512-bit form of the kernel on this CPU")
+    plan = planned(4, 2, head_dim, torch.float32, window=window)
+    q = torch.randn(plan.want.num_tokens, 4, head_dim)
+    want = paged_attention(q, plan.k, plan.v, plan.cache, plan.want, BLOCK)
+    got = paged_attention(q, plan.k, plan.v, plan.cache, plan.got, BLOCK)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def bf16_reference(q: torch.Tensor, plan: Planned, seq_lens: list[tuple[int, int]],

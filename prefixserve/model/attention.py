@@ -185,9 +185,10 @@ def _invariant_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list
 
 def _kernel_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list[int]],
                      block_size: int, device: torch.device, table_rows: TableRows,
-                     kernel: PromptAttention) -> AttentionMetadata:
+                     kernel: PromptAttention, window: int | None = None) -> AttentionMetadata:
     """The metadata of a step whose every row attends through the C kernel: its slots, and the
-    kernel's plan of each row's position and table."""
+    kernel's plan of each row's position and table (over a sliding ``window``, or the whole
+    context)."""
     slots: list[int] = []
     table_of_row: list[int] = []
     positions: list[int] = []
@@ -196,7 +197,7 @@ def _kernel_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list[in
         table_of_row += [table_rows.rows[i]] * n
         positions += range(start_pos, start_pos + n)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    plan = kernel.plan(positions, table_of_row, table_rows.buffer)
+    plan = kernel.plan(positions, table_of_row, table_rows.buffer, window)
     return AttentionMetadata(slot_mapping, None, [], len(slots), kernel=plan)
 
 

@@ -82,7 +82,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     model, batch = ctypes.POINTER(_Model), ctypes.POINTER(_Batch)
     lib.attention_plan_bytes.argtypes = [model, batch]
     lib.attention_plan_bytes.restype = ctypes.c_int64
-    lib.attention_plan.argtypes = [model, batch, ctypes.c_void_p]
+    lib.attention_plan.argtypes = [model, batch, ctypes.c_int64, ctypes.c_void_p]
     lib.attention_plan.restype = None
     lib.attention_run.argtypes = [model, batch, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_void_p]
@@ -108,12 +108,10 @@ def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
 
 def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     """Why :class:`FusedDecode` cannot run ``model`` over ``kv_cache``; None when it can."""
-    if type(model) not in (CausalLM, Gemma3CausalLM):
-        return "not a Llama-family or Gemma 3 model"
-    assert isinstance(model, CausalLM)
-    reason = _kernel_reason(model, kv_cache)
+    reason = unsupported_attention(model, kv_cache)
     if reason is not None:
         return reason
+    assert isinstance(model, CausalLM)
     if any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)):
         return "a projection not packed (dense weights or a LoRA wrapper)"
     return None
@@ -122,16 +120,10 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
 def unsupported_attention(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     """Why the kernel cannot attend for ``model``'s eager steps over ``kv_cache`` (whatever its
     projections are: :class:`~prefixserve.model.prompt_attention.PromptAttention`); None when
-    it can. Its prompt attention knows no sliding window."""
-    if type(model) is not CausalLM:
-        return "not a Llama-family CausalLM"
-    if model.kv_layout.is_hybrid or model.kv_layout.groups[0].window is not None:
-        return "sliding-window attention"
-    return _kernel_reason(model, kv_cache)
-
-
-def _kernel_reason(model: CausalLM, kv_cache: torch.Tensor) -> str | None:
-    """What of ``model``'s shapes and dtypes, ``kv_cache`` or the build keeps the kernel off."""
+    it can."""
+    if type(model) not in (CausalLM, Gemma3CausalLM):
+        return "not a Llama-family or Gemma 3 model"
+    assert isinstance(model, CausalLM)
     config = model.config
     reasons = [
         (kv_cache.device.type != "cpu", "not on CPU"),

@@ -12,9 +12,10 @@ chunks' partial results are merged by their log-sum-exp.
 
 :class:`PromptAttention` applies where the fused decode step does
 (:func:`~prefixserve.model.fused_decode.unsupported`), and where only the projections (dense
-weights, LoRA wrappers) or Qwen3's Q/K norm (applied in torch before the keys are written) keep
-the fused step off (:func:`~prefixserve.model.fused_decode.unsupported_attention`): there it
-takes every step's rows, decode rows included. It needs the kernel's
+weights, LoRA wrappers) keep the fused step off
+(:func:`~prefixserve.model.fused_decode.unsupported_attention`): there it takes every step's
+rows, decode rows included. A sliding-window KV cache group plans its rows over their windows
+(``plan(..., window=W)``), one :class:`PromptAttention` per group. It needs the kernel's
 512-bit form for the head size (:func:`available`). The runner plans each eager step's
 attention with it (:meth:`PromptAttention.plan`, once a step) and every layer runs it
 (:meth:`KernelPlan.run`). The result equals SDPA's up to float rounding (another summation
@@ -91,10 +92,13 @@ class PromptAttention:
                                          0, int(bf16_queries), 0.0, None, None)
         self._buffer = torch.empty(0, dtype=torch.float32)
 
-    def plan(self, positions: list[int], table_rows: list[int], tables: torch.Tensor
-             ) -> KernelPlan:
+    def plan(self, positions: list[int], table_rows: list[int], tables: torch.Tensor,
+             window: int | None = None) -> KernelPlan:
         """Plans the step whose row i is at position ``positions[i]`` of the sequence with
-        block table row ``table_rows[i]`` of ``tables`` (long, ``[num_rows, width]``)."""
+        block table row ``table_rows[i]`` of ``tables`` (long, ``[num_rows, width]``), each
+        row attending over its last ``window`` positions (None: its whole context). A
+        window's blocks before its first position are never read (the null block may stand
+        there)."""
         pos_t = torch.tensor(positions, dtype=torch.int64)
         rows_t = torch.tensor(table_rows, dtype=torch.int64)
         batch = fused_decode._Batch(len(positions), pos_t.data_ptr(), tables.data_ptr(),
@@ -107,6 +111,7 @@ class PromptAttention:
         plan = self._buffer[:plan_floats]
         query = self._buffer[plan_floats:plan_floats + row_floats].view(-1, self.width)
         out = self._buffer[plan_floats + row_floats:plan_floats + 2 * row_floats]
-        self.lib.attention_plan(ctypes.byref(self.model), ctypes.byref(batch), plan.data_ptr())
+        self.lib.attention_plan(ctypes.byref(self.model), ctypes.byref(batch), window or 0,
+                                plan.data_ptr())
         return KernelPlan(self, batch, (pos_t, rows_t, tables), plan, query,
                           out.view(-1, self.width))

@@ -149,6 +149,7 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self._fused: fused_decode.FusedDecode | None = None
         self._prompt_attention: prompt_attention.PromptAttention | None = None
+        self._group_kernels: dict[int, prompt_attention.PromptAttention | None] = {}
         self._attention_checked = False
         """Whether the kernel's attention was considered for a model with LoRA adapters."""
         self.fused_decode_reason: str | None = None
@@ -282,10 +283,21 @@ class ModelRunner:
                 self._prompt_attention = self._new_prompt_attention()
         return self._prompt_attention
 
+    def _group_kernel(self, group: int) -> prompt_attention.PromptAttention | None:
+        """The C kernel's attention for KV cache group ``group``'s layers in the eager steps
+        (``_prompt_kernel``'s for group 0; each other group has its own, whose plan lives
+        beside group 0's through the step)."""
+        kernel = self._prompt_kernel()
+        if kernel is None or group == 0:
+            return kernel
+        if group not in self._group_kernels:
+            self._group_kernels[group] = self._new_prompt_attention()
+        return self._group_kernels[group]
+
     def _new_prompt_attention(self) -> prompt_attention.PromptAttention | None:
         """The C kernel's attention for the eager steps, where the fused layers apply, the
         kernel has its fast form for the head size (``prompt_attention.available``) and the
-        model is one it attends for (no sliding windows: ``unsupported_attention``)."""
+        model is one it attends for (``unsupported_attention``)."""
         config = self.model.config
         if not prompt_attention.available(config.head_dim) or \
                 fused_decode.unsupported_attention(self.model, self.kv_cache) is not None:
@@ -355,14 +367,14 @@ class ModelRunner:
             keeper = self.block_tables[g]
             rows = updated[g] if updated is not None else keeper.update(seqs, needed, tables)
             table_rows = TableRows(keeper.buffer, rows)
+            kernel = self._group_kernel(g)
             if group.window is None:
-                kernel = self._prompt_kernel()
                 metas.append(build_metadata(seq_lens, tables, self.block_size, self.device,
                                             self.dtype, table_rows, self.deterministic, kernel))
             else:
                 metas.append(build_window_metadata(seq_lens, tables, self.block_size,
                                                    group.window, self.device, self.dtype,
-                                                   table_rows))
+                                                   table_rows, kernel))
         return metas
 
 

@@ -23,8 +23,10 @@ from prefixserve.model.attention import (
     DecodeGroup,
     PrefillSeq,
     TableRows,
+    _kernel_metadata,
     _slots,
 )
+from prefixserve.model.prompt_attention import PromptAttention
 
 
 def build_window_metadata(
@@ -35,9 +37,14 @@ def build_window_metadata(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     table_rows: TableRows | None = None,
+    kernel: PromptAttention | None = None,
 ) -> AttentionMetadata:
     """Index tensors of one step for layers with a sliding window of ``window`` tokens;
-    arguments as :func:`~prefixserve.model.attention.build_metadata`."""
+    arguments as :func:`~prefixserve.model.attention.build_metadata` (with ``kernel``, the C
+    kernel's plan of every row over its window)."""
+    if kernel is not None and table_rows is not None:
+        return _kernel_metadata(seq_lens, block_tables, block_size, device, table_rows, kernel,
+                                window)
     slots: list[int] = []
     decodes: list[tuple[int, int, list[int]]] = []  # (row, end_pos, table)
     prefills: list[PrefillSeq] = []

@@ -461,10 +461,19 @@ static void widen_f32(const float *src, int64_t stride, int64_t count, int64_t D
  * prompt they share, or a chunk of one row alone; or positions of one prompt, each attending
  * up to its own position (member_end), the group ending with its last member's. Each group's
  * keys and values are read once for all its rows. members[first .. first + count) are its
- * rows, in increasing order; the last one's table holds the group's blocks. */
+ * rows, in increasing order; the last one's table holds the group's blocks. Within a sliding
+ * window (window > 0) each member attends from its window's first position on
+ * (member_begin), the group starting with its first member's. */
 typedef struct {
-    int64_t c, t0, t1, first, count;
+    int64_t c, t0, t1, first, count, window;
 } ChunkGroup;
+
+
+/* The first position row b attends: pos[b] + 1 - window within a sliding window, else 0. */
+static inline int64_t window_start(const DecodeBatch *s, int64_t b, int64_t window) {
+    int64_t lo = s->pos[b] + 1 - window;
+    return window > 0 && lo > 0 ? lo : 0;
+}
 
 /* The end of member `member`'s positions in group gr: its context's, or the group's. */
 static inline int64_t member_end(const DecodeBatch *s, const ChunkGroup *gr, int64_t member) {
@@ -472,10 +481,17 @@ static inline int64_t member_end(const DecodeBatch *s, const ChunkGroup *gr, int
     return n < gr->t1 ? n : gr->t1;
 }
 
-/* Softmax weights of one query's scores over [t0, t0 + n): the first `own` (its positions),
- * zeros after; returns the max and sets *total to the sum. */
-static float member_weights(float *scores, int64_t own, int64_t n, float *total) {
-    float top = softmax_weights(scores, own, total);
+/* The start of member `member`'s positions in group gr: its window's, or the group's. */
+static inline int64_t member_begin(const DecodeBatch *s, const ChunkGroup *gr, int64_t member) {
+    int64_t lo = window_start(s, member, gr->window);
+    return lo > gr->t0 ? lo : gr->t0;
+}
+
+/* Softmax weights of one query's scores over [t0, t0 + n): those in [begin, own) (its
+ * positions), zeros elsewhere; returns the max and sets *total to the sum. */
+static float member_weights(float *scores, int64_t begin, int64_t own, int64_t n, float *total) {
+    float top = softmax_weights(scores + begin, own - begin, total);
+    if (begin > 0) memset(scores, 0, (size_t)begin * sizeof(float));
     if (own < n) memset(scores + own, 0, (size_t)(n - own) * sizeof(float));
     return top;
 }
@@ -491,11 +507,6 @@ typedef struct {
     float *per_thread;
 } ChunkGroups;
 
-/* The first position row b attends: pos[b] + 1 - window within a sliding window, else 0. */
-static inline int64_t window_start(const DecodeBatch *s, int64_t b, int64_t window) {
-    int64_t lo = s->pos[b] + 1 - window;
-    return window > 0 && lo > 0 ? lo : 0;
-}
 
 /* Whether rows a and b hold the same blocks for positions [t0, t1). */
 static int same_blocks(const DecodeModel *m, const DecodeBatch *s, int64_t a, int64_t b,
@@ -519,26 +530,31 @@ static int same_blocks(const DecodeModel *m, const DecodeBatch *s, int64_t a, in
  * that share it, up to MAX_GROUP_ROWS a group. groups and members hold B * chunks entries,
  * taken B; returns the number of groups. The same for every layer of a KV cache group, so
  * built once a step. Within a sliding window (window > 0) a row attends its last `window`
- * positions only: its chunks start there, and it keeps its groups to itself (windows of
- * different rows start at different positions). */
+ * positions only: its chunks start there, and a group starts with its first member's window
+ * (the later members' windows start later: member_begin). */
 static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t chunks,
                             int64_t window, ChunkGroup *groups, int64_t *members,
                             int64_t *chunk_first, char *taken) {
     int64_t count = 0, used = 0;
     for (int64_t c = 0; c < chunks; c++) {
+        int64_t c0 = c * CHUNK, c1 = c0 + CHUNK;
         chunk_first[c] = count;
         memset(taken, 0, (size_t)s->B);
         for (int64_t b = 0; b < s->B; b++) {
-            int64_t n = s->pos[b] + 1, t1 = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
-            int64_t lo = window_start(s, b, window), t0 = c * CHUNK > lo ? c * CHUNK : lo;
+            int64_t n = s->pos[b] + 1, t1 = c1 < n ? c1 : n;
+            int64_t lo = window_start(s, b, window), t0 = c0 > lo ? c0 : lo;
             if (taken[b] || t0 >= t1) continue;
             ChunkGroup *gr = &groups[count++];
-            *gr = (ChunkGroup){c, t0, t1, used, 1};
+            *gr = (ChunkGroup){c, t0, t1, used, 1, window};
             members[used++] = b;
-            for (int64_t o = b + 1; !window && o < s->B && gr->count < MAX_GROUP_ROWS; o++) {
-                int64_t on = s->pos[o] + 1, o1 = t0 + CHUNK < on ? t0 + CHUNK : on;
+            for (int64_t o = b + 1; o < s->B && gr->count < MAX_GROUP_ROWS; o++) {
+                int64_t on = s->pos[o] + 1, o1 = c1 < on ? c1 : on;
+                int64_t o_lo = window_start(s, o, window), o0 = c0 > o_lo ? c0 : o_lo;
                 int64_t last = members[used - 1];
                 if (taken[o] || o1 < gr->t1) continue;
+                /* within a window: a row whose window starts before the group's first
+                 * position, or after this chunk, is not one of its members */
+                if (o0 < t0 || o0 >= o1) continue;
                 /* a later position of the same prompt extends the group's end */
                 if (o1 > gr->t1 && s->rows[o] != s->rows[last]) continue;
                 if (!same_blocks(m, s, last, o, t0, gr->t1)) continue;
@@ -611,7 +627,8 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
         }                                                                                      \
         for (int64_t j = 0; j < Q; j++) {                                                      \
             int64_t own = member_end(s, gr, members[j / group]) - t0;                          \
-            mx[j] = member_weights(scores + j * CHUNK, own, n, &sm[j]);                        \
+            int64_t begin = member_begin(s, gr, members[j / group]) - t0;                      \
+            mx[j] = member_weights(scores + j * CHUNK, begin, own, n, &sm[j]);                 \
             memset(out + j * D, 0, (size_t)D * sizeof(float));                                 \
         }                                                                                      \
         int64_t per_pass = shared ? Q : 1; /* queries served by one pass over the values */    \
@@ -995,7 +1012,8 @@ static inline void prefetch_part(const void *p, int64_t bytes, int64_t part, int
         }                                                                                      \
         for (int64_t j = 0; j < Q; j++) {                                                      \
             int64_t own = member_end(s, gr, members[(j % Qg) / group]) - t0;                   \
-            mx[j] = member_weights(scores + j * CHUNK, own, t1 - t0, &sm[j]);                  \
+            int64_t begin = member_begin(s, gr, members[(j % Qg) / group]) - t0;               \
+            mx[j] = member_weights(scores + j * CHUNK, begin, own, t1 - t0, &sm[j]);           \
             memset(out + j * D, 0, (size_t)D * sizeof(float));                                 \
         }                                                                                      \
         uint16_t *weights = (uint16_t *)run; /* in place: the weights in bfloat16 */            \
@@ -1433,8 +1451,9 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
 
 /* Attention alone, for the rows of a step that the fused layers do not run (a prompt's
  * positions, each a row at its position of its sequence's table): attention_plan once a step
- * into `plan` (attention_plan_bytes of it, its alignment a float's), then attention_run for
- * each layer, with the layer's cache kv, the rows' queries q [B, heads * D] and out as
+ * into `plan` (attention_plan_bytes of it, its alignment a float's; the rows attending over
+ * a sliding window of `window` positions, or their whole contexts for 0), then attention_run
+ * for each layer, with the layer's cache kv, the rows' queries q [B, heads * D] and out as
  * `attention` has them. The rows' K/V are in the cache already. */
 int64_t attention_plan_bytes(const DecodeModel *m, const DecodeBatch *s) {
     int64_t chunks = context_chunks(s);
@@ -1442,10 +1461,10 @@ int64_t attention_plan_bytes(const DecodeModel *m, const DecodeBatch *s) {
            s->B * m->heads * chunks * (m->head_dim + 2) * (int64_t)sizeof(float);
 }
 
-void attention_plan(const DecodeModel *m, const DecodeBatch *s, void *plan) {
+void attention_plan(const DecodeModel *m, const DecodeBatch *s, int64_t window, void *plan) {
     ChunkGroups *cg = (ChunkGroups *)plan;
     int64_t chunks = context_chunks(s);
-    groups_init(m, s, chunks, 0, (char *)plan + sizeof(ChunkGroups), cg);
+    groups_init(m, s, chunks, window, (char *)plan + sizeof(ChunkGroups), cg);
 }
 
 void attention_run(const DecodeModel *m, const DecodeBatch *s, const void *plan, const void *kv,
