@@ -824,8 +824,8 @@ static void scores_bf16(int64_t D, const float *const *q, int64_t Q, const void 
                         int64_t n, float scale, float *scores) {
 #if defined(__AVX512BF16__)
     for (int64_t j = 0; j < Q; j++) {
-        (D == 64 ? scores_bf16_64 : D == 128 ? scores_bf16_128 : scores_bf16_256)(q[j], (const uint16_t *)k, ks, n, scale,
-                                                      scores + j * CHUNK);
+        (D == 64 ? scores_bf16_64 : D == 128 ? scores_bf16_128 : scores_bf16_256)(
+            q[j], (const uint16_t *)k, ks, n, scale, scores + j * CHUNK);
     }
 #else
     (void)D, (void)q, (void)Q, (void)k, (void)ks, (void)n, (void)scale, (void)scores;
