@@ -158,9 +158,6 @@ class LLMEngine:
 
     def _enable_speculation(self) -> None:
         """The n-gram proposer, where the model's attention lets a step verify drafts."""
-        if self.model_config.sliding_window is not None:
-            raise ValueError("n-gram speculation (--num-speculative-tokens) does not support "
-                             "sliding-window attention yet")
         config = self.config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
