@@ -157,7 +157,8 @@ class LLMEngine:
         self.spec_accepted_tokens = 0
 
     def _enable_speculation(self) -> None:
-        """The n-gram proposer, where the model's attention lets a step verify drafts."""
+        """The n-gram proposer (any model: a verification step's rows read only the blocks of
+        the request's window, which the release after each step keeps; DESIGN section 12)."""
         config = self.config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)

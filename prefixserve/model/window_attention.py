@@ -16,6 +16,8 @@ window starts at its own position, so nothing outside it is ever shared.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from prefixserve.model.attention import (
@@ -26,7 +28,9 @@ from prefixserve.model.attention import (
     _kernel_metadata,
     _slots,
 )
-from prefixserve.model.prompt_attention import PromptAttention
+
+if TYPE_CHECKING:  # prompt_attention imports the model, which imports the attention modules
+    from prefixserve.model.prompt_attention import PromptAttention
 
 
 def build_window_metadata(
