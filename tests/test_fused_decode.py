@@ -428,7 +428,7 @@ def windowed_model(name: str, window: int, folder: Path) -> tuple[ModelConfig, C
     return config, pack_projections(model, FMT_Q8_0).to(dtype)
 
 
-def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool, window: int,
+def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool,
                  dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
     """Three sequences of 700, 40 and 530 tokens prefilled (in chunks of 300), then five
     decode steps of all three, then a step of their decodes beside a new 50-token prompt
@@ -449,12 +449,11 @@ def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool, wind
               for p in [*prompts, late]]
 
     def seq(i: int, ids: list[int], start: int, logits: bool = False) -> SeqBatchInput:
-        last = start + len(ids) - 1  # window groups read from the first token's window on
-        own = [table if group.window is None else
-               [0] * max(0, (start - group.window + 1) // block_size)
-               + table[max(0, (start - group.window + 1) // block_size):]
-               for group, table in zip(groups, tables[i], strict=True)]
-        assert last // block_size < len(own[0])
+        # window groups read from the first token's window on: the blocks before it nulled
+        slid = [0 if group.window is None else max(0, (start - group.window + 1) // block_size)
+                for group in groups]
+        own = [[0] * n + table[n:] for n, table in zip(slid, tables[i], strict=True)]
+        assert (start + len(ids) - 1) // block_size < len(own[0])
         return SeqBatchInput(ids, start, own[0], logits, seq_id=i,
                              extra_block_tables=tuple(own[1:]))
 
@@ -494,8 +493,8 @@ def test_sliding_window_models_take_the_fused_layers(name: str, window: int, bui
             fused_decode._SOURCE, fused_decode._declare, AVX2_BUILD))
     config, model = windowed_model(name, window, tmp_path)
     dtype = WINDOWED[name][1]
-    fused, fused_cache, fused_runner = run_windowed(model, config, False, window, dtype)
-    eager, eager_cache, eager_runner = run_windowed(model, config, True, window, dtype)
+    fused, fused_cache, fused_runner = run_windowed(model, config, False, dtype)
+    eager, eager_cache, eager_runner = run_windowed(model, config, True, dtype)
     assert fused_runner.fused_decode_reason is None and fused_runner._fused is not None
     assert eager_runner._fused is None
     logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
