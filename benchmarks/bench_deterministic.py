@@ -6,6 +6,8 @@ Reproduce on a quiet machine with::
     .venv/bin/python benchmarks/bench_deterministic.py --repeat 5
     .venv/bin/python benchmarks/bench_deterministic.py --modes packed --threads 2 --repeat 3
     .venv/bin/python benchmarks/bench_deterministic.py --modes bf16 --row-tile 1   # tile choice
+    .venv/bin/python benchmarks/bench_deterministic.py --model gemma-3-270m --modes packed \
+        --prompt-len 1024 --repeat 3    # sliding windows: prompts past Gemma 3's 512
 
 For each weights mode (``bf16``: ``--weights bf16 --dtype bfloat16``; ``packed``: ``--weights
 auto``) one engine in each mode is loaded, and each measurement alternates between them, run by
@@ -65,6 +67,8 @@ def median_range(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="a model path or short name "
+                        "(default: the default model)")
     parser.add_argument("--modes", default="bf16,packed")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -88,7 +92,7 @@ def main() -> None:
         table.add_column(column)
     for name in args.modes.split(","):
         weights, dtype = MODES[name]
-        engines = {det: LLM(weights=weights, dtype=dtype, deterministic=det,
+        engines = {det: LLM(args.model, weights=weights, dtype=dtype, deterministic=det,
                             kv_cache_memory="256MiB") for det in (False, True)}
         for engine in engines.values():  # warm up (first calls build caches)
             decode_speed(engine, rng, 2, 2)

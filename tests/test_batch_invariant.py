@@ -24,6 +24,7 @@ from prefixserve.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv
 from prefixserve.model.quant import QuantEmbedding, QuantLinear, pack_float
 from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0, kernels
 from prefixserve.model.sampler import Sampler, make_generator
+from prefixserve.model.window_attention import build_window_metadata
 from prefixserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -111,12 +112,18 @@ HEADS, KV_HEADS, HEAD_DIM = 6, 2, 36  # grouped queries; 36 is not a multiple of
 
 
 class Sequences:
-    """Random Q/K/V for a few sequences with their own (scattered) blocks of one cache."""
+    """Random Q/K/V for a few sequences with their own (scattered) blocks of one cache. With a
+    sliding ``window`` each step's tables name a poisoned block (every value NaN) in place of
+    the blocks wholly before the windows of the step's queries, as the KV cache manager puts
+    the null block there: a kernel that reads one returns NaN."""
 
-    def __init__(self, lengths: list[int], dtype: torch.dtype, seed: int = 0) -> None:
+    def __init__(self, lengths: list[int], dtype: torch.dtype, seed: int = 0,
+                 window: int | None = None) -> None:
         gen = torch.Generator().manual_seed(seed)
         num_blocks = sum((n - 1) // BLOCK + 1 for n in lengths) + 3
         order = torch.randperm(num_blocks, generator=gen).tolist()
+        self.window = window
+        self.poison = order.pop()
         self.tables = []
         for n in lengths:
             used = (n - 1) // BLOCK + 1
@@ -127,14 +134,29 @@ class Sequences:
         self.v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for n in lengths]
         self.cache = torch.randn(2, num_blocks * BLOCK, KV_HEADS, HEAD_DIM,
                                  generator=gen).to(dtype)  # stale values in unused slots
+        self.cache[:, self.poison * BLOCK : (self.poison + 1) * BLOCK] = float("nan")
         self.dtype = dtype
+
+    def table(self, seq: int, start: int) -> list[int]:
+        """Sequence ``seq``'s table for a step from position ``start``: with a window, the
+        blocks before the window of ``start`` poisoned."""
+        table = self.tables[seq]
+        if self.window is None:
+            return table
+        skipped = max(0, start + 1 - self.window) // BLOCK
+        return [self.poison] * skipped + table[skipped:]
 
     def step(self, work: list[tuple[int, int, int]], deterministic: bool = True
              ) -> list[torch.Tensor]:
         """One step computing ``(seq, start, count)`` for each entry: the outputs per entry."""
-        meta = build_metadata([(s, n) for _, s, n in work],
-                              [self.tables[i] for i, _, _ in work], BLOCK, CPU, self.dtype,
-                              deterministic=deterministic)
+        lens = [(s, n) for _, s, n in work]
+        tables = [self.table(i, s) for i, s, _ in work]
+        if self.window is None:
+            meta = build_metadata(lens, tables, BLOCK, CPU, self.dtype,
+                                  deterministic=deterministic)
+        else:
+            meta = build_window_metadata(lens, tables, BLOCK, self.window, CPU, self.dtype,
+                                         deterministic=deterministic)
         q, k, v = (torch.cat([t[i][s : s + n] for i, s, n in work])
                    for t in (self.q, self.k, self.v))
         write_kv(self.cache, k, v, meta.slot_mapping)
@@ -142,26 +164,27 @@ class Sequences:
         return list(out.split([n for _, _, n in work]))
 
 
-def split_runs(lengths: list[int], dtype: torch.dtype, deterministic: bool = True
-               ) -> dict[str, torch.Tensor]:
+def split_runs(lengths: list[int], dtype: torch.dtype, deterministic: bool = True,
+               window: int | None = None) -> dict[str, torch.Tensor]:
     """Sequence 0's attention output under each way of computing it."""
     target = lengths[0]
     runs = {}
-    seqs = Sequences(lengths, dtype)
+    seqs = Sequences(lengths, dtype, window=window)
     runs["whole"] = seqs.step([(0, 0, target)], deterministic)[0]
-    seqs = Sequences(lengths, dtype)
+    seqs = Sequences(lengths, dtype, window=window)
     first = seqs.step([(0, 0, 48)], deterministic)[0]  # a cached prefix of 3 blocks, then the rest
     runs["cached prefix"] = torch.cat([first, seqs.step([(0, 48, target - 48)],
                                                         deterministic)[0]])
-    seqs = Sequences(lengths, dtype)
+    seqs = Sequences(lengths, dtype, window=window)
     chunks = [seqs.step([(0, s, min(7, target - s))], deterministic)[0]
               for s in range(0, target, 7)]
     runs["chunks of 7"] = torch.cat(chunks)
-    seqs = Sequences(lengths, dtype)
+    seqs = Sequences(lengths, dtype, window=window)
     head = seqs.step([(0, 0, 30)], deterministic)[0]
     decoded = [seqs.step([(0, p, 1)], deterministic)[0] for p in range(30, target)]
     runs["decode"] = torch.cat([head, *decoded])
-    seqs = Sequences(lengths, dtype)  # in a batch: others prefilling and decoding with it
+    # in a batch: others prefilling and decoding with it
+    seqs = Sequences(lengths, dtype, window=window)
     seqs.step([(1, 0, lengths[1] - 1)], deterministic)
     mixed = seqs.step([(2, 0, lengths[2]), (0, 0, 40), (1, lengths[1] - 1, 1)], deterministic)
     rest = seqs.step([(1, lengths[1] - 1, 1), (0, 40, target - 40)], deterministic)
@@ -183,6 +206,28 @@ def test_attention_is_bitwise_the_same_however_the_prompt_is_split(lib, dtype: t
     seqs = Sequences(lengths, dtype)
     q, k, v = (t[0].float().transpose(0, 1)[None] for t in (seqs.q, seqs.k, seqs.v))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole.float(), expected[0].transpose(0, 1), atol=tolerance,
+                               rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_over_a_sliding_window_is_bitwise_the_same_however_the_prompt_is_split(
+        lib, dtype: torch.dtype) -> None:
+    """The same splits with a window of 20 keys (not a multiple of the 16-position blocks, so a
+    window starts inside a block), the blocks before each step's windows poisoned. Kills: a
+    kernel that ignores the window, starts it one key early or late, or reads the keys of the
+    window's first block before its start, or reads a block that slid out (NaN)."""
+    lengths, window = [101, 70, 33], 20
+    runs = split_runs(lengths, dtype, window=window)
+    whole = runs["whole"]
+    for name, out in runs.items():
+        assert torch.equal(out, whole), name
+    seqs = Sequences(lengths, dtype)
+    q, k, v = (t[0].float().transpose(0, 1)[None] for t in (seqs.q, seqs.k, seqs.v))
+    pos = torch.arange(lengths[0])
+    band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(whole.float(), expected[0].transpose(0, 1), atol=tolerance,
                                rtol=tolerance)

@@ -49,6 +49,7 @@ CONFIGS = {
 class Tiny(NamedTuple):
     hf: PreTrainedModel
     runner: ModelRunner
+    path: Path
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -70,7 +71,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     hf.save_pretrained(path)
     config, model = load_model(str(path), torch.float32)
     assert config.sliding_window == WINDOW
-    return Tiny(hf, ModelRunner(config, model, 128, BS, torch.float32, "cpu"))
+    return Tiny(hf, ModelRunner(config, model, 128, BS, torch.float32, "cpu"), path)
 
 
 def tables(runner: ModelRunner, num_tokens: int, seed: int) -> list[list[int]]:
@@ -147,3 +148,35 @@ def test_batch_of_decodes_and_a_prefill(tiny: Tiny) -> None:
     out = tiny.runner.execute(seqs)
     torch.testing.assert_close(out.logits[0], reference(tiny.hf, a)[-1], **TOL)
     torch.testing.assert_close(out.logits[1], reference(tiny.hf, b)[-1], **TOL)
+
+
+def test_the_deterministic_mode_attends_over_windows_the_same_in_every_split(tiny: Tiny
+                                                                            ) -> None:
+    """The deterministic mode on a sliding-window model: a prompt's logits in one step match
+    transformers, and come out bit for bit the same computed in chunks with decode steps after
+    them, and as a decode step beside another sequence's prefill (windows' blocks that slid
+    out replaced by block 0). Kills: the mode refusing windows, or its window metadata or
+    kernel ignoring the window (keys outside it, or block 0's keys, would enter the sum)."""
+    config, model = load_model(str(tiny.path), torch.float32)
+    runner = ModelRunner(config, model, 128, BS, torch.float32, "cpu", deterministic=True)
+    rng = random.Random(9)
+    ids = [rng.randrange(128) for _ in range(45)]
+    base = tables(runner, 45, 10)
+    whole = step(runner, ids, 0, base, logits=True)
+    torch.testing.assert_close(whole, reference(tiny.hf, ids), **TOL)
+    pos = 0
+    for chunk in (7, 13, 10):
+        got = step(runner, ids[pos:pos + chunk], pos, null_out(runner, base, pos), logits=True)
+        assert torch.equal(got, whole[pos:pos + chunk]), pos
+        pos += chunk
+    while pos < 44:
+        assert torch.equal(step(runner, ids[pos:pos + 1], pos, null_out(runner, base, pos)),
+                           whole[pos]), pos
+        pos += 1
+    other = [rng.randrange(128) for _ in range(21)]
+    tb = [[i + 64 for i in t] for t in tables(runner, 21, 11)]
+    nulled = null_out(runner, base, 44)
+    out = runner.execute([SeqBatchInput(ids[44:], 44, nulled[0],
+                                        extra_block_tables=tuple(nulled[1:])),
+                          SeqBatchInput(other, 0, tb[0], extra_block_tables=tuple(tb[1:]))])
+    assert torch.equal(out.logits[0], whole[44])

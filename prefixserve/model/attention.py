@@ -158,10 +158,11 @@ def build_metadata(
 
 
 def _invariant_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list[int]],
-                        block_size: int, device: torch.device, table_rows: TableRows | None
-                        ) -> AttentionMetadata:
+                        block_size: int, device: torch.device, table_rows: TableRows | None,
+                        window: int | None = None) -> AttentionMetadata:
     """The metadata of a step whose every row attends by ``invariant_attention``: its slots,
-    and for each row its sequence's table and its position."""
+    and for each row its sequence's table and its position (over a sliding ``window``, or the
+    whole context)."""
     slots: list[int] = []
     table_of_row: list[int] = []
     positions: list[int] = []
@@ -178,7 +179,7 @@ def _invariant_metadata(seq_lens: list[tuple[int, int]], block_tables: list[list
                                for t, u in zip(block_tables, used, strict=True)],
                               dtype=torch.long, device=device)
     keys = KeyTables(tables, torch.tensor(table_of_row, dtype=torch.long, device=device),
-                     torch.tensor(positions, dtype=torch.long, device=device))
+                     torch.tensor(positions, dtype=torch.long, device=device), window or 0)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     return AttentionMetadata(slot_mapping, None, [], len(slots), keys)
 

@@ -102,17 +102,19 @@ def make_batch_invariant(model: nn.Module) -> None:
 class KeyTables:
     """Where each query row of a step finds its keys: ``tables`` (long ``[rows, width]``) holds
     block tables, row ``n`` of the step uses ``tables[table_of_row[n]]`` and attends to the
-    positions ``0 .. pos_of_row[n]`` (its own included)."""
+    positions ``0 .. pos_of_row[n]`` (its own included), or with a sliding ``window`` (0: none)
+    to the last ``window`` of them."""
 
     tables: torch.Tensor
     table_of_row: torch.Tensor
     pos_of_row: torch.Tensor
+    window: int = 0
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.invariant_attention.argtypes = [p, i64, i64, i64, p, p, ctypes.c_int, i64, i64, p, i64,
-                                        p, p, ctypes.c_float, p]
+                                        p, p, i64, ctypes.c_float, p]
     lib.invariant_attention.restype = None
 
 
@@ -129,8 +131,9 @@ def invariant_attention(q: torch.Tensor, layer_cache: torch.Tensor, keys: KeyTab
                         block_size: int) -> torch.Tensor:
     """Causal attention of ``q`` (``[rows, heads, head_dim]``) over the K/V in
     ``layer_cache`` (``[2, slots, kv_heads, head_dim]``, float32 or bfloat16, the step's own
-    K/V already written) at the positions ``keys`` gives, with the fixed per-block split of
-    the module docstring. Returns ``[rows, heads, head_dim]`` in ``q``'s dtype."""
+    K/V already written) at the positions ``keys`` gives (over its sliding window, if any),
+    with the fixed per-block split of the module docstring. Returns ``[rows, heads, head_dim]``
+    in ``q``'s dtype."""
     if layer_cache.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"deterministic attention reads float32 or bfloat16, "
                          f"not {layer_cache.dtype}")
@@ -147,5 +150,5 @@ def invariant_attention(q: torch.Tensor, layer_cache: torch.Tensor, keys: KeyTab
         query.data_ptr(), rows, heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         int(layer_cache.dtype == torch.bfloat16), layer_cache.shape[2], block_size,
         tables.data_ptr(), tables.shape[1], keys.table_of_row.data_ptr(),
-        keys.pos_of_row.data_ptr(), 1.0 / math.sqrt(head_dim), out.data_ptr())
+        keys.pos_of_row.data_ptr(), keys.window, 1.0 / math.sqrt(head_dim), out.data_ptr())
     return out.to(q.dtype)

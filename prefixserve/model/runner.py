@@ -121,9 +121,6 @@ class ModelRunner:
             if kv_dtype != dtype:
                 raise ValueError("the deterministic mode needs the KV cache in the "
                                  f"activations' dtype ({dtype}), not {kv_dtype}")
-            if config.sliding_window is not None:
-                raise ValueError("the deterministic mode does not support sliding-window "
-                                 "attention yet")
             batch_invariant.make_batch_invariant(model)
         self.config = config
         self.model = model
@@ -374,7 +371,7 @@ class ModelRunner:
             else:
                 metas.append(build_window_metadata(seq_lens, tables, self.block_size,
                                                    group.window, self.device, self.dtype,
-                                                   table_rows, kernel))
+                                                   table_rows, kernel, self.deterministic))
         return metas
 
 

@@ -25,6 +25,7 @@ from prefixserve.model.attention import (
     DecodeGroup,
     PrefillSeq,
     TableRows,
+    _invariant_metadata,
     _kernel_metadata,
     _slots,
 )
@@ -42,10 +43,15 @@ def build_window_metadata(
     dtype: torch.dtype = torch.float32,
     table_rows: TableRows | None = None,
     kernel: PromptAttention | None = None,
+    deterministic: bool = False,
 ) -> AttentionMetadata:
     """Index tensors of one step for layers with a sliding window of ``window`` tokens;
     arguments as :func:`~prefixserve.model.attention.build_metadata` (with ``kernel``, the C
-    kernel's plan of every row over its window)."""
+    kernel's plan of every row over its window; with ``deterministic``, the batch-invariant
+    attention's)."""
+    if deterministic:
+        return _invariant_metadata(seq_lens, block_tables, block_size, device, table_rows,
+                                   window)
     if kernel is not None and table_rows is not None:
         return _kernel_metadata(seq_lens, block_tables, block_size, device, table_rows, kernel,
                                 window)

@@ -16,6 +16,11 @@
  * of float32 (is_bf16 = 0) or bfloat16 bits (is_bf16 = 1); tables is int64 [*, table_stride]
  * (table_of_row[n] picks row n's table), pos_of_row[n] the position of row n's query.
  * Query heads h of KV head g are g * (H / KVH) .. (g + 1) * (H / KVH) - 1 (grouped queries).
+ * With a sliding window (window > 0) a row at position pos attends to the keys
+ * max(0, pos + 1 - window) .. pos only: the loop starts at the block holding the first of them
+ * and skips the earlier positions of that block. The split is still the cache's blocks, and
+ * the table entries of blocks before the first are never read (the KV cache manager may have
+ * put the null block there).
  * The work is split over (row, KV head) pairs (OpenMP); each pair is computed by one thread
  * start to end, so the thread count changes no result either.
  */
@@ -58,13 +63,13 @@ static inline float dot(const float *a, const float *b, int64_t D) {
 }
 
 /*
- * One (row, KV head) pair: P query heads q[P][D] over keys 0..last of the sequence whose block
+ * One (row, KV head) pair: P query heads q[P][D] over keys begin..last of the sequence whose block
  * table is `table`. Scratch: keys[block_size][D], vals[D], scores[P][block_size],
  * block_out[P][D], acc[P][D]. Writes out[P][D] (heads of one KV head are adjacent).
  */
 static void attend(const float *q, const void *kc, const void *vc, int is_bf16, int64_t KVH,
                    int64_t g, int64_t D, int64_t P, int64_t block_size, const int64_t *table,
-                   int64_t last, float scale, float *scratch, float *out) {
+                   int64_t begin, int64_t last, float scale, float *scratch, float *out) {
     float *keys = scratch;
     float *vals = keys + block_size * D;
     float *scores = vals + D;
@@ -77,10 +82,12 @@ static void attend(const float *q, const void *kc, const void *vc, int is_bf16, 
         run_sum[p] = 0.0f;
     }
     memset(acc, 0, (size_t)(P * D) * sizeof(float));
-    for (int64_t b = 0; b * block_size <= last; b++) {
-        int64_t first = b * block_size;
-        int64_t n = last - first + 1 < block_size ? last - first + 1 : block_size;
-        int64_t base = table[b] * block_size;
+    for (int64_t b = begin / block_size; b * block_size <= last; b++) {
+        /* keys first .. end - 1 of this block: from the window's start on, up to last */
+        int64_t first = b * block_size > begin ? b * block_size : begin;
+        int64_t end = (b + 1) * block_size < last + 1 ? (b + 1) * block_size : last + 1;
+        int64_t n = end - first;
+        int64_t base = table[b] * block_size + (first - b * block_size);
         for (int64_t j = 0; j < n; j++) load_row(kc, is_bf16, base + j, KVH, g, D, keys + j * D);
         for (int64_t p = 0; p < P; p++) {
             float m = -INFINITY;
@@ -129,8 +136,8 @@ static void attend(const float *q, const void *kc, const void *vc, int is_bf16, 
 void invariant_attention(const float *q, int64_t N, int64_t H, int64_t D, const void *k_cache,
                          const void *v_cache, int is_bf16, int64_t KVH, int64_t block_size,
                          const int64_t *tables, int64_t table_stride,
-                         const int64_t *table_of_row, const int64_t *pos_of_row, float scale,
-                         float *out) {
+                         const int64_t *table_of_row, const int64_t *pos_of_row,
+                         int64_t window, float scale, float *out) {
     int64_t P = H / KVH;
     /* block_size + 1 score slots per head: the last holds the block's merge weight */
     int64_t scratch_floats = block_size * D + D + P * (block_size + 1) + 2 * P * D;
@@ -142,8 +149,10 @@ void invariant_attention(const float *q, int64_t N, int64_t H, int64_t D, const 
         for (int64_t i = 0; i < pairs; i++) {
             int64_t n = i / KVH, g = i % KVH;
             const int64_t *table = tables + table_of_row[n] * table_stride;
+            int64_t last = pos_of_row[n];
+            int64_t begin = window > 0 && last + 1 > window ? last + 1 - window : 0;
             attend(q + (n * H + g * P) * D, k_cache, v_cache, is_bf16, KVH, g, D, P,
-                   block_size, table, pos_of_row[n], scale, scratch, out + (n * H + g * P) * D);
+                   block_size, table, begin, last, scale, scratch, out + (n * H + g * P) * D);
         }
         free(scratch);
     }
