@@ -16,13 +16,17 @@ from typing import cast
 
 import pytest
 import torch
+from lora_helpers import write_peft_adapter
 from server_helpers import ServerProcess
 from torch import nn
 
-from prefixserve import LLM
+from prefixserve import LLM, SamplingParams
 from prefixserve.engine.scheduler import SchedulerOutput
 from prefixserve.model import attention, batch_invariant
 from prefixserve.model.batch_invariant import KeyTables, invariant_attention
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.gguf_file import GGUFFile
+from prefixserve.model.loader import default_model_path
 from prefixserve.model.named_models import is_available
 from prefixserve.model.quant import QuantLinear
 from prefixserve.model.quant_kernels import kernels
@@ -90,6 +94,43 @@ def test_packed_weights_give_the_same_tokens_in_any_batch_cache_and_chunking() -
     broken kernel is ``tests/test_batch_invariant.py``, and this checks that the engine really
     runs those kernels in every kind of step."""
     check_mode("auto", "auto", PROMPTS, BATCH)
+
+
+def test_lora_adapters_give_the_same_tokens_in_any_batch_cache_and_chunking(
+        tmp_path: Path) -> None:
+    """Two adapters and the base model, each prompt under each: its tokens alone (a fresh
+    salt) are those in one mixed batch of all nine, read back from the cache and chunked; the
+    adapters change the output. Kills: the mode refusing adapters, or the engine leaving their
+    products off the row tiles (the flag checked here). These prompts agree even with the
+    deltas on torch's plain matmul (tried); the rounding the tiles remove is shown by
+    ``tests/test_batch_invariant.py::test_lora_deltas_rows_do_not_depend_on_the_row_count``."""
+    gguf = GGUFFile(default_model_path())
+    config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
+    adapters = {name: str(write_peft_adapter(tmp_path / name, config, seed=seed))
+                for name, seed in (("a", 1), ("b", 2))}
+    llm = LLM(deterministic=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+              lora_modules=adapters)
+    lora = llm.engine.runner.lora
+    assert lora is not None and all(m.row_invariant for m in lora.modules.values())
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cases = [(p, name) for p in PROMPTS for name in (None, "a", "b")]
+
+    def tokens(engine: LLM, batch: list[tuple[str, str | None]], salt: str | None
+               ) -> list[list[int]]:
+        outs = engine.generate([p for p, _ in batch], params, salt, lora=[n for _, n in batch])
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    alone = [tokens(llm, [case], f"alone-{i}")[0] for i, case in enumerate(cases)]
+    assert alone[0::3] != alone[1::3] and alone[0::3] != alone[2::3]  # adapters matter
+    assert tokens(llm, cases, "batch") == alone
+    tokens(llm, cases, None)
+    cached = llm.generate([p for p, _ in cases], params, lora=[n for _, n in cases])
+    assert [list(o.outputs[0].token_ids) for o in cached] == alone
+    assert all(o.num_cached_tokens >= llm.engine.block_size for o in cached)
+    view = ChunkedView(llm, CHUNK)
+    chunked = [tokens(cast(LLM, view), [case], f"chunked-{i}")[0]
+               for i, case in enumerate(cases)]
+    assert chunked == alone and 0 < view.largest_step <= CHUNK
 
 
 @pytest.mark.slow

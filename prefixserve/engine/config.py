@@ -208,9 +208,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora=True")
-        if self.enable_lora and self.deterministic:
-            raise ValueError("the deterministic mode does not cover LoRA adapters yet "
-                             "(their low-rank products are not row-invariant)")
 
     @property
     def prefix_caching(self) -> bool:

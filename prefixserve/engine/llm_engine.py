@@ -168,7 +168,7 @@ class LLMEngine:
         of ``lora_modules`` loaded (a ``LoRAError`` for one that cannot be used)."""
         config = self.config
         lora = install_lora(self.runner.model, self.model_config, config.max_loras,
-                            config.max_lora_rank)
+                            config.max_lora_rank, row_invariant=self.runner.deterministic)
         self.runner.lora = lora
         self.loras = LoRARegistry(lora, self.model_config)
         self.scheduler.gate = self.loras

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from prefixserve.model.batch_invariant import tiled_linear
 from prefixserve.model.config import ModelConfig
 
 __all__ = ["LoRAAdapter", "LoRAError", "LoRALinear", "LoRAModel", "install_lora",
@@ -303,7 +304,9 @@ class LoRALinear(nn.Module):
     (``scale * B`` transposed, zero outside each part's output columns): part p of an adapter
     of rank r occupies rows ``[p * r, p * r + r_p)`` of both, so one pair of matmuls computes
     the delta of a fused projection (QKV, gate/up). ``used[s]`` is how many rows slot s fills
-    (0: the slot's adapter leaves this projection alone).
+    (0: the slot's adapter leaves this projection alone). With ``row_invariant`` (the
+    deterministic mode) both products run in fixed row tiles (``batch_invariant.tiled_linear``),
+    so a row's delta does not depend on how many rows share its slot in the step.
     """
 
     lora_a: torch.Tensor
@@ -323,6 +326,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_bt", torch.zeros(max_loras, rows, out, dtype=dtype,
                                                     device=device), persistent=False)
         self.used = [0] * max_loras
+        self.row_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -331,7 +335,11 @@ class LoRALinear(nn.Module):
             if not used:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
-            delta = (xs @ self.lora_a[slot, :used].t()) @ self.lora_bt[slot, :used]
+            if self.row_invariant:
+                low = tiled_linear(xs, self.lora_a[slot, :used])
+                delta = tiled_linear(low, self.lora_bt[slot, :used].t())
+            else:
+                delta = (xs @ self.lora_a[slot, :used].t()) @ self.lora_bt[slot, :used]
             if rows is None:
                 y += delta
             else:
@@ -416,10 +424,10 @@ def _fused_modules(model: nn.Module) -> Iterator[tuple[int, str, nn.Module, str,
 
 
 def install_lora(model: nn.Module, config: ModelConfig, max_loras: int,
-                 max_rank: int) -> LoRAModel:
+                 max_rank: int, row_invariant: bool = False) -> LoRAModel:
     """Wraps the fused projections of ``model`` in :class:`LoRALinear` (in place) with
     ``max_loras`` empty slots of rank up to ``max_rank``, in the activation dtype of the model
-    (that of its final norm)."""
+    (that of its final norm); ``row_invariant`` for the deterministic mode."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError("max_loras and max_lora_rank must be positive")
     norm_weight = model.get_parameter("norm.weight")
@@ -432,6 +440,7 @@ def install_lora(model: nn.Module, config: ModelConfig, max_loras: int,
         sizes = tuple(shapes[p][0] for p in parts)
         wrapped = LoRALinear(base, shapes[parts[0]][1], sizes, max_loras, max_rank, dtype,
                              device, batch)
+        wrapped.row_invariant = row_invariant
         setattr(parent, attr, wrapped)
         modules[(index, fused)] = wrapped
     return LoRAModel(modules, batch, max_loras, max_rank, device)
