@@ -74,15 +74,26 @@ def lib():
     return kernels()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", [FMT_Q4_1, FMT_Q8_0])
-def test_quant_linear_rows_do_not_depend_on_the_row_count(lib, fmt: int) -> None:
-    """Kills: the packed path switching to expand-and-GEMM above SMALL_M rows in the
-    deterministic mode (its float GEMM rounds differently from the integer kernel)."""
+def test_quant_linear_rows_do_not_depend_on_the_row_count(lib, fmt: int, dtype: torch.dtype
+                                                          ) -> None:
+    """Float32 rows take the integer kernel at every row count, bfloat16 rows the bfloat16
+    batch kernel where the CPU has it (in slices of BF16_BATCH_MAX rows past it). Kills: the
+    packed path switching kernels with the row count in the deterministic mode (to
+    expand-and-GEMM above SMALL_M rows, or to the integer kernel below the batch kernel's 8
+    rows: each rounds differently)."""
     gen = torch.Generator().manual_seed(fmt)
     linear = QuantLinear(pack_float(torch.randn(64, 128, generator=gen).numpy(), fmt))
     linear.row_invariant = True
-    x = torch.randn(MAX_ROWS, 128, generator=gen)
+    x = torch.randn(MAX_ROWS, 128, generator=gen).to(dtype)
     assert rows_unchanged(lambda rows, _: linear(rows), x) == []
+    linear.invariant_batch_kernel = False  # an output head's choice
+    assert rows_unchanged(lambda rows, _: linear(rows), x) == []
+    linear.invariant_batch_kernel = True
+    expected = x.float() @ linear._expand(0, 64).t()  # and the rows are the right products
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(linear(x).float(), expected, atol=0.01 * scale, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -111,7 +122,8 @@ def test_lora_deltas_rows_do_not_depend_on_the_row_count(dtype: torch.dtype) -> 
 
 def test_make_batch_invariant_switches_every_product(lib) -> None:
     """Kills: a linear layer left on the plain product, or a tied head without a tiled
-    product (the output head of SmolLM2 is the embedding)."""
+    product (the output head of SmolLM2 is the embedding); packed layers keep the batch
+    kernel for bfloat16 rows, packed heads (tied or not) the integer kernel."""
     model = nn.Module()
     model.embed_tokens = nn.Embedding(50, 32)
     model.lm_head = None
@@ -119,6 +131,7 @@ def test_make_batch_invariant_switches_every_product(lib) -> None:
     model.packed = QuantLinear(pack_float(torch.randn(32, 32).numpy(), FMT_Q8_0))
     make_batch_invariant(model)
     assert type(model.proj) is RowTiledLinear and model.packed.row_invariant
+    assert model.packed.invariant_batch_kernel
     assert isinstance(model.lm_head, RowTiledLinear)
     assert model.lm_head.weight is model.embed_tokens.weight
     assert "lm_head.weight" not in dict(model.named_parameters())  # shared, counted once
@@ -128,6 +141,11 @@ def test_make_batch_invariant_switches_every_product(lib) -> None:
     packed.lm_head = None
     make_batch_invariant(packed)
     assert packed.embed_tokens.head.row_invariant and packed.lm_head is None
+    assert not packed.embed_tokens.head.invariant_batch_kernel
+    untied = nn.Module()
+    untied.lm_head = QuantLinear(pack_float(torch.randn(50, 32).numpy(), FMT_Q8_0))
+    make_batch_invariant(untied)
+    assert untied.lm_head.row_invariant and not untied.lm_head.invariant_batch_kernel
 
 
 # ------------------------------------------------------------------ attention

@@ -309,9 +309,9 @@ def test_bfloat16_batch_kernel(m: int, lib) -> None:
         assert torch.equal(layer(x), got.to(torch.bfloat16))
     fewer = activations(lib.bf16_batch_rows() - 1).bfloat16()  # below the threshold: 16-bit
     assert torch.equal(layer(fewer), layer._small(fewer.float()).to(torch.bfloat16))
-    layer.row_invariant = True  # the deterministic mode keeps the row-invariant 16-bit kernel
-    assert not layer._bf16_batch_rows(m)
-    assert torch.equal(layer(x), layer._small(x.float()).to(torch.bfloat16))
+    layer.row_invariant = True  # the deterministic mode: the batch kernel at every row count
+    assert layer._bf16_batch_rows(m) and layer._bf16_batch_rows(1)
+    assert torch.equal(layer(fewer), layer._bf16_batch(fewer).to(torch.bfloat16))
 
 
 def test_bfloat16_batch_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> None:

@@ -9,10 +9,11 @@ prompt was chunked, or how much of it came from the prefix cache. Three things m
   shape (on this project's reference CPU a float32 row's result differs between 1, 2-3 and 4+
   rows), so every dense product runs as products of exactly :data:`ROW_TILE` rows, the last
   one padded with zeros. Every call then has one shape, and a test shows a row's result does
-  not depend on its place in the tile or on the other rows. Packed (quantized) weights use the
-  integer kernel of ``kernels/quant.c`` at every row count (it computes each output element
-  with the same operations in the same order whatever the number of rows), instead of
-  switching to expand-and-GEMM above ``SMALL_M`` rows.
+  not depend on its place in the tile or on the other rows. Packed (quantized) weights keep one
+  kernel of ``kernels/quant.c`` at every row count, instead of switching with it (to
+  expand-and-GEMM above ``SMALL_M`` rows): a bfloat16 model's rows the bfloat16 batch kernel
+  where the CPU has AVX512-BF16, other rows the 16-bit integer kernel. Both compute each
+  output element with the same operations in the same order whatever the number of rows.
 * **Attention with a fixed split over keys** (:func:`invariant_attention`,
   ``kernels/invariant_attention.c``): every query attends to its sequence's keys read from the
   paged cache, KV block by KV block from the first, each block's partial result merged into
@@ -81,15 +82,21 @@ class RowTiledLinear(nn.Linear):
 
 def make_batch_invariant(model: nn.Module) -> None:
     """Switch ``model``'s products to the row-invariant kernels, in place: every plain
-    ``nn.Linear`` computes by :func:`tiled_linear`, every :class:`QuantLinear` uses its integer
-    kernel at all row counts, and a tied output head (a model with ``lm_head`` None and a dense
-    ``embed_tokens``) gets a :class:`RowTiledLinear` head sharing the embedding's weight."""
+    ``nn.Linear`` computes by :func:`tiled_linear`, every :class:`QuantLinear` keeps one kernel
+    at all row counts (``row_invariant``; the output head, packed, the integer kernel: it sees
+    one row per sequence, where that kernel is the faster), and a tied output head (a model
+    with ``lm_head`` None and a dense ``embed_tokens``) gets a :class:`RowTiledLinear` head
+    sharing the embedding's weight."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = RowTiledLinear
         elif isinstance(module, QuantLinear):
             module.row_invariant = True
     embed = getattr(model, "embed_tokens", None)
+    lm_head = getattr(model, "lm_head", None)
+    for head in (lm_head, getattr(embed, "head", None)):
+        if isinstance(head, QuantLinear):
+            head.invariant_batch_kernel = False
     tied = hasattr(model, "lm_head") and model.lm_head is None
     if tied and isinstance(embed, nn.Embedding):
         head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False, device="meta")

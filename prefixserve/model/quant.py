@@ -200,9 +200,14 @@ class QuantLinear(nn.Module):
         """Whether a bfloat16 prefill multiplies in bfloat16 (where the CPU has the instructions;
         elsewhere torch emulates them, slower than the float32 GEMM)."""
         self.row_invariant = False
-        """True: the integer kernel at every row count, so that a row's result does not depend
-        on how many rows the product has (the deterministic mode; see
-        :mod:`prefixserve.model.batch_invariant`)."""
+        """True: one kernel at every row count (bfloat16 rows: the bfloat16 batch kernel where
+        the library has it and ``invariant_batch_kernel`` is set; other rows: the 16-bit
+        integer kernel), so that a row's result does not depend on how many rows the product
+        has (the deterministic mode; see :mod:`prefixserve.model.batch_invariant`)."""
+        self.invariant_batch_kernel = True
+        """Which kernel ``row_invariant`` keeps for bfloat16 rows: the batch kernel (faster
+        from a few rows on), or the integer kernel (False: faster for one row over a large
+        weight, the choice for an output head, whose products have one row per sequence)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -240,19 +245,28 @@ class QuantLinear(nn.Module):
         return y
 
     def _bf16_batch_rows(self, rows: int) -> bool:
-        """Whether a bfloat16 input of ``rows`` rows takes the bfloat16 batch kernel: from
-        ``bf16_batch_from`` to ``BF16_BATCH_MAX`` rows where the library has it, not in the
-        deterministic mode nor with 8-bit activations."""
-        return (0 < self.bf16_batch_from <= rows <= BF16_BATCH_MAX and not self.row_invariant
-                and self.activation_bits == 16)
+        """Whether a bfloat16 input of ``rows`` rows takes the bfloat16 batch kernel, where
+        the library has it and activations have 16 bits: from ``bf16_batch_from`` to
+        ``BF16_BATCH_MAX`` rows, or at every row count in the deterministic mode (a row's
+        sums there are the same whatever the row count: each output is one accumulator's
+        blocks in order, then the same reduction, see ``kernels/quant.c``)."""
+        if self.bf16_batch_from == 0 or self.activation_bits != 16:
+            return False
+        if self.row_invariant:
+            return self.invariant_batch_kernel
+        return self.bf16_batch_from <= rows <= BF16_BATCH_MAX
 
     def _bf16_batch(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 batch kernel: weight blocks expanded to bfloat16 in registers, the
-        bfloat16 rows as they are, sums in float32."""
+        bfloat16 rows as they are, sums in float32; in slices of ``BF16_BATCH_MAX`` rows (a
+        slice's activations stay in the core's cache while the weights stream past)."""
         rows, cols = x.shape
-        y = torch.empty((rows, self.out_features), dtype=torch.float32)
-        self._lib.gemm_bf16_batch(self.qweight.data_ptr(), self.fmt, self.out_features, cols,
-                                  x.data_ptr(), rows, y.data_ptr(), self.out_features)
+        n = self.out_features
+        y = torch.empty((rows, n), dtype=torch.float32)
+        for first in range(0, rows, BF16_BATCH_MAX):
+            m = min(BF16_BATCH_MAX, rows - first)
+            self._lib.gemm_bf16_batch(self.qweight.data_ptr(), self.fmt, n, cols,
+                                      x[first].data_ptr(), m, y[first].data_ptr(), n)
         return y
 
     def _large(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
