@@ -273,7 +273,10 @@ def test_a_full_disk_stops_the_writes_and_serving_goes_on(tmp_path: Path) -> Non
     try:
         prompts = [[_RNG.randrange(200, 40000) for _ in range(160)] for _ in range(3)]
         first = complete(server, prompts[0], max_tokens=2)
-        full = server.wait_for_metrics(lambda m: m["prefixserve:kv_tier_writable{tier=disk}"] == 0)
+        # the tier is marked full inside the write, and the write's counts land just after it
+        full = server.wait_for_metrics(
+            lambda m: m["prefixserve:kv_tier_writable{tier=disk}"] == 0
+            and m["prefixserve:kv_tier_dropped_writes_total{tier=disk}"] > 0)
         stored = int(full[STORED % "disk"])
         assert full["prefixserve:kv_tier_up{tier=disk}"] == 1
         assert full["prefixserve:kv_tier_full_events_total{tier=disk}"] == 1
