@@ -10,11 +10,19 @@ import torch
 from safetensors.torch import save_file
 
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.gguf_file import GGUFFile
+from prefixserve.model.loader import default_model_path
 from prefixserve.model.lora import part_shapes
 
 PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                 "down": "mlp.down_proj"}
+
+
+def default_config() -> ModelConfig:
+    """The default model's configuration, read from its GGUF file (the base of the adapters)."""
+    gguf = GGUFFile(default_model_path())
+    return ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
 
 
 def write_peft_adapter(path: Path, config: ModelConfig, seed: int, rank: int = 4,

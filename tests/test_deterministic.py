@@ -16,7 +16,7 @@ from typing import cast
 
 import pytest
 import torch
-from lora_helpers import write_peft_adapter
+from lora_helpers import default_config, write_peft_adapter
 from server_helpers import ServerProcess
 from torch import nn
 
@@ -24,9 +24,6 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.engine.scheduler import SchedulerOutput
 from prefixserve.model import attention, batch_invariant
 from prefixserve.model.batch_invariant import KeyTables, invariant_attention
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.gguf_file import GGUFFile
-from prefixserve.model.loader import default_model_path
 from prefixserve.model.named_models import is_available
 from prefixserve.model.quant import QuantLinear
 from prefixserve.model.quant_kernels import kernels
@@ -104,8 +101,7 @@ def test_lora_adapters_give_the_same_tokens_in_any_batch_cache_and_chunking(
     products off the row tiles (the flag checked here). These prompts agree even with the
     deltas on torch's plain matmul (tried); the rounding the tiles remove is shown by
     ``tests/test_batch_invariant.py::test_lora_deltas_rows_do_not_depend_on_the_row_count``."""
-    gguf = GGUFFile(default_model_path())
-    config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
+    config = default_config()
     adapters = {name: str(write_peft_adapter(tmp_path / name, config, seed=seed))
                 for name, seed in (("a", 1), ("b", 2))}
     llm = LLM(deterministic=True, enable_lora=True, max_loras=2, max_lora_rank=8,

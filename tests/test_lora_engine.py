@@ -6,23 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lora_helpers import write_peft_adapter
+from lora_helpers import default_config, write_peft_adapter
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.errors import RequestError
 from prefixserve.engine.lora_registry import LoRAInUseError
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.gguf_file import GGUFFile
-from prefixserve.model.loader import default_model_path
 from prefixserve.model.lora import LoRAError
 
 ONE = SamplingParams(temperature=0, max_tokens=1)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def default_config() -> ModelConfig:
-    gguf = GGUFFile(default_model_path())
-    return ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from lora_helpers import write_peft_adapter
+from lora_helpers import default_config, write_peft_adapter
 from server_helpers import ServerProcess, idle, openai_client, serve_for_module
-from test_lora_engine import default_config
 
 ADMIN = "root-key"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}

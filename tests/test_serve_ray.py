@@ -29,9 +29,8 @@ from typing import Any
 
 import httpx
 import pytest
-from lora_helpers import write_peft_adapter
+from lora_helpers import default_config, write_peft_adapter
 from server_helpers import ServerProcess
-from test_lora_engine import default_config
 
 from prefixserve.cli import main
 from prefixserve.tools.bench.report import read_run
