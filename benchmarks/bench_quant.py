@@ -1,6 +1,6 @@
 """Quantized weights: kernel speed by batch rows, and what quantized activations do to tokens.
 
-    .venv/bin/python benchmarks/bench_quant.py [--parts 1,2,3] [--threads N] [--repeat 5]
+    .venv/bin/python benchmarks/bench_quant.py [--parts 1,2,3,7] [--threads N] [--repeat 5]
 
 Part 1 times one product ``x @ W.T`` for each weight shape of the default model (SmolLM2-135M)
 with M input rows: the packed kernel with 16-bit and with 8-bit activations, the expand path
@@ -46,6 +46,13 @@ whose ``DecodeModel`` has the same fields (it includes ``quant.c``, so copy that
 
     .venv/bin/python benchmarks/bench_quant.py --parts 3 --repeat 3 \
         --llama-bench /work/llamacpp-build/bin/llama-bench
+
+Part 7 times one product of a bfloat16 model, x @ W.T with bfloat16 rows, by M, for each
+weight shape of the default model packed as the file has it (Q4_1 layers, Q8_0 head): the
+16-bit integer kernel (what fewer rows than the bfloat16 kernels' thresholds take), the bfloat16
+batch kernel (AVX512-BF16), the AMX tile kernel (AMX-BF16) and expand-and-GEMM in bfloat16;
+columns a CPU's build lacks are empty. It is the measurement behind ``amx_rows()`` in
+``quant.c`` and ``quant.AMX_MAX``.
 """
 
 from __future__ import annotations
@@ -121,6 +128,39 @@ def part_kernels(repeat: int) -> None:
                 best = min(k16, expand) if m <= quant.SMALL_M else expand
                 print(f"| {name} | {n} x {k} | {quant.FORMAT_NAMES[fmt]} | {m} | {k16:.0f} | "
                       f"{k8:.0f} | {expand:.0f} | {flt:.0f} | {flt / best:.2f}x |")
+
+
+BF16_ROWS = (1, 2, 4, 6, 8, 16, 32, 64, 96, 128, 192, 256)
+
+
+def bfloat16_times(lin: quant.QuantLinear, m: int, repeat: int) -> dict[str, float]:
+    """Microseconds of one product of ``m`` bfloat16 rows by each way this build has."""
+    x = torch.randn(m, lin.in_features).bfloat16()
+    times = {"16-bit": median_us(lambda: lin._small(x.float()), repeat, 5)}
+    if lin.bf16_batch_from:
+        times["batch"] = median_us(lambda: lin._bf16_batch(x), repeat, 5)
+    if lin.amx_from:
+        times["AMX"] = median_us(lambda: lin._bf16_amx(x), repeat, 5)
+    times["expand"] = median_us(lambda: lin._large(x, torch.bfloat16), repeat, 5)
+    return times
+
+
+def part_bfloat16_kernels(repeat: int) -> None:
+    print("\n## Part 7: one bfloat16 product x @ W.T, microseconds (median of repeats)")
+    print("| weight | N x K | format | M | 16-bit kernel | bfloat16 batch kernel | AMX kernel | "
+          "expand + bfloat16 GEMM | fastest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for name, n, k in SHAPES:
+        fmt = quant.FMT_Q8_0 if name == "head" else quant.FMT_Q4_1
+        lin = quant.QuantLinear(quant.pack_float(rng.standard_normal((n, k), dtype=np.float32),
+                                                 fmt))
+        for m in BF16_ROWS:
+            times = bfloat16_times(lin, m, repeat)
+            cells = [f"{times[c]:.0f}" if c in times else "" for c in
+                     ("16-bit", "batch", "AMX", "expand")]
+            print(f"| {name} | {n} x {k} | {quant.FORMAT_NAMES[fmt]} | {m} | "
+                  f"{' | '.join(cells)} | {min(times, key=times.__getitem__)} |")
 
 
 def text_tokens(count: int) -> list[int]:
@@ -433,7 +473,7 @@ def long_contexts(repeat: int, compare: str | None, cache: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="1,2,3,4,5,6", help="comma-separated parts to run")
+    parser.add_argument("--parts", default="1,2,3,4,5,6,7", help="comma-separated parts to run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--positions", type=int, default=2048)
@@ -457,6 +497,8 @@ def main() -> None:
         part_threads(args.repeat)
     if 6 in parts:
         part_long_contexts(args.repeat, args.compare_kernel)
+    if 7 in parts:
+        part_bfloat16_kernels(args.repeat)
     if 3 in parts:
         ours = part_engine(args.repeat)
         if args.llama_bench:

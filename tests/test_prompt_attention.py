@@ -18,6 +18,7 @@ from prefixserve.model.attention import (
     paged_attention,
 )
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.dtypes import cpu_has_amx
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.window_attention import build_window_metadata
 from tests.test_fused_decode import dense_model, packed_model, tiny_config
@@ -222,16 +223,44 @@ def test_only_a_bfloat16_model_attends_in_bfloat16(dtype: torch.dtype,
     """The runner asks the kernel to attend in bfloat16 (``bf16_queries``) in a bfloat16
     model's prompt and decode steps, and never for a float32 model, over a bfloat16 cache
     either: its queries are float32 values, and rounding them would change its results.
-    Kills: the flag keyed on the cache's dtype, or not passed to one of the two paths."""
+    Kills: the flag keyed on the cache's dtype, or not passed to one of the two paths. (The
+    prompt step goes to the kernel here even where the runner would give it to SDPA: a
+    bfloat16 model on a CPU with AMX, ``prompts_in_kernel``.)"""
     config = tiny_config(heads=6, kv_heads=2, head_dim=64)
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
     model = packed_model(config).to(dtype)
     runner = ModelRunner(config, model, 64, BLOCK, dtype, "cpu", kv_cache_dtype=kv_dtype)
+    runner.prompts_in_kernel = True
     runner.execute([SeqBatchInput(list(range(40)), 0, [0, 1, 2], seq_id=0)])
     assert runner._prompt_attention is not None and runner._fused is not None
     assert bool(runner._prompt_attention.model.bf16_queries) is in_bf16
     assert bool(runner._fused.model.bf16_queries) is in_bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_a_bfloat16_model_on_amx_attends_its_prompts_through_sdpa(dtype: torch.dtype) -> None:
+    """On a CPU with AMX tiles a bfloat16 model's prompt steps attend through torch (gather
+    and SDPA, whose products run on the tiles): the kernel is not even planned for them, and
+    the logits are SDPA's. Its decode steps, and every step of a float32 model or of a CPU
+    without AMX, keep the kernel. Kills: the choice ignored (the kernel planned for a prompt
+    step), keyed on the CPU alone, or taken for decode steps too."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=64)
+    if not prompt_attention.available(config.head_dim):
+        pytest.skip("no 512-bit form of the kernel on this CPU")
+    model = packed_model(config).to(dtype)
+    runner = ModelRunner(config, model, 64, BLOCK, dtype, "cpu")
+    sdpa = dtype == torch.bfloat16 and cpu_has_amx()
+    assert runner.prompts_in_kernel is not sdpa
+    prompt = SeqBatchInput(list(range(40)), 0, [0, 1, 2], seq_id=0)
+    got = runner.execute([prompt]).logits
+    assert (runner._prompt_attention is None) is sdpa
+    eager = ModelRunner(config, model, 64, BLOCK, dtype, "cpu", enforce_eager=True)
+    want = eager.execute([prompt]).logits
+    if sdpa:
+        assert torch.equal(got, want)
+    runner.execute([SeqBatchInput([7], 40, [0, 1, 2], seq_id=0)])
+    assert runner._prompt_attention is not None  # the decode step built the fused layers
 
 
 def kernel_and_eager(config: ModelConfig, model: torch.nn.Module, seed: int, decode: bool

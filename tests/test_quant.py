@@ -46,6 +46,7 @@ from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.loader import _cat, load_model
 from prefixserve.model.quant import (
+    AMX_MAX,
     BF16_BATCH_MAX,
     FMT_Q4_1,
     FMT_Q8_0,
@@ -264,8 +265,9 @@ def test_expand_to_bfloat16_rounds_like_torch(lib) -> None:
 
 
 def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
-    """A bfloat16 input of more than BF16_BATCH_MAX rows (a bfloat16 model's prefill; more
-    than SMALL_M where the library has no bfloat16 batch kernel) multiplies the weight expanded
+    """A bfloat16 input of more than BF16_BATCH_MAX and AMX_MAX rows (a bfloat16 model's
+    prefill; more than SMALL_M where the library has neither the bfloat16 batch kernel nor the
+    AMX one) multiplies the weight expanded
     to bfloat16 with torch's bfloat16 GEMM: exactly what the dense path computes
     from the same weight, in bfloat16, bias included. Where the CPU lacks the bfloat16
     instructions (``native_bf16`` False) it keeps the float32 GEMM, which is faster there."""
@@ -275,7 +277,7 @@ def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
         layer.native_bf16 = True
         with torch.no_grad():
             layer.bias.copy_(torch.linspace(-1, 1, ROWS))
-        x = activations(BF16_BATCH_MAX + 5).bfloat16()
+        x = activations(max(BF16_BATCH_MAX, AMX_MAX) + 5).bfloat16()
         dense = dequantize_packed(packed).to(torch.bfloat16)
         y = layer(x)
         assert y.dtype == torch.bfloat16
@@ -290,15 +292,17 @@ def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
 
 @pytest.mark.parametrize("m", (8, 13, SMALL_M, 40, BF16_BATCH_MAX))
 def test_bfloat16_batch_kernel(m: int, lib) -> None:
-    """A bfloat16 input of 8 to BF16_BATCH_MAX rows on a CPU with AVX512-BF16 takes the bfloat16
-    batch kernel: the products of the bfloat16 rows with the weights rounded to bfloat16 are
-    exact in float32, so the float32 sums are within float32 rounding of the float64 product
-    of the same bfloat16 values, before the output's own rounding to bfloat16."""
+    """A bfloat16 input of 8 to BF16_BATCH_MAX rows on a CPU with AVX512-BF16 and no AMX
+    (``amx_from`` 0 here) takes the bfloat16 batch kernel: the products of the bfloat16 rows
+    with the weights rounded to bfloat16 are exact in float32, so the float32 sums are within
+    float32 rounding of the float64 product of the same bfloat16 values, before the output's
+    own rounding to bfloat16."""
     if not lib.bf16_batch_rows():
         pytest.skip("no AVX512-BF16 in this build")
     for qtype in (Q.Q4_1, Q.Q8_0):
         _, _, packed = packed_case(qtype)
         layer = QuantLinear(packed)
+        layer.amx_from = 0
         x = activations(m).bfloat16()
         assert layer._bf16_batch_rows(m)
         got = layer._bf16_batch(x)
@@ -345,6 +349,81 @@ def test_bfloat16_batch_rows_do_not_depend_on_the_batch(lib) -> None:
         full = layer._bf16_batch(x)
         for m in (1, 5, 9, 13):
             part = layer._bf16_batch(x[:m].contiguous())
+            assert torch.equal(part, full[:m]), (qtype.name, m)
+
+
+def amx_or_skip(lib) -> int:
+    """The rows from which the library multiplies on AMX tiles; skips where it cannot."""
+    if not lib.amx_rows():
+        pytest.skip("no AMX-BF16 in this build (or the OS refused the tile state)")
+    return int(lib.amx_rows())
+
+
+@pytest.mark.parametrize("m", (2, 5, 13, 16, 17, 64, 65, 100, AMX_MAX))
+def test_amx_kernel(m: int, lib) -> None:
+    """A bfloat16 input of ``amx_rows()`` (2) to AMX_MAX rows on a CPU with AMX takes the tile
+    kernel: like the batch kernel, the products of bfloat16 values are exact and the sums
+    float32, so each output is within float32 rounding of the float64 product of the same
+    bfloat16 values. Row counts that fill 16-row tiles, leave one partly empty, and span more
+    than the 64 rows one pass of the kernel takes; 20 weight rows fill one 16-row tile of
+    weights and part of a second."""
+    amx_or_skip(lib)
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        layer = QuantLinear(packed)
+        x = activations(m).bfloat16()
+        assert layer._amx_rows(m)
+        got = layer._bf16_amx(x)
+        w = dequantize_packed(packed).to(torch.bfloat16).double()
+        want = x.double() @ w.t()
+        bound = COLS * 2**-23 * (x.double().abs() @ w.abs().t()) + 1e-30
+        assert float(((got.double() - want).abs() / bound).max()) <= 1, (qtype.name, m)
+        assert torch.equal(layer(x), got.to(torch.bfloat16))
+
+
+def test_amx_kernel_rows_below_and_above_its_range_and_the_deterministic_mode(lib) -> None:
+    """Fewer than ``amx_rows()`` rows keep the 16-bit kernel, more than AMX_MAX the expanded
+    GEMM; the deterministic mode (``row_invariant``) never takes the tiles, whose sums differ
+    from the batch kernel's in the last bits."""
+    start = amx_or_skip(lib)
+    _, _, packed = packed_case(Q.Q4_1)
+    layer = QuantLinear(packed)
+    fewer = activations(start - 1).bfloat16()
+    assert torch.equal(layer(fewer), layer._small(fewer.float()).to(torch.bfloat16))
+    more = activations(AMX_MAX + 1).bfloat16()
+    assert not layer._amx_rows(AMX_MAX + 1)
+    assert torch.equal(layer(more), layer._large(more, torch.bfloat16))
+    layer.row_invariant = True
+    assert not any(layer._amx_rows(m) for m in (1, start, 16, AMX_MAX))
+
+
+def test_amx_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> None:
+    """The tile kernel's weights are bit for bit the dequantized weights rounded to bfloat16,
+    each at its own row and column: rows of the identity pick single weights out, so the
+    output is the weight matrix, transposed (a weight tile read with the wrong row stride, a
+    pair of the activation layout swapped, or an output written to the wrong row or column
+    moves weights about)."""
+    amx_or_skip(lib)
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        layer = QuantLinear(packed)
+        picked = layer._bf16_amx(torch.eye(COLS, dtype=torch.bfloat16))
+        want = dequantize_packed(packed).to(torch.bfloat16).float().t()
+        assert torch.equal(picked, want), qtype.name
+
+
+def test_amx_rows_do_not_depend_on_the_batch(lib) -> None:
+    """A row's sums from the tile kernel are the same bits in any batch: each output is one
+    tile element's sums over the blocks, in order, whatever the other rows are. Each row of
+    batches of 2, 15, 17, 63 and 70 rows against the same row in a batch of 100."""
+    amx_or_skip(lib)
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        layer = QuantLinear(packed)
+        x = activations(100).bfloat16()
+        full = layer._bf16_amx(x)
+        for m in (2, 15, 17, 63, 70):
+            part = layer._bf16_amx(x[:m].contiguous())
             assert torch.equal(part, full[:m]), (qtype.name, m)
 
 

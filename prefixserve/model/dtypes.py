@@ -21,6 +21,12 @@ def cpu_has_native_bfloat16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Xeon, Sapphire Rapids and later), on which
+    torch's bfloat16 GEMMs and attention run (oneDNN)."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def resolve_kv_cache_dtype(name: str, activations: torch.dtype) -> torch.dtype:
     """The KV cache's torch dtype for ``name`` (one of ``DTYPE_NAMES``): ``"auto"`` is the
     activations' dtype; float16 or bfloat16 beside float32 activations halve the bytes a

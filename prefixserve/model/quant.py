@@ -22,7 +22,10 @@ took 4x as long, and prefill ran at 0.40x the dense path before (benchmarks/RESU
 11, round 5). On a CPU with AVX512-BF16 a bfloat16 input of 8 (the library's
 ``bf16_batch_rows()``) to :data:`SMALL_M` rows takes the bfloat16 batch kernel
 (``gemm_bf16_batch``: weight blocks expanded to bfloat16 in registers, ``vdpbf16ps``), about
-twice as fast there as the 16-bit one.
+twice as fast there as the 16-bit one. On a CPU with AMX-BF16 (Intel Xeon, Sapphire Rapids and
+later) a bfloat16 input of ``amx_rows()`` (2) to :data:`AMX_MAX` rows takes the tile kernel
+instead (``gemm_bf16_amx``: the same expanded blocks, 16 weight rows by 16 activation rows per
+``tdpbf16ps``), which beat both other kernels at every such row count there.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ SMALL_M = 16
 #: default model's weights (30 layers and the head: 20.5 vs 40.3 ms at 16 rows, 34.2 vs 52.5
 #: at 32, 64.7 vs 76.8 at 64; gate_up even at 64), which steps verifying drafts have.
 BF16_BATCH_MAX = 64
+#: A bfloat16 input of up to this many rows takes the AMX kernel where the library has one
+#: (from ``amx_rows()`` rows); above it, expand-and-GEMM, whose GEMM runs on the tiles too
+#: (oneDNN) and expands each weight once, not once per 64 rows. On an Intel Xeon with AMX
+#: (``benchmarks/bench_quant.py --parts 7``) the kernel was faster for every weight of the
+#: default model at 128 rows (0.75-0.97x the time), slower for four of five at 192.
+AMX_MAX = 128
 #: Bits activations are rounded to (per block of 32) in the integer kernel: 16 keeps greedy
 #: tokens those of the float32 reference (8, llama.cpp's choice on CPUs, is ~1.5x faster but
 #: moved 4% of top-1 tokens on text in ``benchmarks/bench_quant.py``).
@@ -196,6 +205,9 @@ class QuantLinear(nn.Module):
         """Rows from which a bfloat16 input of at most BF16_BATCH_MAX rows takes the bfloat16
         batch kernel: the library's threshold (8; 0 where it has no such kernel, no
         AVX512-BF16), the one the fused decode step uses too."""
+        self.amx_from = self._lib.amx_rows()
+        """Rows from which a bfloat16 input of at most AMX_MAX rows takes the AMX kernel (0
+        where the library has none: no AMX, or the OS refused the tile state)."""
         self.native_bf16 = cpu_has_native_bfloat16()
         """Whether a bfloat16 prefill multiplies in bfloat16 (where the CPU has the instructions;
         elsewhere torch emulates them, slower than the float32 GEMM)."""
@@ -213,7 +225,9 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         small = flat.shape[0] <= SMALL_M or self.row_invariant
         bf16 = flat.dtype == torch.bfloat16 and flat.device.type == "cpu"
-        if bf16 and self._bf16_batch_rows(flat.shape[0]):
+        if bf16 and self._amx_rows(flat.shape[0]):
+            y = self._bf16_amx(flat.contiguous())
+        elif bf16 and self._bf16_batch_rows(flat.shape[0]):
             y = self._bf16_batch(flat.contiguous())
         elif bf16 and not small and self.native_bf16:
             y = self._large(flat.contiguous(), torch.bfloat16)
@@ -242,6 +256,24 @@ class QuantLinear(nn.Module):
             gemm = self._lib.gemm_quant16 if self.row_invariant else self._lib.gemm_quant16_batch
         gemm(self.qweight.data_ptr(), self.fmt, self.out_features, cols, xq.data_ptr(),
              scales.data_ptr(), sums_ptr, rows, y.data_ptr(), self.out_features)
+        return y
+
+    def _amx_rows(self, rows: int) -> bool:
+        """Whether a bfloat16 input of ``rows`` rows takes the AMX kernel: where the library
+        has it (``amx_from`` > 0), from ``amx_from`` to ``AMX_MAX`` rows, never in the
+        deterministic mode (which keeps the batch kernel at every row count)."""
+        return (not self.row_invariant and self.activation_bits == 16
+                and 0 < self.amx_from <= rows <= AMX_MAX)
+
+    def _bf16_amx(self, x: torch.Tensor) -> torch.Tensor:
+        """The AMX kernel: weight blocks expanded to bfloat16 tiles, the bfloat16 rows as
+        they are, sums in float32 (``kernels/quant.c``, ``gemm_bf16_amx``)."""
+        rows, cols = x.shape
+        n = self.out_features
+        y = torch.empty((rows, n), dtype=torch.float32)
+        packed = torch.empty(self._lib.amx_packed_words(rows, cols), dtype=torch.int32)
+        self._lib.gemm_bf16_amx(self.qweight.data_ptr(), self.fmt, n, cols, x.data_ptr(), rows,
+                                packed.data_ptr(), y.data_ptr(), n)
         return y
 
     def _bf16_batch_rows(self, rows: int) -> bool:

@@ -124,6 +124,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_quant16.restype = None
     lib.gemm_quant16_batch.argtypes = lib.gemm_quant16.argtypes
     lib.gemm_quant16_batch.restype = None
+    lib.amx_rows.argtypes = []
+    lib.amx_rows.restype = c_int
+    lib.amx_packed_words.argtypes = [i64, i64]
+    lib.amx_packed_words.restype = i64
+    lib.gemm_bf16_amx.argtypes = [p, c_int, i64, i64, p, i64, p, p, i64]
+    lib.gemm_bf16_amx.restype = None
+    # Asks Linux for the AMX tile state now, once, before any thread multiplies on tiles.
+    lib.amx_rows()
 
 
 def load_library(source: Path, extra: tuple[str, ...] = ()) -> ctypes.CDLL:

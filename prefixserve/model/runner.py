@@ -12,6 +12,7 @@ import torch
 from prefixserve.model import batch_invariant, fused_decode, prompt_attention
 from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.dtypes import cpu_has_amx
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.lora import LoRAModel
@@ -144,6 +145,14 @@ class ModelRunner:
         self.lora: LoRAModel | None = None
         """The adapter slots of the model (``install_lora``), or None without LoRA."""
         self.enforce_eager = enforce_eager
+        self.prompts_in_kernel = not (dtype == torch.bfloat16 and self.device.type == "cpu"
+                                      and cpu_has_amx())
+        """Whether steps that compute prompt positions attend through the C kernel where it
+        applies (``_prompt_kernel``), or through torch (gather and SDPA): a bfloat16 model on a
+        CPU with AMX tiles, where SDPA's products run on the tiles and the mixed steps of a
+        16-client replay took 0.7x the kernel's time (benchmarks/RESULTS.md, issue 11, round
+        15). Steps of one position per sequence (a dense or LoRA model's decodes) and
+        sliding-window groups keep the kernel either way."""
         self._fused: fused_decode.FusedDecode | None = None
         self._prompt_attention: prompt_attention.PromptAttention | None = None
         self._group_kernels: dict[int, prompt_attention.PromptAttention | None] = {}
@@ -364,7 +373,9 @@ class ModelRunner:
             keeper = self.block_tables[g]
             rows = updated[g] if updated is not None else keeper.update(seqs, needed, tables)
             table_rows = TableRows(keeper.buffer, rows)
-            kernel = self._group_kernel(g)
+            prompts = any(len(s.token_ids) > 1 for s in seqs)
+            in_kernel = self.prompts_in_kernel or group.window is not None or not prompts
+            kernel = self._group_kernel(g) if in_kernel else None
             if group.window is None:
                 metas.append(build_metadata(seq_lens, tables, self.block_size, self.device,
                                             self.dtype, table_rows, self.deterministic, kernel))

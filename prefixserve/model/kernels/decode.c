@@ -175,20 +175,29 @@ static void rmsnorm(const float *x, const float *w, int64_t B, int64_t H, float 
 typedef struct {
     int16_t *xq; /* 16-bit integers per block, or bfloat16 bits when bf16 is set */
     float *xd, *xs, *dT, *sT;
-    int bf16;
+    uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
+    int bf16, amx;
 } Quantized;
 
-/* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch): a
- * bfloat16 model's batch of bf16_batch_rows() or more where the build has that kernel; else
- * they are rounded to 16 bits per block of 32. */
+/* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch or the AMX
+ * kernel): a bfloat16 model's batch of bf16_batch_rows() or amx_rows() or more where the build
+ * has that kernel; else they are rounded to 16 bits per block of 32. */
 static int bf16_rows(const DecodeModel *m, int64_t B) {
-    int from = bf16_batch_rows();
-    return m->bf16_products && from > 0 && B >= from;
+    int from = bf16_batch_rows(), tiles = amx_rows();
+    return m->bf16_products && ((from > 0 && B >= from) || (tiles > 0 && B >= tiles));
+}
+
+/* Whether a step of B bfloat16 rows (bf16_rows) multiplies on AMX tiles: where the library
+ * has the AMX kernel, from amx_rows() rows. */
+static int amx_step(int bf16, int64_t B) {
+    int from = amx_rows();
+    return bf16 && from > 0 && B >= from;
 }
 
 /* Rounds rows [b0, b0 + n) of x [B, K] for a product as q->bf16 says. The rows of 16-bit
  * products are rounded in units of 8 (b0 a multiple of 8), each full unit's scales regrouped
- * for tile8_q16 (regroup8); bfloat16 rows one by one. */
+ * for tile8_q16 (regroup8); bfloat16 rows one by one (with q->amx, team_linear then packs
+ * them for the tiles). */
 static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quantized *q) {
     if (q->bf16) {
         round_rows_bf16(x + b0 * K, n * K, (uint16_t *)q->xq + b0 * K);
@@ -216,6 +225,23 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
         return;
     }
 #endif
+    if (q->amx) {
+        /* the rows packed for the tiles, each thread its own units; then each thread a
+         * contiguous run of 16-row groups of W (the tiles' unit) */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < amx_units(B, K); u++) {
+            amx_pack_units((const uint16_t *)q->xq, B, K, u, u + 1, q->xv);
+        }
+        int T = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t groups = (N + 15) / 16, n0 = groups * t / T * 16, n1 = groups * (t + 1) / T * 16;
+        if (n1 > N) n1 = N;
+        if (n0 < n1) amx_rows_range(W, (int)fmt, K, q->xv, B, n0, n1, y, N);
+        for (int64_t n = n0; bias && n < n1; n++) {
+            for (int64_t b = 0; b < B; b++) y[b * N + n] += bias[n];
+        }
+#pragma omp barrier
+        return;
+    }
     if (q->bf16) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < (N + 1) / 2; i++) {
@@ -1214,7 +1240,9 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     if (m->heads * D > widest) widest = m->heads * D;
     int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + 2 * D) + 4 * B * widest / QK
                      + B * m->heads * chunks * (D + 2);
-    int64_t bytes = floats * (int64_t)sizeof(float) + B * widest * (int64_t)sizeof(int16_t) + 64;
+    int64_t words = amx_packed_words(B, widest);
+    int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
+                    + B * widest * (int64_t)sizeof(int16_t) + 64;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;
     sc->base = p;
@@ -1234,6 +1262,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->q.dT = f; f += B * widest / QK;
     sc->q.sT = f; f += B * widest / QK;
     sc->parts = f; f += B * m->heads * chunks * (D + 2);
+    sc->q.xv = (uint32_t *)f; f += words;
     sc->q.xq = (int16_t *)f;
     return 0;
 }
@@ -1422,6 +1451,7 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
     int64_t chunks = context_chunks(s), groups = m->num_groups > 1 ? m->num_groups : 1;
     if (scratch_alloc(m, s->B, chunks, &sc)) return -1;
     sc.q.bf16 = bf16_rows(m, s->B);
+    sc.q.amx = amx_step(sc.q.bf16, s->B);
     ChunkGroups *cg = calloc((size_t)groups, sizeof(ChunkGroups));
     if (!cg) return free_step(cg, 0, &sc);
     for (int64_t g = 0; g < groups; g++) {

@@ -29,6 +29,7 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include <omp.h>
 
 #define QK 32
 #define Q4_1_BYTES 20
@@ -852,6 +853,173 @@ void gemm_bf16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint
     for (int64_t i = 0; i < (N + 1) / 2; i++) {
         int64_t n0 = 2 * i, n1 = n0 + 2 < N ? n0 + 2 : N;
         bf16_rows_range(W, fmt, K, x, M, n0, n1, y, ldy);
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/*
+ * Products in bfloat16 on AMX tiles (CPUs with AMX-BF16: Intel Sapphire Rapids and later).
+ * `tdpbf16ps` multiplies a tile A of 16 rows x 32 bfloat16 by a tile B of 16 pairs x 16 columns
+ * into a tile C of 16 x 16 float32 sums: 16,384 multiply-adds, against vdpbf16ps's 32. Here A
+ * is 16 weight rows' block b expanded to bfloat16 (block_bf16, as the batch kernel does; rows
+ * past the weight's end are zero), B is block b of 16 activation rows in the pair layout the
+ * instruction reads (amx_pack_units: pair p of row r at B[p][r]), and C holds output (weight
+ * row i, activation row r) at C[i][r]; up to 4 C tiles take 64 activation rows at once. The
+ * weights are expanded once per 64 rows (the expansion, not the tiles, is what such a product
+ * spends its time on), and the sums are written out transposed.
+ *
+ * Sums are float32 as in the batch kernel, but the tile adds each pair's two products in its
+ * own order, so a row's result differs from gemm_bf16_batch's in the last bits (and depends on
+ * nothing but the row: the deterministic mode could use either kernel, but one of them at
+ * every row count; it keeps the batch kernel).
+ */
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_state; /* 0 not asked yet, 1 granted, -1 refused (amx_rows) */
+
+/* Every tile 16 rows of 64 bytes; a thread's tile configuration is its own. */
+static void amx_configure(void) {
+    TileConfig c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* C tile g (of the chunk's first group g0) += A (tile 4) x B (tile t) for block b. */
+#define AMX_DP(g, t)                                                                           \
+    do {                                                                                       \
+        _tile_loadd(t, xv + ((g0 + (g)) * nb + b) * 256, 64);                                  \
+        _tile_dpbf16ps(g, 4, t);                                                               \
+    } while (0)
+
+/* y[m * ldy + i] for the `rows` (<= 16) weight rows at w and activation rows m of groups
+ * [g0, g0 + G) (G <= 4), at most M. */
+static void amx_chunk(const uint8_t *w, int64_t row_bytes, int fmt, int64_t nb, int rows,
+                      const uint32_t *xv, int64_t g0, int G, int64_t M, float *y, int64_t ldy) {
+    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    __m512i a[2][16];
+    float c[4][16][16] __attribute__((aligned(64)));
+    if (rows < 16) memset(a, 0, sizeof a);
+    _tile_zero(0);
+    if (G > 1) _tile_zero(1);
+    if (G > 2) _tile_zero(2);
+    if (G > 3) _tile_zero(3);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i *ab = a[b & 1];
+        for (int i = 0; i < rows; i++) {
+            const uint8_t *blk = w + i * row_bytes + b * bytes;
+            _mm_prefetch((const char *)(blk + PREFETCH), _MM_HINT_T0);
+            ab[i] = (__m512i)block_bf16(blk, fmt);
+        }
+        _tile_loadd(4, ab, 64);
+        AMX_DP(0, 5);
+        if (G > 1) AMX_DP(1, 6);
+        if (G > 2) AMX_DP(2, 7);
+        if (G > 3) AMX_DP(3, 5);
+    }
+    _tile_stored(0, c[0], 64);
+    if (G > 1) _tile_stored(1, c[1], 64);
+    if (G > 2) _tile_stored(2, c[2], 64);
+    if (G > 3) _tile_stored(3, c[3], 64);
+    int64_t m0 = g0 * 16, m1 = M < m0 + 16 * G ? M : m0 + 16 * G;
+    for (int64_t m = m0; m < m1; m++) {
+        const float(*cg)[16] = c[(m - m0) / 16];
+        for (int i = 0; i < rows; i++) y[m * ldy + i] = cg[i][m % 16];
+    }
+}
+#undef AMX_DP
+#endif
+
+/* Rows from which a bfloat16 model's products take the AMX kernel (gemm_bf16_amx,
+ * amx_rows_range), or 0 where the build has no such kernel or the OS refuses the tiles: from 2
+ * rows it beat both the 16-bit and the bfloat16 batch kernels for every weight shape of the
+ * default model (benchmarks/bench_quant.py part 7; benchmarks/RESULTS.md, issue 11, round 15).
+ * The
+ * first call asks Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM); make it before
+ * any thread uses the kernel (the library's loader does). */
+int amx_rows(void) {
+#ifdef HAVE_AMX
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                            18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return amx_state > 0 ? 2 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* Units of xv (amx_pack_units) for M rows of K columns. */
+int64_t amx_units(int64_t M, int64_t K) { return (M + 15) / 16 * (K / QK); }
+
+/* 32-bit words an AMX product of M rows of K columns needs for its packed activations. */
+int64_t amx_packed_words(int64_t M, int64_t K) { return amx_units(M, K) * 256; }
+
+/* The bfloat16 rows x [M, K] into xv in the layout of the tiles' B operand, units [u0, u1) of
+ * it: unit u = g * nb + b (nb = K / 32) is block b of the rows of group g = m / 16, pair p of
+ * row r = m % 16 at (u * 16 + p) * 16 + r: 1 KB, 16 cache lines, that no other unit touches
+ * (threads that split rows instead wrote into the same lines: 6% of a served run's time went
+ * to that). Rows of a group past M are never read into an output (left as they are). */
+void amx_pack_units(const uint16_t *x, int64_t M, int64_t K, int64_t u0, int64_t u1,
+                    uint32_t *xv) {
+    int64_t nb = K / QK;
+    for (int64_t u = u0; u < u1; u++) {
+        int64_t g = u / nb, b = u % nb, rows = M - g * 16 < 16 ? M - g * 16 : 16;
+        uint32_t *out = xv + u * 256;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint32_t *row = (const uint32_t *)(x + (g * 16 + r) * K) + b * 16;
+            for (int p = 0; p < 16; p++) out[p * 16 + r] = row[p];
+        }
+    }
+}
+
+/* Outputs y[m * ldy + n] of weight rows [n0, n1) for the M activation rows packed in xv
+ * (amx_pack_units); the caller shares the ranges out (whole groups of 16 rows go fastest).
+ * Builds with AMX only (amx_rows() > 0). */
+void amx_rows_range(const uint8_t *W, int fmt, int64_t K, const uint32_t *xv, int64_t M,
+                    int64_t n0, int64_t n1, float *y, int64_t ldy) {
+#ifdef HAVE_AMX
+    int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t groups = (M + 15) / 16;
+    amx_configure();
+    for (int64_t n = n0; n < n1; n += 16) {
+        int rows = n1 - n < 16 ? (int)(n1 - n) : 16;
+        for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+            int G = groups - g0 < 4 ? (int)(groups - g0) : 4;
+            amx_chunk(W + n * row_bytes, row_bytes, fmt, nb, rows, xv, g0, G, M, y + n, ldy);
+        }
+    }
+    _tile_release();
+#else
+    (void)W, (void)fmt, (void)K, (void)xv, (void)M, (void)n0, (void)n1, (void)y, (void)ldy;
+#endif
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] W^T on AMX tiles, with bfloat16 activations x (rounded
+ * as for gemm_bf16_batch) and float32 sums; xv is scratch of amx_packed_words(M, K) words. Each
+ * thread takes a contiguous run of 16-row groups of W. Builds with AMX only (amx_rows() > 0). */
+void gemm_bf16_amx(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x, int64_t M,
+                   uint32_t *xv, float *y, int64_t ldy) {
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < amx_units(M, K); u++) amx_pack_units(x, M, K, u, u + 1, xv);
+        int T = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t groups = (N + 15) / 16, first = groups * t / T * 16, last = groups * (t + 1) / T * 16;
+        if (last > N) last = N;
+        if (first < last) amx_rows_range(W, fmt, K, xv, M, first, last, y, ldy);
     }
 }
 
