@@ -342,14 +342,20 @@ def test_bfloat16_batch_rows_do_not_depend_on_the_batch(lib) -> None:
     a batch of 16 (two full tiles)."""
     if not lib.bf16_batch_rows():
         pytest.skip("no AVX512-BF16 in this build")
+    assert_rows_do_not_depend_on_the_batch("_bf16_batch", 16, (1, 5, 9, 13))
+
+
+def assert_rows_do_not_depend_on_the_batch(kernel: str, total: int, counts: tuple[int, ...]
+                                           ) -> None:
+    """Each row of batches of ``counts`` rows equals, bit for bit, the same row of a batch of
+    ``total``, through the ``QuantLinear`` method ``kernel``, for both packed formats."""
     for qtype in (Q.Q4_1, Q.Q8_0):
         _, _, packed = packed_case(qtype)
-        layer = QuantLinear(packed)
-        x = activations(16).bfloat16()
-        full = layer._bf16_batch(x)
-        for m in (1, 5, 9, 13):
-            part = layer._bf16_batch(x[:m].contiguous())
-            assert torch.equal(part, full[:m]), (qtype.name, m)
+        run = getattr(QuantLinear(packed), kernel)
+        x = activations(total).bfloat16()
+        full = run(x)
+        for m in counts:
+            assert torch.equal(run(x[:m].contiguous()), full[:m]), (qtype.name, m)
 
 
 def amx_or_skip(lib) -> int:
@@ -417,14 +423,7 @@ def test_amx_rows_do_not_depend_on_the_batch(lib) -> None:
     tile element's sums over the blocks, in order, whatever the other rows are. Each row of
     batches of 2, 15, 17, 63 and 70 rows against the same row in a batch of 100."""
     amx_or_skip(lib)
-    for qtype in (Q.Q4_1, Q.Q8_0):
-        _, _, packed = packed_case(qtype)
-        layer = QuantLinear(packed)
-        x = activations(100).bfloat16()
-        full = layer._bf16_amx(x)
-        for m in (2, 15, 17, 63, 70):
-            part = layer._bf16_amx(x[:m].contiguous())
-            assert torch.equal(part, full[:m]), (qtype.name, m)
+    assert_rows_do_not_depend_on_the_batch("_bf16_amx", 100, (2, 15, 17, 63, 70))
 
 
 @pytest.mark.parametrize("m", (1, 3, 4, 7))

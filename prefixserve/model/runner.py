@@ -367,13 +367,13 @@ class ModelRunner:
         window's masks). ``updated``: the sequences' rows of each group's tables when already
         updated."""
         seq_lens = [(s.start_pos, len(s.token_ids)) for s in seqs]
+        prompts = any(n > 1 for _, n in seq_lens)
         metas = []
         for g, group in enumerate(self.layout.groups):
             tables = self._group_tables(seqs, g)
             keeper = self.block_tables[g]
             rows = updated[g] if updated is not None else keeper.update(seqs, needed, tables)
             table_rows = TableRows(keeper.buffer, rows)
-            prompts = any(len(s.token_ids) > 1 for s in seqs)
             in_kernel = self.prompts_in_kernel or group.window is not None or not prompts
             kernel = self._group_kernel(g) if in_kernel else None
             if group.window is None:

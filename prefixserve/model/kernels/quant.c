@@ -20,7 +20,8 @@
  * path is used where the compiler targets it; a portable scalar path otherwise. The eight-row
  * product and the bfloat16 expansion have AVX-512 forms, used where the compiler targets
  * AVX512F and AVX512BW (tests build the AVX2 forms there too); the bfloat16 batch product
- * (gemm_bf16_batch) exists only where it targets AVX512-BF16.
+ * (gemm_bf16_batch) exists only where it targets AVX512-BF16, the product on AMX tiles
+ * (gemm_bf16_amx, amx_rows_range) only where it targets AMX-BF16 and Linux grants the tiles.
  */
 #include <math.h>
 #include <stdint.h>
@@ -948,9 +949,8 @@ static void amx_chunk(const uint8_t *w, int64_t row_bytes, int fmt, int64_t nb, 
  * amx_rows_range), or 0 where the build has no such kernel or the OS refuses the tiles: from 2
  * rows it beat both the 16-bit and the bfloat16 batch kernels for every weight shape of the
  * default model (benchmarks/bench_quant.py part 7; benchmarks/RESULTS.md, issue 11, round 15).
- * The
- * first call asks Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM); make it before
- * any thread uses the kernel (the library's loader does). */
+ * The first call asks Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM); make it
+ * before any thread uses the kernel (the library's loader does). */
 int amx_rows(void) {
 #ifdef HAVE_AMX
     if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
