@@ -209,8 +209,8 @@ def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
                                                                       dtype: torch.dtype) -> None:
     """Eleven rows: the products take eight rows at a time through another kernel (its
     activation scales regrouped by eight; for a bfloat16 model on a CPU with AVX512-BF16, the
-    bfloat16 batch kernel for all eleven) and the last three through the one of smaller
-    batches; with QKV biases, which both add."""
+    bfloat16 batch kernel for all eleven, and with AMX the tile kernel, one 16-row tile) and
+    the last three through the one of smaller batches; with QKV biases, which all add."""
     config = tiny_config(heads=6, kv_heads=2, bias=True)
     model = packed_model(config, fmt).to(dtype)
     fused, fused_cache, fused_runner = run(model, config, False, 16, dtype=dtype, extra=6)

@@ -226,16 +226,8 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
     }
 #endif
     if (q->amx) {
-        /* the rows packed for the tiles, each thread its own units; then each thread a
-         * contiguous run of 16-row groups of W (the tiles' unit) */
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < amx_units(B, K); u++) {
-            amx_pack_units((const uint16_t *)q->xq, B, K, u, u + 1, q->xv);
-        }
-        int T = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t groups = (N + 15) / 16, n0 = groups * t / T * 16, n1 = groups * (t + 1) / T * 16;
-        if (n1 > N) n1 = N;
-        if (n0 < n1) amx_rows_range(W, (int)fmt, K, q->xv, B, n0, n1, y, N);
+        int64_t n0, n1; /* this thread's weight rows */
+        amx_team_product(W, (int)fmt, N, K, (const uint16_t *)q->xq, B, q->xv, y, N, &n0, &n1);
         for (int64_t n = n0; bias && n < n1; n++) {
             for (int64_t b = 0; b < B; b++) y[b * N + n] += bias[n];
         }
@@ -1240,7 +1232,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     if (m->heads * D > widest) widest = m->heads * D;
     int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + 2 * D) + 4 * B * widest / QK
                      + B * m->heads * chunks * (D + 2);
-    int64_t words = amx_packed_words(B, widest);
+    int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 64;
     char *p = malloc((size_t)bytes);

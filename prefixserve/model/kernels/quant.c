@@ -1007,19 +1007,32 @@ void amx_rows_range(const uint8_t *W, int fmt, int64_t K, const uint32_t *xv, in
 #endif
 }
 
+/* y [M, N] (row stride ldy) = x [M, K] W^T on AMX tiles, called by every thread of a parallel
+ * region: the bfloat16 rows x packed into xv (amx_packed_words(M, K) words of scratch), each
+ * thread its own units (an orphaned `omp for`, a barrier at its end), then this thread's
+ * contiguous run of 16-row groups of W, the weight rows [*n0, *n1) it returns (no barrier
+ * after: the caller's). Builds with AMX only (amx_rows() > 0). */
+static void amx_team_product(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
+                             int64_t M, uint32_t *xv, float *y, int64_t ldy, int64_t *n0,
+                             int64_t *n1) {
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < amx_units(M, K); u++) amx_pack_units(x, M, K, u, u + 1, xv);
+    int T = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t groups = (N + 15) / 16;
+    *n0 = groups * t / T * 16;
+    *n1 = groups * (t + 1) / T * 16 < N ? groups * (t + 1) / T * 16 : N;
+    if (*n0 < *n1) amx_rows_range(W, fmt, K, xv, M, *n0, *n1, y, ldy);
+}
+
 /* y [M, N] (row stride ldy) = x [M, K] W^T on AMX tiles, with bfloat16 activations x (rounded
- * as for gemm_bf16_batch) and float32 sums; xv is scratch of amx_packed_words(M, K) words. Each
- * thread takes a contiguous run of 16-row groups of W. Builds with AMX only (amx_rows() > 0). */
+ * as for gemm_bf16_batch) and float32 sums; xv is scratch of amx_packed_words(M, K) words.
+ * Builds with AMX only (amx_rows() > 0). */
 void gemm_bf16_amx(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x, int64_t M,
                    uint32_t *xv, float *y, int64_t ldy) {
 #pragma omp parallel
     {
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < amx_units(M, K); u++) amx_pack_units(x, M, K, u, u + 1, xv);
-        int T = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t groups = (N + 15) / 16, first = groups * t / T * 16, last = groups * (t + 1) / T * 16;
-        if (last > N) last = N;
-        if (first < last) amx_rows_range(W, fmt, K, xv, M, first, last, y, ldy);
+        int64_t n0, n1;
+        amx_team_product(W, fmt, N, K, x, M, xv, y, ldy, &n0, &n1);
     }
 }
 
