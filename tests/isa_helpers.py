@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import platform
+import shutil
+
+import pytest
+
+from prefixserve.model import quant_kernels
 
 #: Flags that build a kernel file for this CPU without its AVX-512 forms (the AVX2 ones).
 AVX2_BUILD = ("-mno-avx512f",)
@@ -20,3 +27,16 @@ def cpu_flags() -> set[str]:
 def has_avx512_and_avx2() -> bool:
     """Whether the native build is an AVX-512 one that leaves AVX2 kernels out."""
     return platform.machine() in ("x86_64", "AMD64") and {"avx2", "avx512f"} <= cpu_flags()
+
+
+def kernels_or_skip() -> ctypes.CDLL:
+    """The packed-weight kernel library. Where it cannot be built the test skips only if this
+    machine has no C compiler: with one, a build error (a kernel that does not compile on this
+    CPU) fails the test instead of hiding every kernel test behind a skip."""
+    built = quant_kernels.kernels()
+    if built is not None:
+        return built
+    error = f"quantized kernels unavailable: {quant_kernels.build_error()}"
+    if os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"):
+        pytest.fail(error)
+    pytest.skip(error)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from isa_helpers import kernels_or_skip
 from torch import nn
 
 from prefixserve.model import batch_invariant
@@ -23,7 +24,7 @@ from prefixserve.model.batch_invariant import RowTiledLinear, make_batch_invaria
 from prefixserve.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from prefixserve.model.lora import LoRABatch, LoRALinear
 from prefixserve.model.quant import QuantEmbedding, QuantLinear, pack_float
-from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0, kernels
+from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0
 from prefixserve.model.sampler import Sampler, make_generator
 from prefixserve.model.window_attention import build_window_metadata
 from prefixserve.sampling_params import SamplingParams
@@ -73,11 +74,10 @@ def test_tiled_linear_rows_do_not_depend_on_the_row_count(dtype: torch.dtype, ou
 
 @pytest.fixture(scope="module")
 def lib():
-    if kernels() is None:
-        pytest.skip("quantized kernels unavailable")
+    built = kernels_or_skip()
     if batch_invariant.attention_kernel_error() is not None:
         pytest.skip(f"attention kernel unavailable: {batch_invariant.attention_kernel_error()}")
-    return kernels()
+    return built
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

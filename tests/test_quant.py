@@ -37,7 +37,7 @@ import torch
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
+from isa_helpers import AVX2_BUILD, has_avx512_and_avx2, kernels_or_skip
 from safetensors.numpy import save_file
 from torch import nn
 
@@ -83,11 +83,8 @@ SLACK = 1e-5
 
 @pytest.fixture(scope="module")
 def lib():
-    """The kernel library (tests that multiply skip where it cannot be built)."""
-    built = quant_kernels.kernels()
-    if built is None:
-        pytest.skip(f"quantized kernels unavailable: {quant_kernels.build_error()}")
-    return built
+    """The kernel library (tests that multiply skip where no C compiler can build it)."""
+    return kernels_or_skip()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -971,8 +968,7 @@ LOGPROB_TOL = 0.005
 def default_llms():
     from prefixserve.engine.llm import LLM
 
-    if quant_kernels.kernels() is None:
-        pytest.skip(f"quantized kernels unavailable: {quant_kernels.build_error()}")
+    kernels_or_skip()
     # One thread: on a busy 2-core machine, 2 OpenMP threads that spin-wait made generation
     # ~25x slower (the engine sets torch's thread count process-wide; restored below).
     threads = torch.get_num_threads()
