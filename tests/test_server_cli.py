@@ -15,6 +15,12 @@ from prefixserve.server.errors import describe_validation_errors
 from prefixserve.server.launch import engine_config, read_api_keys, run_server, server_config
 
 
+def torch_sees_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def parse(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
@@ -129,6 +135,22 @@ def test_engine_flags_reach_the_engine_config() -> None:
                                "64MiB")).kv_cache_memory == "64MiB"
 
 
+def test_the_device_defaults_to_a_gpu_where_torch_sees_one_else_the_cpu() -> None:
+    import torch
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert engine_config(parse()).device == expected
+    assert engine_config(parse("--device", "auto")).device == expected
+    assert engine_config(parse("--device", "cpu")).device == "cpu"
+
+
+@pytest.mark.skipif(torch_sees_cuda(), reason="this machine has a GPU: cuda is valid here")
+def test_a_cuda_device_without_a_gpu_stops_before_loading_the_model(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_server(parse("--device", "cuda")) == 2
+    assert "torch sees no CUDA GPU" in capsys.readouterr().err
+
+
 def test_speculation_flags_reach_the_engine_config() -> None:
     config = engine_config(parse("--num-speculative-tokens", "3", "--prompt-lookup-min", "1",
                                  "--prompt-lookup-max", "5"))
@@ -158,6 +180,7 @@ def test_bad_flags_are_refused_by_the_parser(argv: tuple[str, ...]) -> None:
     (("--kv-cache-memory", "lots"), "memory size"),
     (("--num-speculative-tokens", "-1"), "num_speculative_tokens"),
     (("--api-key", "@/no/such/file"), "No such file"),
+    (("--device", "gpu"), "device must be auto, cpu, cuda or cuda:N"),
 ])
 def test_bad_settings_stop_before_loading_the_model(argv: tuple[str, ...], message: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,27 @@ def parse_memory(value: int | str) -> int:
     return size
 
 
+def resolve_device(device: str) -> str:
+    """``device`` made concrete: ``auto`` becomes ``cuda`` where torch sees a GPU, else ``cpu``.
+    Raises ValueError for an unknown device, or CUDA asked for where torch sees none."""
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if device == "cpu":
+        return device
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if available else "cpu"
+    if not available:
+        raise ValueError(f"device {device!r}: torch sees no CUDA GPU here (torch "
+                         f"{torch.__version__}); use --device cpu")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
 @dataclass
 class EngineConfig:
     """What the engine runs and how.
@@ -54,6 +75,11 @@ class EngineConfig:
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
     dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
     ``max_pinned_fraction`` bounds the blocks pins may hold (``pin_prefix``), a share of the pool.
+    ``device`` is ``"auto"`` (the default: the first CUDA GPU where torch sees one, else the
+    CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``"auto"`` is resolved here, so the engine only
+    ever sees a concrete device. The C kernels (packed weights, the fused decode step, the
+    prompt attention kernel, the deterministic mode) are CPU code; on CUDA the model runs
+    dense weights through torch.
 
     ``enable_lora`` gives the model ``max_loras`` adapter slots of rank up to ``max_lora_rank``
     (vLLM's names and defaults, 1 and 16); ``lora_modules`` maps served names to adapter paths
@@ -81,7 +107,7 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     weights: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"
     enable_prefix_caching: bool | None = None
     prefix_caching_hash_algo: str | None = None
     block_size: int = 16
@@ -126,6 +152,7 @@ class EngineConfig:
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
                              f"got {self.prefix_caching_hash_algo!r}")
         self._check_dtypes()
+        self.device = resolve_device(self.device)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

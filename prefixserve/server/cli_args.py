@@ -126,6 +126,8 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
 def _add_engine(group: argparse._ArgumentGroup) -> None:
     from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
 
+    group.add_argument("--device", help="auto (default: the GPU where torch sees CUDA, else "
+                       "the CPU), cpu, cuda or cuda:N")
     group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        help="activations, dense weights and KV cache dtype (default auto: "
                        "bfloat16 where the CPU has native bfloat16 (AVX512-BF16, AMX), else "

