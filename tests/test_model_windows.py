@@ -180,3 +180,36 @@ def test_the_deterministic_mode_attends_over_windows_the_same_in_every_split(tin
                                         extra_block_tables=tuple(nulled[1:])),
                           SeqBatchInput(other, 0, tb[0], extra_block_tables=tuple(tb[1:]))])
     assert torch.equal(out.logits[0], whole[44])
+
+
+def test_drafts_on_windows_change_no_token_in_the_deterministic_mode(tiny: Tiny) -> None:
+    """n-gram speculation in the deterministic mode on a sliding-window model, through the
+    engine (8-token windows at 8-token blocks; the default model's tokenizer beside the tiny
+    model, whose ids it covers). Prompts several windows long, some repeating a prompt after
+    its own output (drafts from the first time, which the second context may or may not
+    follow), 40 greedy tokens each: the tokens of the same mode without drafts, drafts kept
+    (and rejected too, except for the model whose output settles into one repeated token),
+    every block back in the pool when idle. A draft row verified over the wrong
+    window would change a token, since the mode's logits depend on nothing but the sequence."""
+    from prefixserve import LLM, SamplingParams
+    from prefixserve.model.tokenizer import load_tokenizer
+
+    if not (tiny.path / "tokenizer.json").exists():
+        load_tokenizer(None).backend.save(str(tiny.path / "tokenizer.json"))
+    rng = random.Random(4)
+    motif = [5, 17, 99, 42, 8, 63]
+    base = [motif * 8, [rng.randrange(128) for _ in range(30)],
+            [rng.choice(motif) for _ in range(50)]]  # few distinct tokens: n-grams recur
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    settings = dict(model=str(tiny.path), dtype="float32", deterministic=True, block_size=8,
+                    num_blocks=256)
+    plain, spec = LLM(**settings), LLM(num_speculative_tokens=3, **settings)
+    first = [o.outputs[0].token_ids for o in plain.generate(base, params)]
+    prompts = base + [p + out + p for p, out in zip(base, first, strict=True)]
+    idle = spec.engine.get_stats().num_free_blocks
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    stats = spec.engine.get_stats()
+    assert stats.num_free_blocks == idle
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens, stats

@@ -183,6 +183,31 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+class ExpansionBuffer:
+    """Where the large products of one model expand their weight slices, one product after
+    another: one allocation for the whole model, grown to the largest slice and reused.
+
+    A fresh tensor for each slice cost a bfloat16 prompt step of 1,024 tokens ~3% on an Intel
+    Xeon with AMX: the expansion wrote to memory fresh from the allocator, and the GEMM read
+    the slice from farther away (benchmarks/RESULTS.md, round 16). The view that
+    :meth:`take` returns is valid until the next call: a model's forward runs on one thread
+    at a time (the engine's), and each product is finished before the next slice is
+    expanded.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = torch.empty(0)
+
+    def take(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``rows x cols`` tensor of ``dtype`` in the buffer (contents undefined)."""
+        size = rows * cols
+        if self.data.dtype != dtype or self.data.numel() < size:
+            self.data = torch.empty(size, dtype=dtype)
+        return self.data[:size].view(rows, cols)
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T (+ b)`` with W packed (:class:`PackedWeight`); output in the input's dtype.
 
@@ -216,6 +241,9 @@ class QuantLinear(nn.Module):
         the library has it and ``invariant_batch_kernel`` is set; other rows: the 16-bit
         integer kernel), so that a row's result does not depend on how many rows the product
         has (the deterministic mode; see :mod:`prefixserve.model.batch_invariant`)."""
+        self.expansion: ExpansionBuffer | None = None
+        """Where large products expand their weight slices: the model's shared buffer (the
+        loader gives every packed layer the same one), or None for a fresh tensor each time."""
         self.invariant_batch_kernel = True
         """Which kernel ``row_invariant`` keeps for bfloat16 rows: the batch kernel (faster
         from a few rows on), or the integer kernel (False: faster for one row over a large
@@ -316,7 +344,9 @@ class QuantLinear(nn.Module):
         return y
 
     def _expand(self, first: int, last: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        out = torch.empty((last - first, self.in_features), dtype=dtype)
+        rows = last - first
+        out = (torch.empty((rows, self.in_features), dtype=dtype) if self.expansion is None
+               else self.expansion.take(rows, self.in_features, dtype))
         expand = self._lib.dequantize_bf16 if dtype == torch.bfloat16 else self._lib.dequantize
         expand(self.qweight.data_ptr(), self.fmt, self.in_features, None, first, last - first,
                out.data_ptr())

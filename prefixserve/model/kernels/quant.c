@@ -1099,6 +1099,11 @@ static inline void store16_bf16(uint16_t *o, __m512 v) {
 }
 
 static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o) {
+#ifdef __AVX512BF16__
+    /* the kernels' own expansion: one table lookup per block (Q4_1), the same roundings */
+    _mm512_storeu_si512((void *)o, (__m512i)block_bf16(blk, fmt));
+    return;
+#endif
     __m512 d = _mm512_set1_ps(fp16_to_float(blk));
     if (fmt == FMT_Q4_1) {
         __m512 m = _mm512_set1_ps(fp16_to_float(blk + 2));
