@@ -238,14 +238,17 @@ def test_only_a_bfloat16_model_attends_in_bfloat16(dtype: torch.dtype,
     assert bool(runner._fused.model.bf16_queries) is in_bf16
 
 
+@pytest.mark.parametrize("window", [None, 16], ids=["full", "sliding"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
-def test_a_bfloat16_model_on_amx_attends_its_prompts_through_sdpa(dtype: torch.dtype) -> None:
+def test_a_bfloat16_model_on_amx_attends_its_prompts_through_sdpa(dtype: torch.dtype,
+                                                                  window: int | None) -> None:
     """On a CPU with AMX tiles a bfloat16 model's prompt steps attend through torch (gather
-    and SDPA, whose products run on the tiles): the kernel is not even planned for them, and
-    the logits are SDPA's. Its decode steps, and every step of a float32 model or of a CPU
+    and SDPA, whose products run on the tiles), over full and sliding-window layers alike
+    (a 40-token prompt, 16-token windows): the kernel is not even planned for them, and the
+    logits are SDPA's. Its decode steps, and every step of a float32 model or of a CPU
     without AMX, keep the kernel. Kills: the choice ignored (the kernel planned for a prompt
-    step), keyed on the CPU alone, or taken for decode steps too."""
-    config = tiny_config(heads=6, kv_heads=2, head_dim=64)
+    step), keyed on the CPU alone, taken for decode steps too, or left out for windows."""
+    config = replace(tiny_config(heads=6, kv_heads=2, head_dim=64), sliding_window=window)
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
     model = packed_model(config).to(dtype)

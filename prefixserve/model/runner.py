@@ -149,10 +149,11 @@ class ModelRunner:
                                       and cpu_has_amx())
         """Whether steps that compute prompt positions attend through the C kernel where it
         applies (``_prompt_kernel``), or through torch (gather and SDPA): a bfloat16 model on a
-        CPU with AMX tiles, where SDPA's products run on the tiles and the mixed steps of a
+        CPU with AMX tiles, where SDPA's products run on the tiles: the mixed steps of a
         16-client replay took 0.7x the kernel's time (benchmarks/RESULTS.md, issue 11, round
-        15). Steps of one position per sequence (a dense or LoRA model's decodes) and
-        sliding-window groups keep the kernel either way."""
+        15), and Gemma 3's cold 2,000-token prompt 0.73x with its sliding-window groups
+        through SDPA too (round 16). Steps of one position per sequence (a dense or LoRA
+        model's decodes) keep the kernel either way."""
         self._fused: fused_decode.FusedDecode | None = None
         self._prompt_attention: prompt_attention.PromptAttention | None = None
         self._group_kernels: dict[int, prompt_attention.PromptAttention | None] = {}
@@ -374,7 +375,7 @@ class ModelRunner:
             keeper = self.block_tables[g]
             rows = updated[g] if updated is not None else keeper.update(seqs, needed, tables)
             table_rows = TableRows(keeper.buffer, rows)
-            in_kernel = self.prompts_in_kernel or group.window is not None or not prompts
+            in_kernel = self.prompts_in_kernel or not prompts
             kernel = self._group_kernel(g) if in_kernel else None
             if group.window is None:
                 metas.append(build_metadata(seq_lens, tables, self.block_size, self.device,
