@@ -31,6 +31,7 @@ from prefixserve.core.kv_events import KVEventBatch, KVEventPublisher, KVSnapsho
 from prefixserve.core.tiers import TierStats
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
+from prefixserve.engine.host_allocator import keep_freed_memory
 from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
 from prefixserve.engine.lora_registry import LoRACacheCounts, LoRAInfo, LoRARegistry
 from prefixserve.engine.ngram_proposer import NgramProposer
@@ -109,6 +110,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        if config.device == "cpu":
+            keep_freed_memory()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
