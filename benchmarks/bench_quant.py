@@ -1,6 +1,6 @@
 """Quantized weights: kernel speed by batch rows, and what quantized activations do to tokens.
 
-    .venv/bin/python benchmarks/bench_quant.py [--parts 1,2,3,7] [--threads N] [--repeat 5]
+    .venv/bin/python benchmarks/bench_quant.py [--parts 1,2,3,7,8] [--threads N] [--repeat 5]
 
 Part 1 times one product ``x @ W.T`` for each weight shape of the default model (SmolLM2-135M)
 with M input rows: the packed kernel with 16-bit and with 8-bit activations, the expand path
@@ -53,6 +53,12 @@ weight shape of the default model packed as the file has it (Q4_1 layers, Q8_0 h
 batch kernel (AVX512-BF16), the AMX tile kernel (AMX-BF16) and expand-and-GEMM in bfloat16;
 columns a CPU's build lacks are empty. It is the measurement behind ``amx_rows()`` in
 ``quant.c`` and ``quant.AMX_MAX``.
+
+Part 8 times one bfloat16 product of 160 to 2,000 rows (a prompt step) for the default
+model's weights and Gemma 3 270M's shapes, Q4_1: the large-row AMX kernel
+(``gemm_bf16_amx_large``), expand-and-GEMM into a reused buffer, and the dense bfloat16 GEMM of
+the same weights, with the way the engine takes. It is the measurement behind
+``quant.AMX_LARGE_MAX_ROWS`` and ``quant.AMX_LARGE_MAX_OUTPUTS``.
 """
 
 from __future__ import annotations
@@ -161,6 +167,40 @@ def part_bfloat16_kernels(repeat: int) -> None:
                      ("16-bit", "batch", "AMX", "expand")]
             print(f"| {name} | {n} x {k} | {quant.FORMAT_NAMES[fmt]} | {m} | "
                   f"{' | '.join(cells)} | {min(times, key=times.__getitem__)} |")
+
+
+LARGE_ROWS = (160, 256, 512, 1024, 2000)
+GEMMA_SHAPES = [("gemma qkv", 1536, 640), ("gemma o", 640, 1024), ("gemma gate_up", 4096, 640),
+                ("gemma down", 640, 2048)]
+
+
+def part_large_products(repeat: int) -> None:
+    print("\n## Part 8: one bfloat16 product of many rows, microseconds (median of repeats)")
+    print("| weight | N x K | M | large-row AMX kernel | expand + bfloat16 GEMM | dense bfloat16 "
+          "GEMM | AMX / expand | the engine takes |")
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for name, n, k in SHAPES[:-1] + GEMMA_SHAPES:
+        packed = quant.pack_float(rng.standard_normal((n, k), dtype=np.float32), quant.FMT_Q4_1)
+        lin = quant.QuantLinear(packed)
+        lin.expansion = quant.ExpansionBuffer()  # as the loader gives every packed layer
+        dense = quant.dequantize_packed(packed).bfloat16()
+        for m in LARGE_ROWS:
+            amx, expand, gemm = large_product_times(lin, dense, m, repeat)
+            taken = "large-row AMX" if lin._amx_large_rows(m) else "expand"
+            ratio = f"{amx / expand:.2f}x" if amx else ""
+            print(f"| {name} | {n} x {k} | {m} | {f'{amx:.0f}' if amx else ''} | {expand:.0f} "
+                  f"| {gemm:.0f} | {ratio} | {taken} |")
+
+
+def large_product_times(lin: quant.QuantLinear, dense: torch.Tensor, m: int, repeat: int
+                        ) -> tuple[float | None, float, float]:
+    """Microseconds of one product of ``m`` bfloat16 rows: the large-row AMX kernel (None
+    without AMX), expand-and-GEMM, and the dense GEMM."""
+    x = torch.randn(m, lin.in_features).bfloat16()
+    amx = median_us(lambda: lin._bf16_amx_large(x), repeat, 5) if lin.amx_from else None
+    return (amx, median_us(lambda: lin._large(x, torch.bfloat16), repeat, 5),
+            median_us(lambda: x @ dense.t(), repeat, 5))
 
 
 def text_tokens(count: int) -> list[int]:
@@ -473,7 +513,8 @@ def long_contexts(repeat: int, compare: str | None, cache: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="1,2,3,4,5,6,7", help="comma-separated parts to run")
+    parser.add_argument("--parts", default="1,2,3,4,5,6,7,8",
+                        help="comma-separated parts to run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--positions", type=int, default=2048)
@@ -499,6 +540,8 @@ def main() -> None:
         part_long_contexts(args.repeat, args.compare_kernel)
     if 7 in parts:
         part_bfloat16_kernels(args.repeat)
+    if 8 in parts:
+        part_large_products(args.repeat)
     if 3 in parts:
         ours = part_engine(args.repeat)
         if args.llama_bench:

@@ -46,6 +46,8 @@ from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.loader import _cat, load_model
 from prefixserve.model.quant import (
+    AMX_LARGE_MAX_OUTPUTS,
+    AMX_LARGE_MAX_ROWS,
     AMX_MAX,
     BF16_BATCH_MAX,
     FMT_Q4_1,
@@ -252,6 +254,7 @@ def test_layers_that_share_an_expansion_buffer_give_their_own_products(
         alone, sharing = QuantLinear(packed), QuantLinear(packed)
         sharing.expansion = shared
         alone.native_bf16 = sharing.native_bf16 = True
+        alone.amx_large_max_outputs = sharing.amx_large_max_outputs = 0  # expand on AMX too
         layers[name] = (alone, sharing)
     x = activations(max(BF16_BATCH_MAX, AMX_MAX) + 5)
     for name, dtype in (("small", torch.bfloat16), ("large", torch.bfloat16),
@@ -296,6 +299,7 @@ def test_bfloat16_large_product_is_the_dense_bfloat16_product(lib) -> None:
         _, _, packed = packed_case(qtype)
         layer = QuantLinear(packed, bias=True)
         layer.native_bf16 = True
+        layer.amx_large_max_outputs = 0  # on AMX such rows would take the large-row kernel
         with torch.no_grad():
             layer.bias.copy_(torch.linspace(-1, 1, ROWS))
         x = activations(max(BF16_BATCH_MAX, AMX_MAX) + 5).bfloat16()
@@ -409,19 +413,83 @@ def test_amx_kernel(m: int, lib) -> None:
 
 
 def test_amx_kernel_rows_below_and_above_its_range_and_the_deterministic_mode(lib) -> None:
-    """Fewer than ``amx_rows()`` rows keep the 16-bit kernel, more than AMX_MAX the expanded
-    GEMM; the deterministic mode (``row_invariant``) never takes the tiles, whose sums differ
-    from the batch kernel's in the last bits."""
+    """Fewer than ``amx_rows()`` rows keep the 16-bit kernel; more than AMX_MAX take the
+    large-row kernel up to AMX_LARGE_MAX_ROWS rows and ``amx_large_max_outputs`` rows x
+    outputs, the expanded GEMM beyond either;
+    the deterministic mode (``row_invariant``) never takes the tiles, whose sums differ from
+    the batch kernel's in the last bits."""
     start = amx_or_skip(lib)
     _, _, packed = packed_case(Q.Q4_1)
     layer = QuantLinear(packed)
     fewer = activations(start - 1).bfloat16()
     assert torch.equal(layer(fewer), layer._small(fewer.float()).to(torch.bfloat16))
+    taken: list[str] = []  # the two kernels can agree bit for bit: ask which one ran
+    for name in ("_bf16_amx_large", "_large"):
+        kernel = getattr(layer, name)
+        setattr(layer, name, lambda *a, k=kernel, n=name: taken.append(n) or k(*a))
     more = activations(AMX_MAX + 1).bfloat16()
     assert not layer._amx_rows(AMX_MAX + 1)
-    assert torch.equal(layer(more), layer._large(more, torch.bfloat16))
+    layer(more)
+    layer.amx_large_max_outputs = (AMX_MAX + 1) * ROWS - 1
+    layer(more)
+    layer.amx_large_max_outputs = AMX_LARGE_MAX_OUTPUTS
+    layer(activations(AMX_LARGE_MAX_ROWS).bfloat16())
+    layer(activations(AMX_LARGE_MAX_ROWS + 1).bfloat16())
+    assert taken == ["_bf16_amx_large", "_large", "_bf16_amx_large", "_large"]
     layer.row_invariant = True
     assert not any(layer._amx_rows(m) for m in (1, start, 16, AMX_MAX))
+    assert not layer._amx_large_rows(AMX_MAX + 1)
+
+
+@pytest.mark.parametrize("m", (AMX_MAX + 1, 144, 161, 200))
+def test_amx_large_kernel(m: int, lib) -> None:
+    """More than AMX_MAX bfloat16 rows on a CPU with AMX take the large-row kernel: products
+    of bfloat16 values exact, sums float32, each output rounded once to bfloat16, so within
+    half a bfloat16 step plus float32 rounding of the float64 product of the same values.
+    Row counts with a last 16-row group partly empty (read from a padded copy) or full, an odd
+    and an even number of groups; 20 weight rows leave the second weight group partly empty;
+    from 161 rows, 80 weight rows (the case's 20, four times) give each thread pairs of
+    weight groups and a single one. (Half a bfloat16 step is at most 2^-8 of the value.)"""
+    amx_or_skip(lib)
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, packed = packed_case(qtype)
+        if m > 160:
+            packed = cat_rows([packed] * 4)
+        layer = QuantLinear(packed)
+        x = activations(m).bfloat16()
+        assert layer._amx_large_rows(m)
+        got = layer._bf16_amx_large(x)
+        assert got.dtype == torch.bfloat16
+        w = dequantize_packed(packed).to(torch.bfloat16).double()
+        want = x.double() @ w.t()
+        bound = (COLS * 2**-23 * (x.double().abs() @ w.abs().t())) * (1 + 2**-8) \
+            + 2**-8 * want.abs() + 1e-30
+        assert float(((got.double() - want).abs() / bound).max()) <= 1, (qtype.name, m)
+        assert torch.equal(layer(x), got)
+
+
+def test_amx_large_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> None:
+    """The large-row kernel's weights are bit for bit the dequantized weights rounded to
+    bfloat16, each at its own row and column: the identity's 512 rows pick single weights out
+    of 20 and 80 weight rows (an error in the transpose into the tiles' pair layout, a tile
+    multiplied with the wrong weights, or an output tile stored at the wrong rows or columns,
+    moves weights about)."""
+    amx_or_skip(lib)
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, single = packed_case(qtype)
+        for packed in (single, cat_rows([single] * 4)):  # 20 and 80 weight rows
+            layer = QuantLinear(packed)
+            picked = layer._bf16_amx_large(torch.eye(COLS, dtype=torch.bfloat16))
+            want = dequantize_packed(packed).to(torch.bfloat16).t()
+            assert torch.equal(picked, want), (qtype.name, packed.rows)
+
+
+def test_amx_large_rows_do_not_depend_on_the_batch(lib) -> None:
+    """A row's outputs from the large-row kernel are the same bits in any batch (its tile's
+    sums over the blocks in order; a last partial group read from a padded copy): each row of
+    batches of 1, 17, 129, 150 and 250 rows against the same row in a batch of 300."""
+    amx_or_skip(lib)
+    assert_rows_do_not_depend_on_the_batch("_bf16_amx_large", 300, (1, 17, 129, 150, 250))
 
 
 def test_amx_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> None:

@@ -25,7 +25,10 @@ took 4x as long, and prefill ran at 0.40x the dense path before (benchmarks/RESU
 twice as fast there as the 16-bit one. On a CPU with AMX-BF16 (Intel Xeon, Sapphire Rapids and
 later) a bfloat16 input of ``amx_rows()`` (2) to :data:`AMX_MAX` rows takes the tile kernel
 instead (``gemm_bf16_amx``: the same expanded blocks, 16 weight rows by 16 activation rows per
-``tdpbf16ps``), which beat both other kernels at every such row count there.
+``tdpbf16ps``), which beat both other kernels at every such row count there; above that, up
+to :data:`AMX_LARGE_MAX_ROWS` rows and :data:`AMX_LARGE_MAX_OUTPUTS` outputs, the large-row
+tile kernel (``gemm_bf16_amx_large``: each weight expanded once per product, the activation
+rows read in place), which beats expand-and-GEMM there (round 16).
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ BF16_BATCH_MAX = 64
 #: (``benchmarks/bench_quant.py --parts 7``) the kernel was faster for every weight of the
 #: default model at 128 rows (0.75-0.97x the time), slower for four of five at 192.
 AMX_MAX = 128
+#: From AMX_MAX to AMX_LARGE_MAX_ROWS rows a bfloat16 product takes the large-row AMX kernel
+#: (``gemm_bf16_amx_large``: each weight expanded once per product into the tiles' layout, the
+#: activations read where they lie, 2 x 2 tiles) while rows x outputs stay within
+#: AMX_LARGE_MAX_OUTPUTS; beyond either, expand-and-GEMM. On an Intel Xeon with AMX
+#: (benchmarks/RESULTS.md, issue 11, round 16) the kernel took 0.51-0.81x expand-and-GEMM's
+#: time from 160 to 1,024 rows for weights of 576-640 outputs (0.99x for 960), and 0.66-0.80x
+#: for every weight of the default model up to 256 rows; but 1.13-1.18x for 1,536 and 3,072
+#: outputs at 1,024 rows, where oneDNN's GEMM runs nearer the tiles' peak, and 1.2-1.5x for
+#: every shape at 2,000 rows, whose activations no longer stay in a core's L2 cache while
+#: each pair of weight groups reads them all.
+AMX_LARGE_MAX_ROWS = 1024
+AMX_LARGE_MAX_OUTPUTS = 1 << 20
 #: Bits activations are rounded to (per block of 32) in the integer kernel: 16 keeps greedy
 #: tokens those of the float32 reference (8, llama.cpp's choice on CPUs, is ~1.5x faster but
 #: moved 4% of top-1 tokens on text in ``benchmarks/bench_quant.py``).
@@ -241,6 +256,9 @@ class QuantLinear(nn.Module):
         the library has it and ``invariant_batch_kernel`` is set; other rows: the 16-bit
         integer kernel), so that a row's result does not depend on how many rows the product
         has (the deterministic mode; see :mod:`prefixserve.model.batch_invariant`)."""
+        self.amx_large_max_outputs = AMX_LARGE_MAX_OUTPUTS
+        """Rows x outputs up to which more than AMX_MAX bfloat16 rows take the large-row AMX
+        kernel (0: never)."""
         self.expansion: ExpansionBuffer | None = None
         """Where large products expand their weight slices: the model's shared buffer (the
         loader gives every packed layer the same one), or None for a fresh tensor each time."""
@@ -255,6 +273,8 @@ class QuantLinear(nn.Module):
         bf16 = flat.dtype == torch.bfloat16 and flat.device.type == "cpu"
         if bf16 and self._amx_rows(flat.shape[0]):
             y = self._bf16_amx(flat.contiguous())
+        elif bf16 and self._amx_large_rows(flat.shape[0]):
+            y = self._bf16_amx_large(flat.contiguous())
         elif bf16 and self._bf16_batch_rows(flat.shape[0]):
             y = self._bf16_batch(flat.contiguous())
         elif bf16 and not small and self.native_bf16:
@@ -302,6 +322,24 @@ class QuantLinear(nn.Module):
         packed = torch.empty(self._lib.amx_packed_words(rows, cols), dtype=torch.int32)
         self._lib.gemm_bf16_amx(self.qweight.data_ptr(), self.fmt, n, cols, x.data_ptr(), rows,
                                 packed.data_ptr(), y.data_ptr(), n)
+        return y
+
+    def _amx_large_rows(self, rows: int) -> bool:
+        """Whether a bfloat16 input of ``rows`` rows takes the large-row AMX kernel: where the
+        library has AMX, from AMX_MAX to AMX_LARGE_MAX_ROWS rows, up to
+        ``amx_large_max_outputs`` rows x outputs, never in the deterministic mode."""
+        return (not self.row_invariant and self.activation_bits == 16 and self.amx_from > 0
+                and AMX_MAX < rows <= AMX_LARGE_MAX_ROWS
+                and rows * self.out_features <= self.amx_large_max_outputs)
+
+    def _bf16_amx_large(self, x: torch.Tensor) -> torch.Tensor:
+        """The large-row AMX kernel: bfloat16 outputs, float32 sums rounded once
+        (``kernels/quant.c``, ``gemm_bf16_amx_large``)."""
+        rows, cols = x.shape
+        n = self.out_features
+        y = torch.empty((rows, n), dtype=torch.bfloat16)
+        self._lib.gemm_bf16_amx_large(self.qweight.data_ptr(), self.fmt, n, cols, x.data_ptr(),
+                                      rows, y.data_ptr(), n)
         return y
 
     def _bf16_batch_rows(self, rows: int) -> bool:

@@ -130,6 +130,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.amx_packed_words.restype = i64
     lib.gemm_bf16_amx.argtypes = [p, c_int, i64, i64, p, i64, p, p, i64]
     lib.gemm_bf16_amx.restype = None
+    lib.gemm_bf16_amx_large.argtypes = [p, c_int, i64, i64, p, i64, p, i64]
+    lib.gemm_bf16_amx_large.restype = None
     # Asks Linux for the AMX tile state now, once, before any thread multiplies on tiles.
     lib.amx_rows()
 

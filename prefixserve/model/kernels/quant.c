@@ -20,8 +20,9 @@
  * path is used where the compiler targets it; a portable scalar path otherwise. The eight-row
  * product and the bfloat16 expansion have AVX-512 forms, used where the compiler targets
  * AVX512F and AVX512BW (tests build the AVX2 forms there too); the bfloat16 batch product
- * (gemm_bf16_batch) exists only where it targets AVX512-BF16, the product on AMX tiles
- * (gemm_bf16_amx, amx_rows_range) only where it targets AMX-BF16 and Linux grants the tiles.
+ * (gemm_bf16_batch) exists only where it targets AVX512-BF16, the products on AMX tiles
+ * (gemm_bf16_amx and amx_rows_range for a few rows, gemm_bf16_amx_large for a prompt step's)
+ * only where it targets AMX-BF16 and Linux grants the tiles.
  */
 #include <math.h>
 #include <stdint.h>
@@ -1034,6 +1035,151 @@ void gemm_bf16_amx(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16
         int64_t n0, n1;
         amx_team_product(W, fmt, N, K, x, M, xv, y, ldy, &n0, &n1);
     }
+}
+
+/*
+ * Products of many rows (a prompt step) on AMX tiles, the other way round from amx_chunk: A is
+ * 16 activation rows' block b read where they lie in x (row stride K), B is 16 weight rows'
+ * block b expanded once per product into the pairs layout (amx_expand_pairs: block_bf16, then
+ * a 16 x 16 transpose of 32-bit pairs), so C holds (activation row, weight row) as y does and
+ * is stored row by row, rounded to bfloat16. Each thread takes a run of weight groups, two at a
+ * time (their expanded blocks, 2 KB per block, stay in its caches), and for them every pair of
+ * activation groups: four C tiles, so each tile loaded feeds two multiplies.
+ */
+#ifdef HAVE_AMX
+/* v[p] = lane p of every v[i] (a 16 x 16 transpose of 32-bit elements). */
+static inline void transpose16_epi32(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* v[4q + j] now holds, in each 128-bit lane L, rows 4q..4q+3 of column 4L + j' ... */
+    for (int i = 0; i < 8; i++) {
+        int a = (i / 4) * 8 + i % 4, b = a + 4;
+        t[a] = _mm512_shuffle_i32x4(v[a], v[b], 0x88);
+        t[b] = _mm512_shuffle_i32x4(v[a], v[b], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        int a = i, b = i + 8;
+        v[a] = _mm512_shuffle_i32x4(t[a], t[b], 0x88);
+        v[b] = _mm512_shuffle_i32x4(t[a], t[b], 0xdd);
+    }
+}
+
+/* The `rows` (<= 16; the rest zero) weight rows at w, every block expanded to bfloat16 in the
+ * tiles' B layout: block b at out + b * 256 words, pair p of weight row i at [p * 16 + i]. */
+static void amx_expand_pairs(const uint8_t *w, int64_t row_bytes, int fmt, int64_t nb, int rows,
+                             uint32_t *out) {
+    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i v[16];
+        for (int i = 0; i < 16; i++)
+            v[i] = i < rows ? (__m512i)block_bf16(w + i * row_bytes + b * bytes, fmt)
+                            : _mm512_setzero_si512();
+        transpose16_epi32(v);
+        for (int p = 0; p < 16; p++) _mm512_store_si512(out + (b * 16 + p) * 16, v[p]);
+    }
+}
+
+/* 16 rows of C (float32, 16 x 16 at c) rounded to bfloat16 into y (row stride ldy elements):
+ * rows < mrows, columns < ncols. */
+static void amx_store_bf16(const float *c, int mrows, int ncols, uint16_t *y, int64_t ldy) {
+    __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int r = 0; r < mrows; r++)
+        _mm256_mask_storeu_epi16(y + r * ldy, keep,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 16)));
+}
+
+/* Tiles: C 0-3, A (activations) 4-5, B (weights) 6-7. */
+static void amx_large_tile(const uint16_t *a0, const uint16_t *a1, int64_t lda,
+                           const uint32_t *b0, const uint32_t *b1, int64_t nb, int two_a,
+                           int two_b, float c[4][256]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(4, a0 + b * QK, lda * 2);
+        _tile_loadd(6, b0 + b * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_b) {
+            _tile_loadd(7, b1 + b * 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_a) {
+            _tile_loadd(5, a1 + b * QK, lda * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_b) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    if (two_b) _tile_stored(1, c[1], 64);
+    if (two_a) _tile_stored(2, c[2], 64);
+    if (two_a && two_b) _tile_stored(3, c[3], 64);
+}
+#endif
+
+/* y [M, N] bfloat16 (row stride ldy) = x [M, K] W^T, the bfloat16 rows x on AMX tiles with
+ * float32 sums rounded once (as a bfloat16 GEMM rounds them). Builds with AMX only
+ * (amx_rows() > 0); K a multiple of 32. */
+void gemm_bf16_amx_large(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
+                         int64_t M, uint16_t *y, int64_t ldy) {
+#ifdef HAVE_AMX
+    int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t wgroups = (N + 15) / 16, agroups = (M + 15) / 16;
+#pragma omp parallel
+    {
+        int T = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t g0 = wgroups * t / T, g1 = wgroups * (t + 1) / T;
+        uint32_t *bw = aligned_alloc(64, (size_t)(2 * nb * 256) * 4);
+        /* the last activation group's rows, zero-padded to 16: a tile reads 16 rows, and rows
+         * past M would be read from past the end of x (their sums are never stored) */
+        uint16_t *tail = NULL;
+        if (M % 16) {
+            tail = aligned_alloc(64, (size_t)(16 * K) * 2);
+            memset(tail, 0, (size_t)(16 * K) * 2);
+            memcpy(tail, x + (M - M % 16) * K, (size_t)(M % 16 * K) * 2);
+        }
+        float c[4][256] __attribute__((aligned(64)));
+        amx_configure();
+        for (int64_t g = g0; g < g1; g += 2) {
+            int two_b = g + 1 < g1;
+            for (int j = 0; j < 1 + two_b; j++) {
+                int64_t n = (g + j) * 16;
+                amx_expand_pairs(W + n * row_bytes, row_bytes, fmt, nb,
+                                 N - n < 16 ? (int)(N - n) : 16, bw + j * nb * 256);
+            }
+            for (int64_t a = 0; a < agroups; a += 2) {
+                int two_a = a + 1 < agroups;
+                const uint16_t *a0 = x + a * 16 * K, *a1 = x + (a + 1) * 16 * K;
+                if (tail && a == agroups - 1) a0 = tail;
+                if (tail && a + 1 == agroups - 1) a1 = tail;
+                amx_large_tile(a0, a1, K, bw, bw + nb * 256, nb, two_a, two_b, c);
+                for (int i = 0; i < 1 + two_a; i++) {
+                    int64_t m = (a + i) * 16;
+                    int mrows = M - m < 16 ? (int)(M - m) : 16;
+                    for (int j = 0; j < 1 + two_b; j++) {
+                        int64_t n = (g + j) * 16;
+                        amx_store_bf16(c[i * 2 + j], mrows, N - n < 16 ? (int)(N - n) : 16,
+                                       y + m * ldy + n, ldy);
+                    }
+                }
+            }
+        }
+        _tile_release();
+        free(bw);
+        free(tail);
+    }
+#else
+    (void)W, (void)fmt, (void)N, (void)K, (void)x, (void)M, (void)y, (void)ldy;
+#endif
 }
 
 /* Outputs of weight row w for activation rows [m0, M). */
