@@ -350,12 +350,7 @@ def test_bfloat16_batch_kernel_expands_each_weight_as_dequantize_rounds_it(lib) 
     sums are zeros), so the output is the weight matrix itself, transposed."""
     if not lib.bf16_batch_rows():
         pytest.skip("no AVX512-BF16 in this build")
-    for qtype in (Q.Q4_1, Q.Q8_0):
-        _, _, packed = packed_case(qtype)
-        layer = QuantLinear(packed)
-        picked = layer._bf16_batch(torch.eye(COLS, dtype=torch.bfloat16))
-        want = dequantize_packed(packed).to(torch.bfloat16).float().t()
-        assert torch.equal(picked, want), qtype.name
+    assert_identity_picks_each_weight("_bf16_batch")
 
 
 def test_bfloat16_batch_rows_do_not_depend_on_the_batch(lib) -> None:
@@ -381,6 +376,20 @@ def assert_rows_do_not_depend_on_the_batch(kernel: str, total: int, counts: tupl
         full = run(x)
         for m in counts:
             assert torch.equal(run(x[:m].contiguous()), full[:m]), (qtype.name, m)
+
+
+def assert_identity_picks_each_weight(kernel: str, copies: tuple[int, ...] = (1,)) -> None:
+    """Through the ``QuantLinear`` method ``kernel``, the rows of the identity pick single
+    weights out (their other products are exact zeros), so the output is the dequantized
+    weight matrix rounded to bfloat16, transposed, bit for bit: for both packed formats and
+    weights of the case's rows stacked ``copies`` times."""
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        _, _, single = packed_case(qtype)
+        for count in copies:
+            packed = cat_rows([single] * count)
+            picked = getattr(QuantLinear(packed), kernel)(torch.eye(COLS, dtype=torch.bfloat16))
+            want = dequantize_packed(packed).to(torch.bfloat16).t()
+            assert torch.equal(picked.float(), want.float()), (qtype.name, count)
 
 
 def amx_or_skip(lib) -> int:
@@ -475,13 +484,7 @@ def test_amx_large_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> No
     multiplied with the wrong weights, or an output tile stored at the wrong rows or columns,
     moves weights about)."""
     amx_or_skip(lib)
-    for qtype in (Q.Q4_1, Q.Q8_0):
-        _, _, single = packed_case(qtype)
-        for packed in (single, cat_rows([single] * 4)):  # 20 and 80 weight rows
-            layer = QuantLinear(packed)
-            picked = layer._bf16_amx_large(torch.eye(COLS, dtype=torch.bfloat16))
-            want = dequantize_packed(packed).to(torch.bfloat16).t()
-            assert torch.equal(picked, want), (qtype.name, packed.rows)
+    assert_identity_picks_each_weight("_bf16_amx_large", (1, 4))  # 20 and 80 weight rows
 
 
 def test_amx_large_rows_do_not_depend_on_the_batch(lib) -> None:
@@ -499,12 +502,7 @@ def test_amx_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> None:
     pair of the activation layout swapped, or an output written to the wrong row or column
     moves weights about)."""
     amx_or_skip(lib)
-    for qtype in (Q.Q4_1, Q.Q8_0):
-        _, _, packed = packed_case(qtype)
-        layer = QuantLinear(packed)
-        picked = layer._bf16_amx(torch.eye(COLS, dtype=torch.bfloat16))
-        want = dequantize_packed(packed).to(torch.bfloat16).float().t()
-        assert torch.equal(picked, want), qtype.name
+    assert_identity_picks_each_weight("_bf16_amx")
 
 
 def test_amx_rows_do_not_depend_on_the_batch(lib) -> None:
