@@ -183,7 +183,6 @@ def part_large_products(repeat: int) -> None:
     for name, n, k in SHAPES[:-1] + GEMMA_SHAPES:
         packed = quant.pack_float(rng.standard_normal((n, k), dtype=np.float32), quant.FMT_Q4_1)
         lin = quant.QuantLinear(packed)
-        lin.expansion = quant.ExpansionBuffer()  # as the loader gives every packed layer
         dense = quant.dequantize_packed(packed).bfloat16()
         for m in LARGE_ROWS:
             amx, expand, gemm = large_product_times(lin, dense, m, repeat)

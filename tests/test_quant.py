@@ -54,7 +54,6 @@ from prefixserve.model.quant import (
     FMT_Q8_0,
     FORMAT_NAMES,
     SMALL_M,
-    ExpansionBuffer,
     PackedWeight,
     QuantEmbedding,
     QuantLinear,
@@ -239,30 +238,6 @@ def test_expand_path_in_slices(lib, monkeypatch: pytest.MonkeyPatch) -> None:
         x64, w64 = x.double().numpy(), ref.astype(np.float64)
         assert_within(QuantLinear(packed)(x), x64 @ w64.T, product_bound(x64, np.abs(w64)),
                       f"{qtype.name} sliced")
-
-
-def test_layers_that_share_an_expansion_buffer_give_their_own_products(
-        lib, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Large products of layers of two formats and sizes (the larger in two slices), bfloat16
-    and float32, taking turns in one :class:`ExpansionBuffer`, which grows and changes dtype:
-    each result is bit for bit that of the same layer expanding into fresh memory."""
-    monkeypatch.setattr(quant, "_SLICE_ELEMENTS", 30 * COLS)
-    shared = ExpansionBuffer()
-    small, large = packed_case(Q.Q4_1)[2], cat_rows([packed_case(Q.Q8_0)[2]] * 2)
-    layers = {}
-    for name, packed in (("small", small), ("large", large)):
-        alone, sharing = QuantLinear(packed), QuantLinear(packed)
-        sharing.expansion = shared
-        alone.native_bf16 = sharing.native_bf16 = True
-        alone.amx_large_max_outputs = sharing.amx_large_max_outputs = 0  # expand on AMX too
-        layers[name] = (alone, sharing)
-    x = activations(max(BF16_BATCH_MAX, AMX_MAX) + 5)
-    for name, dtype in (("small", torch.bfloat16), ("large", torch.bfloat16),
-                        ("small", torch.float32), ("large", torch.float32),
-                        ("small", torch.bfloat16)):
-        alone, sharing = layers[name]
-        assert torch.equal(sharing(x.to(dtype)), alone(x.to(dtype))), (name, dtype)
-    assert shared.data.dtype == torch.bfloat16
 
 
 def tie_blocks() -> PackedWeight:
@@ -903,8 +878,6 @@ def test_tiny_gguf_auto_matches_dense(tiny_gguf: Path, tiny_gguf_bf16, lib) -> N
     assert isinstance(model.embed_tokens, QuantEmbedding)
     assert model.embed_tokens.head.fmt == FMT_Q8_0
     assert packed_formats(model) == AUTO_FORMATS
-    buffers = {id(m.expansion) for m in model.modules() if isinstance(m, QuantLinear)}
-    assert len(buffers) == 1 and None not in buffers  # one expansion buffer for the model
     _, dense = tiny_gguf_bf16
     assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in dense.modules())
     assert_traces_close(trace(config, model), trace(config, dense))

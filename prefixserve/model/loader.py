@@ -39,7 +39,6 @@ from prefixserve.model.llama import CausalLM
 from prefixserve.model.quant import (
     FMT_Q4_1,
     FMT_Q8_0,
-    ExpansionBuffer,
     PackedWeight,
     QuantEmbedding,
     QuantLinear,
@@ -109,10 +108,8 @@ def _packing_mode(weights: str, device: torch.device) -> str | None:
 def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype) -> None:
     """Swap the modules whose weight in ``state`` is packed for quantized ones (in place).
 
-    The packed entries leave ``state``; a bias stays there for ``load_state_dict``. The
-    packed layers share one :class:`ExpansionBuffer` for their large products.
+    The packed entries leave ``state``; a bias stays there for ``load_state_dict``.
     """
-    expansion = ExpansionBuffer()
     for key in [k for k, v in state.items() if isinstance(v, PackedWeight)]:
         packed = state.pop(key)
         assert isinstance(packed, PackedWeight)
@@ -122,10 +119,8 @@ def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype)
         new: nn.Module
         if isinstance(old, nn.Embedding):
             new = QuantEmbedding(packed, dtype)
-            new.head.expansion = expansion
         else:
             new = QuantLinear(packed, bias=old.bias is not None)
-            new.expansion = expansion
         setattr(parent, attr, new)
 
 

@@ -70,12 +70,12 @@ AMX_MAX = 128
 #: (``gemm_bf16_amx_large``: each weight expanded once per product into the tiles' layout, the
 #: activations read where they lie, 2 x 2 tiles) while rows x outputs stay within
 #: AMX_LARGE_MAX_OUTPUTS; beyond either, expand-and-GEMM. On an Intel Xeon with AMX
-#: (benchmarks/RESULTS.md, issue 11, round 16) the kernel took 0.51-0.81x expand-and-GEMM's
-#: time from 160 to 1,024 rows for weights of 576-640 outputs (0.99x for 960), and 0.66-0.80x
-#: for every weight of the default model up to 256 rows; but 1.13-1.18x for 1,536 and 3,072
-#: outputs at 1,024 rows, where oneDNN's GEMM runs nearer the tiles' peak, and 1.2-1.5x for
-#: every shape at 2,000 rows, whose activations no longer stay in a core's L2 cache while
-#: each pair of weight groups reads them all.
+#: (``benchmarks/bench_quant.py --parts 8``; RESULTS.md, issue 11, round 16) the kernel took
+#: 0.43-0.80x expand-and-GEMM's time at 160 and 256 rows for every weight of the default model
+#: and of Gemma 3, and 0.54-0.95x at 1,024 rows for weights of up to 960 outputs; but
+#: 1.11-1.27x for 1,536 and 3,072 outputs at 1,024 rows, where oneDNN's GEMM runs nearer the
+#: tiles' peak, and 1.2-2.3x for every shape at 2,000 rows, whose activations no longer stay in
+#: a core's L2 cache while each pair of weight groups reads them all.
 AMX_LARGE_MAX_ROWS = 1024
 AMX_LARGE_MAX_OUTPUTS = 1 << 20
 #: Bits activations are rounded to (per block of 32) in the integer kernel: 16 keeps greedy
@@ -198,31 +198,6 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-class ExpansionBuffer:
-    """Where the large products of one model expand their weight slices, one product after
-    another: one allocation for the whole model, grown to the largest slice and reused.
-
-    A fresh tensor for each slice cost a bfloat16 prompt step of 1,024 tokens ~3% on an Intel
-    Xeon with AMX: the expansion wrote to memory fresh from the allocator, and the GEMM read
-    the slice from farther away (benchmarks/RESULTS.md, round 16). The view that
-    :meth:`take` returns is valid until the next call: a model's forward runs on one thread
-    at a time (the engine's), and each product is finished before the next slice is
-    expanded.
-    """
-
-    __slots__ = ("data",)
-
-    def __init__(self) -> None:
-        self.data = torch.empty(0)
-
-    def take(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        """A ``rows x cols`` tensor of ``dtype`` in the buffer (contents undefined)."""
-        size = rows * cols
-        if self.data.dtype != dtype or self.data.numel() < size:
-            self.data = torch.empty(size, dtype=dtype)
-        return self.data[:size].view(rows, cols)
-
-
 class QuantLinear(nn.Module):
     """``y = x W^T (+ b)`` with W packed (:class:`PackedWeight`); output in the input's dtype.
 
@@ -259,9 +234,6 @@ class QuantLinear(nn.Module):
         self.amx_large_max_outputs = AMX_LARGE_MAX_OUTPUTS
         """Rows x outputs up to which more than AMX_MAX bfloat16 rows take the large-row AMX
         kernel (0: never)."""
-        self.expansion: ExpansionBuffer | None = None
-        """Where large products expand their weight slices: the model's shared buffer (the
-        loader gives every packed layer the same one), or None for a fresh tensor each time."""
         self.invariant_batch_kernel = True
         """Which kernel ``row_invariant`` keeps for bfloat16 rows: the batch kernel (faster
         from a few rows on), or the integer kernel (False: faster for one row over a large
@@ -382,9 +354,7 @@ class QuantLinear(nn.Module):
         return y
 
     def _expand(self, first: int, last: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        rows = last - first
-        out = (torch.empty((rows, self.in_features), dtype=dtype) if self.expansion is None
-               else self.expansion.take(rows, self.in_features, dtype))
+        out = torch.empty((last - first, self.in_features), dtype=dtype)
         expand = self._lib.dequantize_bf16 if dtype == torch.bfloat16 else self._lib.dequantize
         expand(self.qweight.data_ptr(), self.fmt, self.in_features, None, first, last - first,
                out.data_ptr())

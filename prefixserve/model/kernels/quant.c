@@ -1060,7 +1060,9 @@ static inline void transpose16_epi32(__m512i v[16]) {
         v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
         v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
-    /* v[4q + j] now holds, in each 128-bit lane L, rows 4q..4q+3 of column 4L + j' ... */
+    /* lane L (128 bits) of v[4q + j] now holds rows 4q..4q+3 of column 4L + j: output row
+     * 4L + j gathers lane L of v[j], v[4 + j], v[8 + j], v[12 + j] (two rounds of lane
+     * shuffles) */
     for (int i = 0; i < 8; i++) {
         int a = (i / 4) * 8 + i % 4, b = a + 4;
         t[a] = _mm512_shuffle_i32x4(v[a], v[b], 0x88);
