@@ -118,11 +118,17 @@ def kernel_row(lin: quant.QuantLinear, dense: torch.Tensor, m: int, repeat: int)
     return times
 
 
+def table_head(title: str, *columns: str) -> None:
+    """A part's heading and its table's header rows (Markdown)."""
+    print(f"\n## {title}")
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+
+
 def part_kernels(repeat: int) -> None:
-    print("\n## Part 1: one product x @ W.T, microseconds (median of repeats)")
-    print("| weight | N x K | format | M | kernel 16-bit act. | kernel 8-bit act. | expand + "
-          "GEMM | dense float32 | best packed vs dense |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    table_head("Part 1: one product x @ W.T, microseconds (median of repeats)",
+               "weight", "N x K", "format", "M", "kernel 16-bit act.", "kernel 8-bit act.",
+               "expand + GEMM", "dense float32", "best packed vs dense")
     rng = np.random.default_rng(0)
     for name, n, k in SHAPES:
         weight = rng.standard_normal((n, k), dtype=np.float32)
@@ -152,10 +158,9 @@ def bfloat16_times(lin: quant.QuantLinear, m: int, repeat: int) -> dict[str, flo
 
 
 def part_bfloat16_kernels(repeat: int) -> None:
-    print("\n## Part 7: one bfloat16 product x @ W.T, microseconds (median of repeats)")
-    print("| weight | N x K | format | M | 16-bit kernel | bfloat16 batch kernel | AMX kernel | "
-          "expand + bfloat16 GEMM | fastest |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    table_head("Part 7: one bfloat16 product x @ W.T, microseconds (median of repeats)",
+               "weight", "N x K", "format", "M", "16-bit kernel", "bfloat16 batch kernel",
+               "AMX kernel", "expand + bfloat16 GEMM", "fastest")
     rng = np.random.default_rng(0)
     for name, n, k in SHAPES:
         fmt = quant.FMT_Q8_0 if name == "head" else quant.FMT_Q4_1
@@ -175,10 +180,9 @@ GEMMA_SHAPES = [("gemma qkv", 1536, 640), ("gemma o", 640, 1024), ("gemma gate_u
 
 
 def part_large_products(repeat: int) -> None:
-    print("\n## Part 8: one bfloat16 product of many rows, microseconds (median of repeats)")
-    print("| weight | N x K | M | large-row AMX kernel | expand + bfloat16 GEMM | dense bfloat16 "
-          "GEMM | AMX / expand | the engine takes |")
-    print("|---|---|---|---|---|---|---|---|")
+    table_head("Part 8: one bfloat16 product of many rows, microseconds (median of repeats)",
+               "weight", "N x K", "M", "large-row AMX kernel", "expand + bfloat16 GEMM",
+               "dense bfloat16 GEMM", "AMX / expand", "the engine takes")
     rng = np.random.default_rng(0)
     for name, n, k in SHAPES[:-1] + GEMMA_SHAPES:
         packed = quant.pack_float(rng.standard_normal((n, k), dtype=np.float32), quant.FMT_Q4_1)
