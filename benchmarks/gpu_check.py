@@ -6,7 +6,7 @@ Never needed by the tests. On a machine with a CUDA GPU::
 
 ``--model`` defaults to the default model; ``--window-model`` (optional) is a model with
 sliding-window layers (Gemma 3). On a machine without the model packages, make random-weight
-stand-ins with ``benchmarks/random_model.py`` (docs/DESIGN.md, "GPU check", gives the steps).
+stand-ins with ``benchmarks/random_model.py`` (docs/gpu.md gives the steps).
 
 Checks, each reported PASS or FAIL with what it measured (the run goes on after a failure):
 

@@ -1,6 +1,6 @@
 """What the engine hands back for a request: plain values, importable without torch.
 
-Every layer may import this module (docs/DESIGN.md section 9); it imports nothing else of
+Every layer may import this module (docs/architecture.md); it imports nothing else of
 prefixserve.
 """
 

@@ -5,8 +5,8 @@ OpenAI API, whose fields map onto these) works unchanged. Every field is checked
 ``__post_init__``; a bad value raises ``ValueError`` whose message names the field and the allowed
 range, so the HTTP layer can hand it back to the caller as a 400 error.
 
-A plain value, importable without torch: every layer may import this module (docs/DESIGN.md
-section 9), and it imports nothing else of prefixserve.
+A plain value, importable without torch: every layer may import this module
+(docs/architecture.md), and it imports nothing else of prefixserve.
 """
 
 from __future__ import annotations

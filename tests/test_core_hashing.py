@@ -1,6 +1,6 @@
 """The batched chain hashing (the builtin, sha256 and xxhash fast paths of ``hash_block_chain``
 and the manager's incremental chain) against a per-block reference written here from the
-definition of docs/DESIGN.md section 2, over random inputs with extra keys (salt, LoRA,
+definition of docs/prefix-cache.md section 2, over random inputs with extra keys (salt, LoRA,
 multimodal) and precomputed hashes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The hybrid KV cache manager (docs/DESIGN.md section 14) on ``prefixserve.core`` alone.
+"""The hybrid KV cache manager (docs/sliding-window.md) on ``prefixserve.core`` alone.
 
 Groups as Gemma 3 270M has them at block size 4: one full group, then window groups (window 8,
 so a hit needs the 2 blocks before its end).

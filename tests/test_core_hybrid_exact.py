@@ -1,4 +1,4 @@
-"""Exact expectations for the hybrid KV cache manager (docs/DESIGN.md section 14).
+"""Exact expectations for the hybrid KV cache manager (docs/sliding-window.md).
 
 Every number here follows from the rules of ``prefixserve/core/hybrid_kv_cache_manager.py``
 and the pool's documented order: a fresh pool hands out its blocks in id order (block 0 is the

@@ -1,4 +1,4 @@
-"""Retention priorities, TTLs and pins in the prefix cache (docs/DESIGN.md section 15), one test
+"""Retention priorities, TTLs and pins in the prefix cache (docs/explicit-caching.md), one test
 per rule, on ``prefixserve.core`` alone with a simulated clock."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Retention values pinned exactly (``prefixserve/core/retention.py``, docs/DESIGN.md section 15):
+"""Retention values pinned exactly (``prefixserve/core/retention.py``, docs/explicit-caching.md):
 the accepted priority and range bounds with their error messages, the whole-prompt range, the
 per-block ``(priority, duration)`` including the default for uncovered blocks, and
 ``as_retention``."""

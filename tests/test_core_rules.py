@@ -1,4 +1,5 @@
-"""Each rule of docs/DESIGN.md sections 1-4 and 6 as its own test, on prefixserve.core alone."""
+"""Each rule of docs/prefix-cache.md sections 1-4 and 6 as its own test, on prefixserve.core
+alone."""
 
 from __future__ import annotations
 

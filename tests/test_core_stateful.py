@@ -82,7 +82,7 @@ class ReferenceCache:
 
     def reset(self) -> bool:
         """Drops every key, also of held blocks; a held block's request keeps its cached
-        count, so that block is never keyed again (docs/DESIGN.md section 3: reset under
+        count, so that block is never keyed again (docs/prefix-cache.md section 3: reset under
         traffic)."""
         self.holders.clear()
         self.key = dict.fromkeys(self.key)

@@ -3,7 +3,7 @@ resets and pins, checked against a naive reference model after every step.
 
 The reference keeps no lists per level and no heap: it records, for every block, its priority,
 duration, release time and release order, and picks each victim as the minimum of a sort key
-derived from the rules of docs/DESIGN.md section 15 at the current time:
+derived from the rules of docs/explicit-caching.md at the current time:
 
 1. the effective level: the block's priority while its expiry lies ahead; after it, the
    default priority;

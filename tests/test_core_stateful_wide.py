@@ -4,7 +4,7 @@ offers: the three hash algorithms, block sizes 1-4, salts, LoRA ids, multimodal 
 
 The reference keeps no hashes and no counters of the implementation. A block's identity is
 everything its KV depends on: the whole token prefix up to its end, the salt, the LoRA id and the
-content of every multimodal input that overlaps the prefix. Its rules, from docs/DESIGN.md:
+content of every multimodal input that overlaps the prefix. Its rules, from docs/prefix-cache.md:
 
 * a block is registered once, when it first becomes full; a hit block already is; a reset
   forgets every registration and a block held across it is never registered again;

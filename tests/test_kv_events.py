@@ -1,4 +1,4 @@
-"""KV events and the router's cache index (docs/DESIGN.md section 19): the events mirror the
+"""KV events and the router's cache index (docs/replicas.md): the events mirror the
 pool's map, gaps are detected and healed from a snapshot, restarts clear a replica's state, and the
 router hashes prompts to the very values the replicas publish."""
 

@@ -1,4 +1,4 @@
-"""KV events pinned exactly (docs/KV_EVENTS.md, docs/DESIGN.md section 19): the wire form a router
+"""KV events pinned exactly (docs/KV_EVENTS.md, docs/replicas.md): the wire form a router
 in another process reads, event by event and byte by byte; what ``stored`` reports for a chain
 range (parent, token count, adapter); the epoch; and the publisher's kept history."""
 

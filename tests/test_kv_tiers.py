@@ -1,6 +1,6 @@
 """The cache tiers' parts without a model: records, the disk tier, the Redis tier (a real
 ``redis-server``), the chain's lookup rule and health, and the settings that guard them
-(docs/DESIGN.md section 17)."""
+(docs/tiers.md)."""
 
 from __future__ import annotations
 

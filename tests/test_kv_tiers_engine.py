@@ -1,6 +1,6 @@
 """The cache tiers inside one engine (float32, the default model, a disk tier): write-back on
 eviction, the minimum prefix length, and the pool's accounting after loads
-(docs/DESIGN.md section 17)."""
+(docs/tiers.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The cache tiers' rules pinned exactly (docs/DESIGN.md section 17, ``prefixserve/core/tiers.py``):
+"""The cache tiers' rules pinned exactly (docs/tiers.md, ``prefixserve/core/tiers.py``):
 record and key layout, the single-key calls, and the chain's health bookkeeping (down, full,
 probes at ``retry_after``, counters, log lines), with a real disk tier where one serves and a
 small in-memory tier that fails on purpose where a fault is wanted."""

@@ -1,6 +1,6 @@
 """The cache tiers end to end, on real servers (float32, the default model): a restart finds
 its blocks on disk, two servers share blocks through one real Redis, tenants' salts separate
-them in every tier, and a tier that fails never fails a request (docs/DESIGN.md section 17)."""
+them in every tier, and a tier that fails never fails a request (docs/tiers.md)."""
 
 from __future__ import annotations
 

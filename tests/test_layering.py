@@ -1,4 +1,4 @@
-"""The import layering of prefixserve (docs/DESIGN.md section 9), checked on the source.
+"""The import layering of prefixserve (docs/architecture.md), checked on the source.
 
 Every module under ``prefixserve/`` is parsed with ``ast`` and each of its imports is collected:
 module level, inside functions, under ``TYPE_CHECKING``, relative ones, and
@@ -181,7 +181,7 @@ def test_imports_only_go_down_the_layers(modules: dict[str, tuple[ast.Module, bo
         f"{source} ({layer_of(source)}) imports {target} ({layer_of(target)}); "
         f"{layer_of(source)} may import only {', '.join(sorted(ALLOWED[layer_of(source)]))}"
         for source, target in bad_edges(edges)]
-    assert not problems, "layering broken (docs/DESIGN.md section 9):\n" + "\n".join(problems)
+    assert not problems, "layering broken (docs/architecture.md):\n" + "\n".join(problems)
 
 
 def test_exceptions_are_still_needed(modules: dict[str, tuple[ast.Module, bool]]) -> None:

@@ -222,7 +222,7 @@ def _check_prefix_caching(llm: Any, prefix_len: int, max_tokens: int) -> None:
 @pytest.mark.slow
 def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any) -> None:
     """The default weights (``--weights auto``: Q4_K/Q5_0/Q6_K/Q8_0 tensors kept packed, the
-    quantized kernels of DESIGN section 12), float32 activations, a 2,000-token shared prefix
+    quantized kernels of docs/kernels.md), float32 activations, a 2,000-token shared prefix
     (four windows): the matmuls are packed modules, the first greedy tokens are the dense
     model's, greedy output is the same with and without the hit (although the warm suffix
     takes the small-M integer kernel and the cold prompt the expand-and-GEMM path), and every

@@ -12,7 +12,7 @@ Invariants (checked by the stateful tests):
 * The free list is popped at its head and appended at its tail: **the first block freed is the
   first evicted**. Callers choose the order they free in (the manager frees a request's blocks
   tail first, so a shared head outlives the tails that hang from it).
-* **Retention levels** (docs/DESIGN.md section 15): every block carries a ``priority`` (0-100,
+* **Retention levels** (docs/explicit-caching.md): every block carries a ``priority`` (0-100,
   ``DEFAULT_PRIORITY`` unless a request asked for more or less), a ``duration`` and, while free,
   an ``expiry``. The free list is one intrusive list per priority in use: ``free_queue`` is the
   default level's, the others live in ``retained_queues``. A free block is in the list of its own

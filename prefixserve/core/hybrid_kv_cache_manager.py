@@ -5,7 +5,7 @@ full layer) keeps one **KV cache group** per set of layers of one kind; each gro
 block table per request, and every block of the one pool can serve any group. Groups are given
 by their windows (``None``: full attention), full ones usually first.
 
-Rules (docs/DESIGN.md section 14):
+Rules (docs/sliding-window.md):
 
 1. **One chain per request.** The block hashes are computed once per request (as for a single
    group, with the same salts and extra keys). A group ``g > 0`` registers and looks up its

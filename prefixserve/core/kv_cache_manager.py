@@ -50,7 +50,7 @@ class KVCacheManager:
     ``use_eagle`` drops the last hit block of every lookup, for engines whose speculative-decoding
     heads need the hidden states of the last prompt block.
 
-    Retention (docs/DESIGN.md section 15): a request's ``retention`` is applied to its hit blocks
+    Retention (docs/explicit-caching.md): a request's ``retention`` is applied to its hit blocks
     and to the blocks it caches, at allocation; ``pin`` / ``unpin`` hold a cached prefix by
     reference until unpinned, within ``max_pinned_fraction`` of the pool less
     ``reserved_blocks`` (the engine reserves room for one request of its whole context, so that

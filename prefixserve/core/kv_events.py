@@ -1,6 +1,6 @@
 """KV cache events: what a replica's prefix cache gained and lost, for routers outside it.
 
-A ``BlockPool`` with an ``event_sink`` reports three kinds of change (docs/DESIGN.md section 19):
+A ``BlockPool`` with an ``event_sink`` reports three kinds of change (docs/replicas.md):
 
 * ``BlockStored``: full blocks were registered in the map, in chain order. ``block_hashes`` are
   their hash values (``hash_value_of``), ``parent_block_hash`` the hash value of the block before
@@ -9,7 +9,8 @@ A ``BlockPool`` with an ``event_sink`` reports three kinds of change (docs/DESIG
   it is already folded into the hash values.
 * ``BlockRemoved``: hash values that left the map (evicted). A value is reported only when no
   block holds it any more, so the set of hash values a consumer builds from the events is exactly
-  the pool's set of map keys (the pool keeps no duplicates in that set; see section 3.4).
+  the pool's set of map keys (the pool keeps no duplicates in that set; see docs/prefix-cache.md
+  section 3.4).
 * ``AllBlocksCleared``: the map was emptied (``reset_prefix_cache``).
 
 ``KVEventPublisher`` is the sink: it queues events and ``flush`` hands them over as one
@@ -84,7 +85,7 @@ class KVEventBatch:
     events: tuple[KVEvent, ...]
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON-ready form (hash values as hex strings or ints; section 19.2)."""
+        """The JSON-ready form (hash values as hex strings or ints; docs/replicas.md item 2)."""
         return {"replica": self.replica_id, "epoch": self.epoch, "seq": self.seq,
                 "ts": self.timestamp, "events": [_event_to_wire(e) for e in self.events]}
 

@@ -5,7 +5,7 @@ A retention is a list of token ranges, each with a **priority** (0 to 100, highe
 seconds (None: no expiry) after which the blocks fall back to the default priority. The whole
 prompt is one range from 0 to None (the prompt's end).
 
-Rules (docs/DESIGN.md section 15):
+Rules (docs/explicit-caching.md):
 
 * A block takes a range's retention only when the block ends at or before the range's end: a
   block that runs past it holds tokens the range does not cover, so no request sharing exactly

@@ -5,7 +5,7 @@ namespace and the block's chain hash value (``tier_key``). Since the chain hash 
 whole history, the salt and the LoRA id, a key names exactly one prefix of one model, and a
 block found under it can be loaded in place of computing it.
 
-Rules (docs/DESIGN.md section 17):
+Rules (docs/tiers.md):
 
 * A tier stores **records** (``encode_record``): a header with the block's token ids and a
   checksum over tokens and payload. ``decode_record`` returns None for anything torn, truncated,

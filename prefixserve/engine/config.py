@@ -86,7 +86,7 @@ class EngineConfig:
     (PEFT directories or GGUF LoRA files) loaded at start (see ``engine/lora_registry.py``).
     ``prefix_caching_hash_algo`` None means builtin, or sha256 when a cache tier is configured.
     The ``kv_disk_*``, ``kv_redis_*`` and ``kv_tier_*`` settings configure the cache tiers below
-    the pool (docs/DESIGN.md section 17): a disk directory and its size budget, a Redis URL with
+    the pool (docs/tiers.md): a disk directory and its size budget, a Redis URL with
     the TTL of its values and an optional memory budget, the write policy (``through``: a block
     is written once full and computed; ``back``: when evicted from the pool, and at shutdown),
     the shortest prompt whose blocks are written, the timeout of one tier call, how long a
@@ -191,7 +191,7 @@ class EngineConfig:
                              f"got {self.weights!r}")
 
     def _check_tiers(self) -> None:
-        """The cache tiers' settings (docs/DESIGN.md section 17)."""
+        """The cache tiers' settings (docs/tiers.md)."""
         if not self.has_tiers:
             return
         if not self.prefix_caching:

@@ -161,7 +161,7 @@ class LLMEngine:
 
     def _enable_speculation(self) -> None:
         """The n-gram proposer (any model: a verification step's rows read only the blocks of
-        the request's window, which the release after each step keeps; DESIGN section 12)."""
+        the request's window, which the release after each step keeps; docs/kernels.md)."""
         config = self.config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
@@ -492,8 +492,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ KV events
     def enable_kv_events(self, replica_id: str, history: int = 256) -> str:
-        """Publishes the prefix cache's changes (``prefixserve.core.kv_events``, docs/DESIGN.md
-        section 19) under ``replica_id``; returns the stream's epoch. Once on, a second call
+        """Publishes the prefix cache's changes (``prefixserve.core.kv_events``, docs/replicas.md)
+        under ``replica_id``; returns the stream's epoch. Once on, a second call
         changes nothing and returns the same epoch."""
         current = self.kv_cache_manager.block_pool.event_sink
         if current is not None:

@@ -5,8 +5,8 @@ A sequence that repeats itself (code edited in place, a document quoted back, a 
 caught in a loop) can often be continued by copying: if its last ``n`` tokens occurred earlier
 in the prompt or the output, the tokens that followed them then are a guess for what follows
 now. The engine computes the guess (the draft) together with the sequence's next token in one
-step and keeps the drafted tokens the model agrees with (see ``LLMEngine`` and docs/DESIGN.md
-section 12): a step then yields up to ``1 + num_tokens`` tokens for about the cost of one when
+step and keeps the drafted tokens the model agrees with (see ``LLMEngine`` and docs/kernels.md):
+a step then yields up to ``1 + num_tokens`` tokens for about the cost of one when
 the step is bound by reading the weights; a greedy request gets the tokens it would get
 without drafts, a sampled one tokens of the same distribution (``sampler.verify_drafts``).
 

@@ -1,7 +1,7 @@
 """The engine's side of the cache tiers: finding a request's blocks below the pool, loading them
 into pool blocks, and writing blocks out, with the tier I/O in two threads of its own.
 
-The engine thread calls, around each step (docs/DESIGN.md section 17):
+The engine thread calls, around each step (docs/tiers.md):
 
 * ``admit(request)`` instead of ``Scheduler.add_request``: when the pool does not hold the whole
   prompt, the rest of the chain goes to the **loader thread**, which asks the tiers

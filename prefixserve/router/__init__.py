@@ -1,5 +1,5 @@
 """Cache-aware routing over replicas: the per-replica cache index fed by KV events, the routing
-policies and the prompt hashing a router needs (docs/DESIGN.md section 19).
+policies and the prompt hashing a router needs (docs/replicas.md).
 
 Pure Python over ``prefixserve.core``: no engine, no model, no Ray, so the estimator's simulation
 and the Ray deployment route with the same code."""

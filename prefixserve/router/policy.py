@@ -1,4 +1,4 @@
-"""Routing policies: which replica serves a request (docs/DESIGN.md section 19.4).
+"""Routing policies: which replica serves a request (docs/replicas.md item 5).
 
 A policy sees a ``RouteRequest`` (the prompt's chain of block hash values, computed as the
 replicas compute them; a session key; a LoRA adapter id) and the replicas' current loads (requests

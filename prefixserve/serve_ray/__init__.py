@@ -1,5 +1,5 @@
 """prefixserve on Ray Serve: N engine replicas behind one OpenAI-compatible HTTP entry, routed by
-prefixserve's cache-aware router fed with the replicas' KV events (docs/DESIGN.md section 19).
+prefixserve's cache-aware router fed with the replicas' KV events (docs/replicas.md).
 
 ``args`` adds the ``--replicas``/``--ray-*`` flags to ``prefixserve serve``; ``launch`` starts or
 joins the Ray cluster and deploys ``ingress.Ingress`` and ``replica.EngineReplica`` with

@@ -8,7 +8,7 @@ first ``{"status", "headers"}``, then body chunks (bytes).
 
 ``record_routing_stats`` is Ray Serve's periodic call (``request_routing_stats_period_s``): its
 result reaches every request router of the deployment as ``RunningReplica.routing_stats``. It
-carries this replica's KV event stream (docs/DESIGN.md section 19.6): the epoch, the last sequence
+carries this replica's KV event stream (docs/replicas.md item 6): the epoch, the last sequence
 number, the batches kept since ``STATS_BATCHES`` reports ago and, every ``SNAPSHOT_EVERY``
 reports, a snapshot for routers that found a gap; also the process id (operators' view, ``GET
 /router/replicas``) and the LoRA adapters served (name -> content id, which the ingress folds

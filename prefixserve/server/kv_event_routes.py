@@ -1,7 +1,7 @@
 """``GET /kv_events``: the prefix cache's KV events for a router outside the server (pull).
 
 ``GET /kv_events?epoch=E&after=N`` answers ``{"epoch", "seq", "batches": [...]}`` with the batches
-after sequence number ``N`` of epoch ``E`` (docs/DESIGN.md section 19.2 gives their JSON form), and
+after sequence number ``N`` of epoch ``E`` (docs/replicas.md item 2 gives their JSON form), and
 adds ``"snapshot"`` (every cached hash value as of ``seq``) when the consumer must resync: on its
 first call (no ``epoch``), after a restart (another epoch) or when batches it needs are no longer
 kept. Events are switched on by the first call, so a server nobody asks pays nothing; a snapshot

@@ -158,7 +158,7 @@ class GenerationRequest(_Strict):
         "API keys each key gets its own salt too, unless `--share-cache-across-keys`.")
     retention: RetentionSpec | None = Field(
         None, description="Keep this prompt in the prefix cache at a priority for a while "
-        "(see docs/DESIGN.md section 15).")
+        "(see docs/explicit-caching.md).")
     skip_special_tokens: bool | None = Field(None, description="Leave special tokens out of "
                                              "the text (default true).")
     include_stop_str_in_output: bool | None = Field(None, description="Keep the stop string "

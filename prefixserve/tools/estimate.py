@@ -226,7 +226,7 @@ def most_reused_blocks(workload: Workload, k: int) -> set[Any]:
 class _TierModel:
     """A second cache tier of ``capacity`` blocks below a pool: an LRU set of block keys,
     written through (every full block enters it when computed), read past the pool's hit
-    until its first miss, as the engine's tiers are (docs/DESIGN.md section 17). Blocks it
+    until its first miss, as the engine's tiers are (docs/tiers.md). Blocks it
     gives are then computed into the pool like any others (the engine loads them there)."""
 
     def __init__(self, capacity: int) -> None:

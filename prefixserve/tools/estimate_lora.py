@@ -1,6 +1,6 @@
 """``prefixserve estimate`` per LoRA adapter: hit rates by ``lora_id``, and what splitting costs.
 
-A LoRA id is an extra key of every block (``docs/DESIGN.md`` section 2): the same prompt under
+A LoRA id is an extra key of every block (``docs/prefix-cache.md`` section 2): the same prompt under
 two adapters shares nothing. For a token or text log whose records name a ``lora_id``, the
 infinite cache is replayed twice more: once as the engine keys blocks (each adapter, and the
 base model, in its own namespace) and once with the LoRA ids left out (as if every request ran

@@ -18,7 +18,7 @@ class ReplaySettings:
     ``window``: requests in the rolling hit rate; ``concurrency``: resident requests;
     ``group_windows``: the KV cache groups of a model with sliding windows (replayed through
     the hybrid manager, :mod:`prefixserve.tools.estimate_hybrid`), None for full attention.
-    Explicit caching (docs/DESIGN.md section 15): ``pin_top`` pins the prefixes up to the K most
+    Explicit caching (docs/explicit-caching.md): ``pin_top`` pins the prefixes up to the K most
     reused blocks when first computed (within ``max_pinned_fraction`` of the pool); ``ttl``
     gives every request without a retention of its own a whole-prompt retention of
     ``ttl_priority`` for ``ttl`` seconds (trace time; one second a request without times).
@@ -74,7 +74,7 @@ class CacheResult:
     @property
     def speedup_bound(self) -> float:
         """1/(1-h) with h the token hit rate: the most prefill can speed up
-        (docs/DESIGN.md section 5)."""
+        (docs/prefix-cache.md section 5)."""
         miss = 1.0 - self.token_hit_rate
         return 1.0 / miss if miss > 0 else math.inf
 
