@@ -20,9 +20,12 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,22 +58,78 @@ pytestmark = [
 slow = pytest.mark.slow
 
 
+@contextmanager
+def cpu_hogs(count: int = 2) -> Iterator[None]:
+    """``count`` busy processes beside the block: a machine loaded by other work."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Started while two CPU-bound processes load the machine: Ray Serve's proxy and replicas
+    must get the time they need. (Planted: without ``serve_timeouts`` Ray's controller kills a
+    proxy that is not ready in 5 s, and the start fails.)"""
     adapter = write_peft_adapter(tmp_path_factory.mktemp("ray-adapters") / "a", default_config(),
                                  seed=21)
-    process = ServerProcess(["--replicas", "2", "--routing-override", "--dtype", "float32",
-                             "--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", "1",
-                             "--num-blocks", "512", "--max-model-len", "1024",
-                             "--log-stats-interval", "0", "--served-model-name", "smol",
-                             "--lora-modules", f"a={adapter}", "--max-lora-rank", "8",
-                             "--admin-key", "ray-admin",
-                             "--max-replicas", str(MAX_REPLICAS), "--autoscaling-config",
-                             json.dumps(AUTOSCALING),
-                             "--ray-num-cpus", "2", "--ray-replica-cpus", "0.5"],
-                            tmp_path_factory.mktemp("ray") / "server.log").start(RAY_STARTUP_S)
-    yield process
+    with cpu_hogs():
+        process = _launch_cluster(adapter, tmp_path_factory.mktemp("ray") / "server.log")
+        _wait_for_log(process, ("Started Serve", "Connecting to existing Serve"), RAY_STARTUP_S)
+    yield process.start(RAY_STARTUP_S)
     process.stop()
+
+
+def _wait_for_log(process: ServerProcess, texts: tuple[str, ...], timeout: float) -> None:
+    """Until the server's log shows one of ``texts`` (Serve's proxy is up)."""
+    deadline = time.monotonic() + timeout
+    while not any(text in process.log for text in texts):
+        if process.process.poll() is not None or time.monotonic() > deadline:
+            process.stop()
+            raise RuntimeError(f"none of {texts} in the server's log:\n{process.log}")
+        time.sleep(0.25)
+
+
+def _launch_cluster(adapter: Path, log: Path) -> ServerProcess:
+    return ServerProcess(["--replicas", "2", "--routing-override", "--dtype", "float32",
+                          "--max-num-seqs", str(MAX_NUM_SEQS), "--num-threads", "1",
+                          "--num-blocks", "512", "--max-model-len", "1024",
+                          "--log-stats-interval", "0", "--served-model-name", "smol",
+                          "--lora-modules", f"a={adapter}", "--max-lora-rank", "8",
+                          "--admin-key", "ray-admin",
+                          "--max-replicas", str(MAX_REPLICAS), "--autoscaling-config",
+                          json.dumps(AUTOSCALING),
+                          "--ray-num-cpus", "2", "--ray-replica-cpus", "0.5"],
+                         log)
+
+
+def _processes_titled(title: str) -> list[Path]:
+    """``/proc/PID`` of the processes whose command line starts with ``title``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(title.encode()):
+                found.append(proc)
+        except OSError:
+            continue
+    return found
+
+
+@slow
+def test_serves_controller_gives_the_proxy_the_start_timeout(cluster: ServerProcess) -> None:
+    """Ray Serve's controller reads the proxy's start and health timeouts from its environment;
+    the cluster's must hold ``--ray-start-timeout`` (120 s), not Ray's 5 s, or a loaded machine's
+    proxy is killed while ``serve.start`` waits for it (the fixture starts under load).
+    (Planted: ``serve_timeouts`` left out of the cluster's environment fails this.)"""
+    controllers = _processes_titled("ray::ServeController")
+    assert controllers, "no Serve controller process found"
+    environ = (controllers[0] / "environ").read_bytes().split(b"\0")
+    assert b"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=120.0" in environ
+    assert b"RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S=120.0" in environ
 
 
 def _bench(url: str, out: Path, salt: str) -> dict:

@@ -52,8 +52,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--ray-object-store-memory", type=int, default=100 * 2**20,
                        metavar="BYTES",
                        help="object store of a Ray cluster started here (default 100 MiB)")
+    group.add_argument("--ray-start-timeout", type=_positive_seconds, default=120.0,
+                       metavar="SECONDS",
+                       help="how long Ray Serve's proxy may take to start and to answer a "
+                       "health check before Ray replaces it; a loaded machine needs more than "
+                       "Ray's own 5-10 s (default 120)")
     parser.set_defaults(func=run)
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _json_object(text: str) -> dict[str, object]:

@@ -91,6 +91,15 @@ def build_app(args: argparse.Namespace) -> Any:
     return ingress.bind(engine, values)
 
 
+def serve_timeouts(args: argparse.Namespace) -> dict[str, str]:
+    """Ray Serve's proxy timeouts, read by its controller from the environment. Ray's own (5 s
+    to start, 10 s per health check) are shorter than a proxy takes on a loaded machine; the
+    controller then kills the proxy while ``serve.start`` waits for it."""
+    seconds = str(args.ray_start_timeout)
+    return {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": seconds,
+            "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": seconds}
+
+
 def start(args: argparse.Namespace) -> None:
     """Starts or joins Ray, starts Serve's HTTP proxy on ``--host``/``--port`` and deploys the
     application; returns once every replica is up."""
@@ -99,11 +108,29 @@ def start(args: argparse.Namespace) -> None:
 
     app = build_app(args)  # an invalid autoscaling config fails here, before Ray starts
     if args.ray_address:
-        ray.init(address=args.ray_address, namespace=APP_NAME, log_to_driver=False)
+        ray.init(address=args.ray_address, namespace=APP_NAME, log_to_driver=False,
+                 runtime_env={"env_vars": serve_timeouts(args)})
     else:
         _start_local_ray(args)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    _start_proxy(args)
     serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def _start_proxy(args: argparse.Namespace) -> None:
+    """``serve.start``; a proxy that died or was late while starting (the controller replaces
+    it) is waited for once more."""
+    from ray import serve
+    from ray.exceptions import RayActorError
+
+    for attempt in (1, 2):
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            return
+        except (RayActorError, TimeoutError) as exc:
+            if attempt == 2:
+                raise
+            logger.warning("Ray Serve's proxy did not start (%s); waiting for it once more",
+                           str(exc).splitlines()[0])
 
 
 def _start_local_ray(args: argparse.Namespace) -> None:
@@ -112,11 +139,14 @@ def _start_local_ray(args: argparse.Namespace) -> None:
     import ray
 
     cpus = args.ray_num_cpus or max(2, (args.max_replicas or args.replicas) + 1)
+    timeouts = serve_timeouts(args)
+    os.environ.update(timeouts)  # the processes of a cluster started here inherit them
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **timeouts}
     for attempt in (1, 2):
         try:
             ray.init(num_cpus=cpus, object_store_memory=args.ray_object_store_memory,
                      include_dashboard=False, namespace=APP_NAME, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+                     runtime_env={"env_vars": env})
             return
         except Exception as exc:
             if attempt == 2 or "timed out during startup" not in str(exc):
