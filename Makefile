@@ -36,18 +36,11 @@ test: install
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The edit loop: the core, scheduler, layering and unit tests, in seconds (no model, no server).
+# The edit loop: the tests marked `fast` (core, scheduler, estimate, layering, units: no model,
+# no server), in seconds; the mutation run takes the same set.
 test-fast: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests/test_core_rules.py tests/test_core_stateful.py \
-		tests/test_core_stateful_wide.py tests/test_core_sliding_window.py \
-		tests/test_core_hashing.py tests/test_core_lookup.py tests/test_core_contract.py \
-		tests/test_scheduler_rules.py tests/test_core_hybrid_exact.py \
-		tests/test_core_manager_exact.py tests/test_core_retention_exact.py \
-		tests/test_kv_events_exact.py tests/test_kv_tiers_exact.py tests/test_scheduler_exact.py \
-		tests/test_scheduler_liveness.py tests/test_layering.py tests/test_sampler.py \
-		tests/test_output_processor.py \
-		tests/test_server_cli.py
+	$(PY) -m pytest -q -m fast
 
 lint: install
 	$(VENV)/bin/ruff check .

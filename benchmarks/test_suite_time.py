@@ -7,7 +7,7 @@ Prints, per file, the median seconds at each ref, the spread (max - min) and the
 new / old, then the totals. Run it on a quiet machine (other load inflates every figure)::
 
     python benchmarks/test_suite_time.py --old main --new HEAD --repeats 3 \\
-        tests/test_deterministic.py tests/test_engine.py ...
+        tests/engine/test_deterministic.py tests/engine/test_engine.py ...
 
 Tests that read ``../shared/traces`` next to the checkout skip in the exported copies at both
 refs alike.

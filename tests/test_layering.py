@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast
+
 PACKAGE = "prefixserve"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 

@@ -18,7 +18,7 @@ A ``BlockPool`` with an ``event_sink`` reports three kinds of change (docs/repli
 made, so a restarted replica is recognisable) and a sequence number that grows by one per batch.
 ``KVEventBatch.to_wire``/``from_wire`` give the JSON form consumers outside Python read.
 
-Invariant (tests/test_kv_events.py): applying every batch, in sequence order, to an empty set
+Invariant (tests/router/test_kv_events.py): applying every batch, in sequence order, to an empty set
 gives ``set(pool.cached_block_hash_to_block)``; ``snapshot`` gives that set directly, with the
 sequence number of the last batch it includes.
 """

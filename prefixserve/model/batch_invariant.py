@@ -22,7 +22,7 @@ prompt was chunked, or how much of it came from the prefix cache. Three things m
   decode run the same arithmetic for a row. The two-pass shared-prefix decode is not used in
   this mode.
 * Norms, rotary embedding, elementwise ops, the embedding lookup and the sampler already work
-  row by row; ``tests/test_batch_invariant.py`` checks that bitwise.
+  row by row; ``tests/model/test_batch_invariant.py`` checks that bitwise.
 
 :func:`make_batch_invariant` switches a loaded model's linear layers to these kernels; the
 attention switch is the ``deterministic`` flag of

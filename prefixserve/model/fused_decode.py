@@ -16,7 +16,7 @@ attention or sliding windows: each layer attends through its group's tables); an
 own reduction order).
 
 The result equals the eager path's up to float rounding (a different summation order in the
-norms and attention, and the exponential of ``decode.c``): ``tests/test_fused_decode.py`` bounds
+norms and attention, and the exponential of ``decode.c``): ``tests/model/test_fused_decode.py`` bounds
 the difference and checks that greedy tokens agree.
 """
 

@@ -19,7 +19,7 @@ rows, decode rows included. A sliding-window KV cache group plans its rows over 
 512-bit form for the head size (:func:`available`). The runner plans each eager step's
 attention with it (:meth:`PromptAttention.plan`, once a step) and every layer runs it
 (:meth:`KernelPlan.run`). The result equals SDPA's up to float rounding (another summation
-order): ``tests/test_prompt_attention.py`` bounds the difference.
+order): ``tests/model/test_prompt_attention.py`` bounds the difference.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ events mirror that set exactly, see ``prefixserve.core.kv_events``), the blocks 
 adapter, and where in the replica's event stream it stands: its ``epoch`` and the sequence number
 of the last batch applied.
 
-Rules (docs/replicas.md item 3, tested in tests/test_kv_events.py):
+Rules (docs/replicas.md item 3, tested in tests/router/test_kv_events.py):
 
 * A batch whose ``seq`` is not ``last + 1`` is a **gap**: the replica is marked stale and the batch
   is kept, not applied. A stale replica counts as holding nothing until ``resync`` loads a

@@ -13,7 +13,7 @@ the whole prompt in one step):
 * ``server`` (:func:`server_checks`): a server's completions sent one at a time vs all at once.
 
 ``benchmarks/determinism_report.py`` runs them with and without the mode;
-``tests/test_deterministic.py`` asserts them in the mode.
+``tests/engine/test_deterministic.py`` asserts them in the mode.
 """
 
 from __future__ import annotations

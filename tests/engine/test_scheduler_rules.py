@@ -1,0 +1,289 @@
+"""The scheduler's rules, one test each, with the exact schedule every step must produce: the real
+``Scheduler`` over the real ``KVCacheManager`` and a simulated model (one output token per
+request whose prefill is done, as ``LLMEngine`` does)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from scheduler_helpers import add, make, step
+
+from prefixserve.core import KVCacheManager, SlidingWindowKVCacheManager
+from prefixserve.engine.request import Request, RequestStatus
+from prefixserve.engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.fast
+
+
+def test_chunked_prefill_splits_a_prompt_over_steps_within_the_budget() -> None:
+    scheduler = make(64, 4, budget=16)
+    add(scheduler, "a", list(range(50)))
+    assert [step(scheduler) for _ in range(5)] == [
+        [("a", 16)], [("a", 16)], [("a", 16)], [("a", 2)], [("a", 1)]]
+
+
+def test_running_requests_consume_the_budget_before_waiting_ones_start() -> None:
+    scheduler = make(64, 4, budget=16)
+    add(scheduler, "a", list(range(40)))
+    add(scheduler, "b", list(range(100, 130)))
+    assert step(scheduler) == [("a", 16)]  # nothing left for b
+    assert step(scheduler) == [("a", 16)]
+    assert step(scheduler) == [("a", 8), ("b", 8)]  # b starts with what a leaves
+    assert step(scheduler) == [("a", 1), ("b", 15)]  # a decodes first, b takes the rest
+    assert step(scheduler) == [("a", 1), ("b", 7)]
+    assert step(scheduler) == [("a", 1), ("b", 1)]
+
+
+def test_without_chunked_prefill_a_waiting_prompt_waits_for_a_whole_step() -> None:
+    scheduler = make(64, 4, budget=16, chunked=False)
+    add(scheduler, "a", list(range(10)))
+    add(scheduler, "b", list(range(100, 110)))
+    assert step(scheduler) == [("a", 10)]  # b (10) does not fit the 6 left and is not split
+    assert step(scheduler) == [("a", 1), ("b", 10)]
+
+
+def test_max_num_seqs_bounds_the_running_requests() -> None:
+    scheduler = make(64, 4, budget=64, max_num_seqs=2)
+    for rid in "abc":
+        add(scheduler, rid, [ord(rid)] * 5)
+    assert step(scheduler) == [("a", 5), ("b", 5)]
+    assert step(scheduler) == [("a", 1), ("b", 1)]
+    scheduler.finish_request(scheduler.running[0])
+    assert step(scheduler) == [("b", 1), ("c", 5)]
+
+
+def _four_running(scheduler: Scheduler) -> dict[str, Request]:
+    """a (4 tokens), b and c (2 tokens) and d (5 tokens), admitted in this order."""
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8], "d": [9, 10, 11, 12, 13]}
+    requests = {rid: add(scheduler, rid, prompt) for rid, prompt in prompts.items()}
+    assert step(scheduler) == [("a", 4), ("b", 2), ("c", 2), ("d", 5)]
+    return requests
+
+
+def test_the_newest_running_request_is_preempted() -> None:
+    """In a pool of 5 blocks of 4, the four requests hold all 5 blocks after their prefill. a's
+    output needs a 2nd block, so the most recently started request, d, is preempted (not b or
+    c), freed and put back at the head of the queue with its chain; no waiting request is
+    admitted in that step."""
+    scheduler = make(5, 4, budget=64)
+    requests = _four_running(scheduler)
+    manager = scheduler.kv_cache_manager
+    chain = list(manager.req_to_block_hashes["d"])
+    assert step(scheduler) == [("a", 1), ("b", 1), ("c", 1)]
+    d = requests["d"]
+    assert d.status is RequestStatus.PREEMPTED and d.num_preemptions == 1
+    assert d.num_computed_tokens == 0 and d.block_ids == [] and manager.get_block_ids(d) == []
+    assert list(scheduler.waiting) == [d] and scheduler.running == [requests[r] for r in "abc"]
+    assert manager.req_to_block_hashes["d"] == chain  # kept: resuming hits its own blocks
+    assert scheduler.num_preemptions == 1
+    assert [len(manager.get_block_ids(requests[r])) for r in "abc"] == [2, 1, 1]
+
+
+def test_a_request_preempts_itself_when_it_is_the_only_one_left() -> None:
+    scheduler = make(3, 4, budget=64)
+    a = add(scheduler, "a", list(range(8)))
+    b = add(scheduler, "b", list(range(100, 104)))
+    assert step(scheduler) == [("a", 8), ("b", 4)]
+    # a needs a 4th block and preempts b; b then finds no block and preempts itself
+    assert step(scheduler) == [("a", 1)]
+    assert b.status is RequestStatus.PREEMPTED and a.status is RequestStatus.RUNNING
+    assert scheduler.running == [a]
+
+
+def test_a_resumed_request_hits_its_own_blocks_and_keeps_its_first_cached_count() -> None:
+    scheduler = make(5, 4, budget=64)
+    requests = _four_running(scheduler)
+    step(scheduler)  # d preempted with 6 tokens: its block 0 stays cached in the free list
+    d = requests["d"]
+    assert d.num_cached_tokens == 0
+    scheduler.finish_request(requests["a"])
+    scheduler.finish_request(requests["b"])
+    assert step(scheduler) == [("c", 1), ("d", 2)]  # resumed: block 0 hit, 2 tokens computed
+    assert d.num_computed_tokens == 6 and d.num_cached_tokens == 0
+    assert d.status is RequestStatus.RUNNING and scheduler.waiting == type(scheduler.waiting)()
+
+
+def test_a_finished_requests_chain_is_dropped_and_its_id_may_be_reused() -> None:
+    scheduler = make(32, 4, budget=64)
+    manager = scheduler.kv_cache_manager
+    first = add(scheduler, "r", list(range(13)))
+    step(scheduler)
+    scheduler.finish_request(first)
+    assert "r" not in manager.req_to_block_hashes
+    assert manager.num_free_blocks == 32 and first.status is RequestStatus.FINISHED
+    # the same id with other tokens must not inherit the old chain (it would hit the old blocks)
+    again = add(scheduler, "r", list(range(500, 513)))
+    step(scheduler)
+    assert again.num_cached_tokens == 0
+    # and the same id with the same tokens hits them for real
+    scheduler.finish_request(again)
+    third = add(scheduler, "r", list(range(13)))
+    step(scheduler)
+    assert third.num_cached_tokens == 12
+
+
+def test_a_waiting_request_that_did_not_fit_is_counted_once_in_the_stats() -> None:
+    """b (8 tokens, 2 blocks) waits three steps for a block while a runs; the stats count one
+    lookup for a and one for b, made when b was admitted."""
+    scheduler = make(4, 4, budget=64)
+    manager = scheduler.kv_cache_manager
+    a = add(scheduler, "a", list(range(10)))
+    add(scheduler, "b", list(range(100, 108)))
+    assert step(scheduler) == [("a", 10)]
+    assert step(scheduler) == [("a", 1)]
+    assert step(scheduler) == [("a", 1)]  # a holds 3 blocks of 4: b needs 2, 1 is free
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.query_tokens) == (1, 2, 10)
+    scheduler.finish_request(a)
+    assert step(scheduler) == [("b", 8)]
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits, stats.query_tokens) == (1, 2, 0, 8)
+
+
+def test_block_ids_follow_the_managers_table() -> None:
+    scheduler = make(16, 4, budget=6)
+    a = add(scheduler, "a", list(range(10)))
+    for _ in range(6):
+        step(scheduler)
+        assert a.block_ids == scheduler.kv_cache_manager.get_block_ids(a)
+    scheduler.finish_request(a)
+    assert a.block_ids == [] and scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_running_requests_the_budget_does_not_reach_stay_running() -> None:
+    """Three decoding requests and a budget of 2 tokens: the third is not scheduled but stays
+    running, in its place, with its blocks (the budget is lowered after admission to get there;
+    the engine's budget never changes, but decodes outnumbering it is the same situation)."""
+    scheduler = make(16, 4, budget=8)
+    requests = [add(scheduler, rid, [i]) for i, rid in enumerate("abc")]
+    assert step(scheduler) == [("a", 1), ("b", 1), ("c", 1)]
+    scheduler.max_num_batched_tokens = 2
+    assert step(scheduler) == [("a", 1), ("b", 1)]
+    assert scheduler.running == requests
+    assert requests[2].status is RequestStatus.RUNNING and requests[2].block_ids
+    scheduler.finish_request(requests[0])
+    assert step(scheduler) == [("b", 1), ("c", 1)]
+
+
+def test_defaults_status_and_timestamps() -> None:
+    manager = KVCacheManager(16, 4)
+    scheduler = Scheduler(manager, 4, 16)
+    assert scheduler.enable_chunked_prefill is True
+    request = add(scheduler, "a", list(range(5)))
+    assert request.status is RequestStatus.WAITING and list(scheduler.waiting) == [request]
+    before = time.time()
+    step(scheduler)
+    assert before <= request.metrics.first_scheduled_time <= time.time()
+
+
+def test_preemption_counters_count_every_victim() -> None:
+    """Two victims in one step: the pool is full, a's block preempts d, then c, with nobody
+    left after it, preempts itself."""
+    scheduler = make(4, 4, budget=64)
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6], "c": [7, 8, 9, 10], "d": [11, 12, 13, 14]}
+    requests = {rid: add(scheduler, rid, prompt) for rid, prompt in prompts.items()}
+    step(scheduler)  # 4 blocks used, none free; a, c and d each need a 2nd block now
+    out = scheduler.schedule()
+    assert out.num_preempted == 2 and scheduler.num_preemptions == 2
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b"]
+    assert requests["c"].num_preemptions == requests["d"].num_preemptions == 1
+    assert list(scheduler.waiting) == [requests["c"], requests["d"]]
+
+
+def test_a_running_request_with_nothing_to_compute_stays_and_the_next_one_runs() -> None:
+    """The engine appends a sampled token after each step; until it does, a running request has
+    nothing to compute: it is skipped (no allocation of 0 tokens) and the requests after it are
+    still scheduled."""
+    scheduler = make(16, 4, budget=64)
+    a = add(scheduler, "a", [1, 2])
+    out = scheduler.schedule()
+    a.num_computed_tokens += out.scheduled[0].num_new_tokens  # no token appended
+    b = add(scheduler, "b", [3, 4])
+    step(scheduler)
+    assert scheduler.running == [a, b]
+    out = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 1)]
+    assert scheduler.running == [a, b]
+
+
+def test_finishing_a_waiting_or_already_finished_request() -> None:
+    scheduler = make(16, 4, budget=4)
+    a = add(scheduler, "a", list(range(8)))
+    b = add(scheduler, "b", list(range(100, 104)))
+    step(scheduler)  # a takes the whole budget; b waits
+    scheduler.finish_request(b)  # an abort while waiting
+    assert list(scheduler.waiting) == [] and b.status is RequestStatus.FINISHED
+    scheduler.finish_request(b)  # twice: nothing happens
+    scheduler.finish_request(a)
+    assert scheduler.running == [] and scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_a_hit_puts_the_cached_blocks_at_the_head_of_the_table() -> None:
+    scheduler = make(32, 4, budget=64)
+    first = add(scheduler, "a", list(range(13)))
+    step(scheduler)
+    head = first.block_ids[:3]
+    scheduler.finish_request(first)
+    second = add(scheduler, "b", list(range(13)))
+    step(scheduler)
+    assert second.num_cached_tokens == 12 and second.block_ids[:3] == head
+
+
+def test_block_ids_follow_a_sliding_window_table() -> None:
+    manager = SlidingWindowKVCacheManager(16, 4, sliding_window=4)
+    scheduler = Scheduler(manager, 4, 6)
+    a = add(scheduler, "a", list(range(10)))
+    null = manager.null_block.block_id
+    for _ in range(8):
+        step(scheduler)
+        assert a.block_ids == manager.get_block_ids(a)
+    assert a.block_ids[0] == null
+
+
+def test_a_decoding_request_computes_its_drafts_within_the_budget_and_caches_none() -> None:
+    """Drafts ride with a decoding request's one token, trimmed to the budget left; a request
+    in prefill ignores them. Slots are allocated for them, but a block they fill is not cached:
+    the cache registers blocks the request's own tokens fill."""
+    scheduler = make(16, 4, budget=5)
+    a = add(scheduler, "a", list(range(6)))
+    b = add(scheduler, "b", list(range(100, 107)))
+    b.draft_token_ids = [7, 7, 7]  # in prefill: not computed
+    assert step(scheduler) == [("a", 5)]
+    out = scheduler.schedule()
+    assert [(i.request.request_id, i.num_new_tokens, i.draft_token_ids)
+            for i in out.scheduled] == [("a", 1, []), ("b", 4, [])]
+    a.num_computed_tokens += 1
+    a.append_output_token(1)
+    b.num_computed_tokens += 4
+    # a decodes (7 tokens, 6 computed: one to compute) with four drafts; the budget of 5
+    # leaves room for all four: slots up to position 10, three blocks, only one of them full
+    a.draft_token_ids = [9, 9, 9, 9]
+    out = scheduler.schedule()
+    first = out.scheduled[0]
+    assert (first.request, first.num_new_tokens, first.draft_token_ids) == (a, 1, [9, 9, 9, 9])
+    assert out.num_tokens == 5 and len(out.scheduled) == 1  # nothing left for b
+    manager = scheduler.kv_cache_manager
+    assert len(a.block_ids) == 3 == len(manager.get_block_ids(a))
+    assert manager.num_cached_block["a"] == a.num_tokens // 4 == 1
+    # with three tokens of budget, two drafts fit
+    a.draft_token_ids = [9, 9, 9, 9]
+    scheduler.max_num_batched_tokens = 3
+    out = scheduler.schedule()
+    assert [(i.num_new_tokens, i.draft_token_ids) for i in out.scheduled] == [(1, [9, 9])]
+    assert out.num_tokens == 3
+    # b, still in prefill, holds drafts (it never should): its prompt's rest goes alone
+    a.draft_token_ids = []
+    scheduler.max_num_batched_tokens = 8
+    out = scheduler.schedule()
+    assert [(i.request.request_id, i.num_new_tokens, i.draft_token_ids)
+            for i in out.scheduled] == [("a", 1, []), ("b", 3, [])]
+
+
+def test_preemption_drops_the_drafts() -> None:
+    scheduler = make(5, 4, budget=64)
+    requests = _four_running(scheduler)
+    requests["d"].draft_token_ids = [1, 2]
+    step(scheduler)
+    assert requests["d"].status is RequestStatus.PREEMPTED
+    assert requests["d"].draft_token_ids == []
