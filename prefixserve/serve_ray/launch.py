@@ -140,7 +140,11 @@ def _start_local_ray(args: argparse.Namespace) -> None:
 
     cpus = args.ray_num_cpus or max(2, (args.max_replicas or args.replicas) + 1)
     timeouts = serve_timeouts(args)
-    os.environ.update(timeouts)  # the processes of a cluster started here inherit them
+    # The processes of a cluster started here inherit these. Ray runs its workers at nice 15
+    # by default, so that any process of normal priority beside them (another job, a build)
+    # takes nearly all of the CPU from the replicas, the proxy and Serve's controller: serving
+    # is the work of this cluster, so its workers run at normal priority.
+    os.environ.update(timeouts, RAY_worker_niceness="0")
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **timeouts}
     for attempt in (1, 2):
         try:

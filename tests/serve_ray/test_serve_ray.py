@@ -120,13 +120,20 @@ def _processes_titled(title: str) -> list[Path]:
 
 
 @slow
-def test_serves_controller_gives_the_proxy_the_start_timeout(cluster: ServerProcess) -> None:
-    """Ray Serve's controller reads the proxy's start and health timeouts from its environment;
-    the cluster's must hold ``--ray-start-timeout`` (120 s), not Ray's 5 s, or a loaded machine's
-    proxy is killed while ``serve.start`` waits for it (the fixture starts under load).
-    (Planted: ``serve_timeouts`` left out of the cluster's environment fails this.)"""
+def test_the_cluster_runs_at_normal_priority_with_the_start_timeout(cluster: ServerProcess
+                                                                    ) -> None:
+    """The fixture starts the cluster beside two CPU hogs. Ray runs its workers at nice 15, where
+    the hogs take nearly all of the CPU (the start took over 8 minutes): Serve's controller and
+    the replicas must run at nice 0. The controller reads the proxy's start and health
+    timeouts from its environment: ``--ray-start-timeout`` (120 s), not Ray's 5 s, or a loaded
+    machine's proxy is killed while ``serve.start`` waits for it. (Planted: the timeouts left
+    out of the cluster's environment killed the proxy under the hogs and failed the start; left
+    out, or the niceness left to Ray, each fails an assertion here.)"""
     controllers = _processes_titled("ray::ServeController")
-    assert controllers, "no Serve controller process found"
+    replicas = _processes_titled("ray::ServeReplica:prefixserve:PrefixserveEngine")
+    assert controllers and replicas, "no Serve controller or replica process found"
+    for proc in controllers + replicas:
+        assert os.getpriority(os.PRIO_PROCESS, int(proc.name)) == 0, proc
     environ = (controllers[0] / "environ").read_bytes().split(b"\0")
     assert b"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=120.0" in environ
     assert b"RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S=120.0" in environ
