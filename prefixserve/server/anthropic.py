@@ -20,6 +20,7 @@ the prompt's length, which is what ``count_tokens`` returns.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -236,9 +237,10 @@ class AnthropicServing:
         self.serving = serving
         self.block_size = block_size
 
-    def count_tokens(self, body: CountTokensRequest) -> CountTokensResponse:
+    async def count_tokens(self, body: CountTokensRequest) -> CountTokensResponse:
         self.serving.resolve_model(body.model)
-        return CountTokensResponse(input_tokens=len(AnthropicPrompt(self.serving, body).ids))
+        prompt = await asyncio.to_thread(AnthropicPrompt, self.serving, body)
+        return CountTokensResponse(input_tokens=len(prompt.ids))
 
     def _params(self, body: MessagesRequest, prompt: AnthropicPrompt) -> SamplingParams:
         calling = prompt.calling
@@ -256,7 +258,7 @@ class AnthropicServing:
                              api_key: str | None) -> Response | MessageResponse:
         serving = self.serving
         model = serving.resolve_model(body.model)
-        prompt = AnthropicPrompt(serving, body)
+        prompt = await asyncio.to_thread(AnthropicPrompt, serving, body)  # off the event loop
         serving.check_prompt(prompt.ids, body.max_tokens, "messages")
         run = _Run(id=f"msg_{uuid.uuid4().hex}", model=model, prompts=_Prompts([prompt.ids]),
                    params=self._params(body, prompt), salt=serving.cache_salt(None, api_key),

@@ -61,4 +61,4 @@ def add_anthropic_routes(app: FastAPI, service: AnthropicServing, config: Server
               tags=["Anthropic"], responses=docs.generation)
     async def count_tokens(body: CountTokensRequest, api_key: ApiKey) -> CountTokensResponse:
         """The prompt's tokens, as `/v1/messages` would count them."""
-        return service.count_tokens(body)
+        return await service.count_tokens(body)

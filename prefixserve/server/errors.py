@@ -21,9 +21,29 @@ from starlette.exceptions import HTTPException
 
 logger = logging.getLogger("prefixserve.server")
 
+#: Characters of a user's value an error message quotes (:func:`quote`) at most.
+QUOTE_LIMIT = 80
+#: Characters of an error message at most: a value quoted without :func:`quote` is cut too.
+MESSAGE_LIMIT = 2000
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error",
           503: "service_unavailable_error"}
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (the rest counted), so
+    that an error never echoes a large input back."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def _capped(message: str) -> str:
+    if len(message) <= MESSAGE_LIMIT:
+        return message
+    return f"{message[:MESSAGE_LIMIT]}... ({len(message) - MESSAGE_LIMIT} more characters)"
 
 
 class ApiError(Exception):
@@ -50,7 +70,7 @@ def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """The error object of an OpenAI-style error response."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _capped(message), "type": kind, "param": param, "code": code}}
 
 
 def error_response(error: ApiError) -> JSONResponse:

@@ -5,7 +5,10 @@ Supported: ``input`` as a string or as messages (``role`` and ``content``, a str
 ``max_output_tokens``, ``temperature``, ``top_p``, ``stream`` and ``previous_response_id``.
 Each answer is kept in memory (the conversation that led to it plus its text) for
 ``previous_response_id``, at most ``--max-stored-responses`` of them, oldest dropped first;
-``store: false`` keeps nothing. A streamed answer sends ``response.created``,
+``store: false`` keeps nothing. A stored response belongs to the API key that created it (its
+tenant, the SHA-256 of the key): another key gets the same 400 as an unknown id, so nothing
+tells it that the id exists. The admin key has no rights over stored responses (no route lists,
+reads or deletes them; they leave by age). A streamed answer sends ``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``, one
 ``response.output_text.delta`` per piece, then the ``.done`` events and ``response.completed``
 (or ``response.incomplete`` when it hit ``max_output_tokens``). Tools, reasoning items and
@@ -14,6 +17,8 @@ other output types are not part of this subset (a 400 for unknown fields).
 Annotations here are evaluated (no ``from __future__ import annotations``), as in ``app.py``.
 """
 
+import asyncio
+import hashlib
 import time
 import uuid
 from collections import OrderedDict
@@ -24,7 +29,7 @@ from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.server.config import ServerConfig
-from prefixserve.server.errors import ApiError, error_body
+from prefixserve.server.errors import ApiError, error_body, quote
 from prefixserve.server.openapi import ResponseDocs
 from prefixserve.server.protocol import ChatCompletionRequest, Text
 from prefixserve.server.serving import OpenAIServing, _Prompts, _Run
@@ -94,33 +99,47 @@ def _text(content: str | list[InputPart]) -> str:
     return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
+def owner_of(api_key: str | None) -> str | None:
+    """The tenant a stored response belongs to: the SHA-256 of the caller's API key (None on a
+    server without API keys, where every caller is the one tenant)."""
+    return None if api_key is None else hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
 class ResponseStore:
-    """The conversations of the last ``limit`` responses, by response id (an LRU by age)."""
+    """The conversations of the last ``limit`` responses, by response id (an LRU by age), each
+    with the tenant that stored it."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._items: OrderedDict[str, list[dict[str, str]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str | None, list[dict[str, str]]]] = OrderedDict()
 
-    def get(self, response_id: str) -> list[dict[str, str]]:
-        messages = self._items.get(response_id)
-        if messages is None:
-            raise ApiError(400, f"previous_response_id: no stored response {response_id!r} "
-                           f"(at most {self.limit} are kept)", param="previous_response_id",
-                           code="previous_response_not_found")
-        return list(messages)
+    def get(self, response_id: str, owner: str | None) -> list[dict[str, str]]:
+        """The conversation of ``response_id``; another tenant's id answers as an unknown one."""
+        item = self._items.get(response_id)
+        if item is None or item[0] != owner:
+            raise ApiError(400, f"previous_response_id: no stored response "
+                           f"{quote(response_id)} (at most {self.limit} are kept)",
+                           param="previous_response_id", code="previous_response_not_found")
+        return list(item[1])
 
-    def put(self, response_id: str, messages: list[dict[str, str]]) -> None:
+    def put(self, response_id: str, owner: str | None, messages: list[dict[str, str]]) -> None:
         if self.limit == 0:
             return
-        self._items[response_id] = messages
+        self._items[response_id] = (owner, messages)
         while len(self._items) > self.limit:
             self._items.popitem(last=False)
 
 
-def _messages(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, str]]:
-    """The conversation: the previous response's (if any), then the instructions (as a
-    system message, first), then the input."""
-    history = store.get(body.previous_response_id) if body.previous_response_id else []
+def _messages(body: ResponsesRequest, store: ResponseStore,
+              owner: str | None) -> list[dict[str, str]]:
+    """The conversation: the previous response's (if any, the caller's own), then the
+    instructions (as a system message, first), then the input."""
+    previous = body.previous_response_id
+    if previous == "":
+        raise ApiError(400, "previous_response_id: an empty id (leave the field out to start "
+                       "a new conversation)", param="previous_response_id",
+                       code="invalid_value")
+    history = store.get(previous, owner) if previous is not None else []
     history = [m for m in history if m["role"] != "system"]
     new = ([{"role": "user", "content": body.input}] if isinstance(body.input, str) else
            [{"role": m.role, "content": _text(m.content)} for m in body.input])
@@ -239,11 +258,12 @@ def add_responses_route(app: FastAPI, serving: OpenAIServing, config: ServerConf
         """A model response to text or messages (the text-only subset of the Responses
         API)."""
         model = serving.resolve_model(body.model)
-        messages = _messages(body, store)
+        owner = owner_of(key)
+        messages = _messages(body, store, owner)
         chat = ChatCompletionRequest.model_validate(
             {"messages": messages, "max_completion_tokens": body.max_output_tokens,
              "temperature": body.temperature, "top_p": body.top_p})
-        ids = serving.chat_prompt(chat)
+        ids = await asyncio.to_thread(serving.chat_prompt, chat)
         serving.check_prompt(ids, body.max_output_tokens, "input")
         params = serving.sampling_params(chat, max_tokens=body.max_output_tokens,
                                          logprobs=None, prompt_logprobs=None)
@@ -252,7 +272,8 @@ def add_responses_route(app: FastAPI, serving: OpenAIServing, config: ServerConf
 
         def keep(done: _Answer) -> None:
             if body.store is not False:
-                store.put(done.id, [*messages, {"role": "assistant", "content": done.text}])
+                store.put(done.id, owner,
+                          [*messages, {"role": "assistant", "content": done.text}])
 
         given = sorted(name for name in _IGNORED if name in body.model_fields_set)
         if given:

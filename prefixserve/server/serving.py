@@ -21,6 +21,7 @@ Contract of both endpoints:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -487,7 +488,7 @@ class OpenAIServing:
         items = _prompt_items(body.prompt)
         self.check_limits(len(items), body.n)
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        ids_list = await asyncio.to_thread(self._encode_prompts, items)
         for ids in ids_list:
             self.check_prompt(ids, max_tokens, "prompt")
         k, echo = body.logprobs, bool(body.echo)
@@ -503,6 +504,11 @@ class OpenAIServing:
             request, bool(body.stream), lambda: self._start(run),
             lambda stream: self._completion_events(run, choices, stream),
             lambda: self._completion_response(run, choices), response)
+
+    def _encode_prompts(self, items: Sequence[Any]) -> list[list[int]]:
+        """The token ids of each prompt (text encoded, ids as given). Encoding a large text
+        takes seconds: the routes run this in a worker thread, off the event loop."""
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
 
     def _echo_texts(self, items: Sequence[Any], ids_list: Sequence[list[int]]) -> list[str]:
         """The text to echo of each prompt: as given, or its token ids decoded (special tokens
@@ -546,7 +552,8 @@ class OpenAIServing:
     def chat_prompt(self, body: ChatCompletionRequest,
                     tools: ToolCalling | None = None) -> list[int]:
         """The conversation rendered with the model's chat template (with the tools as their
-        format says), as token ids; a 400 when the template refuses it."""
+        format says), as token ids; a 400 when the template refuses it. Rendering and encoding
+        a large conversation takes seconds: the routes run this in a worker thread."""
         messages: list[dict[str, Any]] = []
         for message in body.messages:
             content = message.content if isinstance(message.content, str | None) else \
@@ -586,7 +593,7 @@ class OpenAIServing:
         self.check_limits(1, body.n)
         max_tokens = body.max_completion_tokens or body.max_tokens
         tools = self.tool_calling(body)
-        ids = self.chat_prompt(body, tools)
+        ids = await asyncio.to_thread(self.chat_prompt, body, tools)
         self.check_prompt(ids, max_tokens, "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
         constraint, grammar_param = structured_outputs(body)

@@ -4,11 +4,14 @@
 ``messages`` (with ``tools``, ``add_generation_prompt`` and ``chat_template_kwargs``, rendered
 exactly as ``/v1/chat/completions`` renders them, tool manifest included), and answers the
 token ids with their count and the context length; ``return_token_strs`` adds each token's
-vocabulary string. ``/detokenize`` turns token ids back into text.
+vocabulary string. The ids returned stop at the context length (``truncated`` says so; ``count``
+is the whole input's) unless ``return_all_tokens`` asks for all of them. Encoding runs in a
+worker thread, off the event loop. ``/detokenize`` turns token ids back into text.
 
 Annotations here are evaluated (no ``from __future__ import annotations``), as in ``app.py``.
 """
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -36,6 +39,8 @@ class TokenizeRequest(BaseModel):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     return_token_strs: bool = False
+    return_all_tokens: bool = Field(False, description="Return every token id, also past the "
+                                    "context length (by default the ids stop there).")
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -49,6 +54,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str | None] | None = None
+    truncated: bool = Field(False, description="`tokens` stops at `max_model_len` (of `count`).")
 
 
 class DetokenizeRequest(BaseModel):
@@ -73,6 +79,12 @@ def _chat_ids(serving: OpenAIServing, body: TokenizeRequest) -> list[int]:
     return serving.chat_prompt(chat, serving.tool_calling(chat))
 
 
+def _ids(serving: OpenAIServing, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        return serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return _chat_ids(serving, body)
+
+
 def add_tokenize_routes(app: FastAPI, serving: OpenAIServing, api_key: Any,
                         docs: ResponseDocs) -> None:
     """Declares ``POST /tokenize`` and ``POST /detokenize``; ``api_key`` is the parameter type
@@ -86,14 +98,14 @@ def add_tokenize_routes(app: FastAPI, serving: OpenAIServing, api_key: Any,
     async def tokenize(body: TokenizeRequest, key: ApiKey) -> TokenizeResponse:
         """Token ids of a prompt, or of a conversation as the chat template renders it."""
         serving.resolve_model(body.model)
-        tokenizer = serving.tokenizer
-        if body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            ids = _chat_ids(serving, body)
-        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len,
-                                tokens=ids, token_strs=strs)
+        ids = await asyncio.to_thread(_ids, serving, body)
+        count, limit = len(ids), serving.max_model_len
+        truncated = count > limit and not body.return_all_tokens
+        if truncated:
+            ids = ids[:limit]
+        strs = serving.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=count, max_model_len=limit, tokens=ids, token_strs=strs,
+                                truncated=truncated)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, tags=["Tokens"],
               responses=docs)
