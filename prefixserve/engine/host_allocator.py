@@ -5,7 +5,7 @@ activations, the GEMMs' outputs). With glibc's defaults, part of them are mapped
 the kernel (its dynamic mmap threshold) or trimmed back to it when freed, so the next step
 page-faults the same memory in again, zero-filled: on an Intel Xeon with AMX a 1,024-token
 bfloat16 prompt ran at ~2,250 tok/s, and at ~3,000 with the settings below, for packed and
-dense weights alike (benchmarks/RESULTS.md, issue 11, round 16). llama.cpp allocates its
+dense weights alike (benchmarks/RESULTS.md). llama.cpp allocates its
 compute buffers once; this gets the engine most of that without owning its allocations.
 
 :func:`keep_freed_memory` makes two process-wide settings through ``mallopt``: allocations

@@ -2,7 +2,7 @@
 
 A decode step of the eager model runs about 40 torch operations per layer, and its attention
 first gathers each sequence's context out of the paged cache; on CPU both cost more than the
-products with packed weights (``benchmarks/RESULTS.md``, issue 11). :class:`FusedDecode` hands
+products with packed weights (``benchmarks/RESULTS.md``). :class:`FusedDecode` hands
 the whole layer stack to one C function that reads the cache in place. The embedding lookup,
 the final norm and the logits stay in torch.
 
@@ -16,8 +16,8 @@ attention or sliding windows: each layer attends through its group's tables); an
 own reduction order).
 
 The result equals the eager path's up to float rounding (a different summation order in the
-norms and attention, and the exponential of ``decode.c``): ``tests/model/test_fused_decode.py`` bounds
-the difference and checks that greedy tokens agree.
+norms and attention, and the exponential of ``decode.c``):
+``tests/model/test_fused_decode.py`` bounds the difference and checks that greedy tokens agree.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A prompt computed after a cached prefix (the question after a shared system prom
 turn of a conversation) attends to every cached position: through torch, each sequence first
 copies its whole context out of the cache and then runs SDPA, so sequences on one prefix copy
 and score it again each, and on CPU that was most of the time of such a step
-(``benchmarks/RESULTS.md``, issue 11, round 6). Here each position of a prompt is one row of
+(``benchmarks/RESULTS.md``). Here each position of a prompt is one row of
 the fused decode step's attention (``decode.c``'s ``attention``): the rows' contexts are cut in
 chunks, the rows that hold the same blocks for a chunk (the positions of one prompt, and of the
 prompts on one prefix) are grouped, each group reads its chunk from the cache once, and the

@@ -18,17 +18,16 @@ Two packed formats (byte layouts of GGUF's blocks of 32 weights along a row, see
 faster there (``benchmarks/bench_quant.py`` measures the crossover). A bfloat16 model (the
 ``--dtype auto`` choice on CPUs with AVX512-BF16 or AMX) expands them to bfloat16 instead and
 calls the bfloat16 GEMM that its dense weights would: on such a CPU (AMD Zen 5) the float32 GEMM
-took 4x as long, and prefill ran at 0.40x the dense path before (benchmarks/RESULTS.md, issue
-11, round 5). On a CPU with AVX512-BF16 a bfloat16 input of 8 (the library's
-``bf16_batch_rows()``) to :data:`SMALL_M` rows takes the bfloat16 batch kernel
-(``gemm_bf16_batch``: weight blocks expanded to bfloat16 in registers, ``vdpbf16ps``), about
-twice as fast there as the 16-bit one. On a CPU with AMX-BF16 (Intel Xeon, Sapphire Rapids and
-later) a bfloat16 input of ``amx_rows()`` (2) to :data:`AMX_MAX` rows takes the tile kernel
-instead (``gemm_bf16_amx``: the same expanded blocks, 16 weight rows by 16 activation rows per
-``tdpbf16ps``), which beat both other kernels at every such row count there; above that, up
-to :data:`AMX_LARGE_MAX_ROWS` rows and :data:`AMX_LARGE_MAX_OUTPUTS` outputs, the large-row
-tile kernel (``gemm_bf16_amx_large``: each weight expanded once per product, the activation
-rows read in place), which beats expand-and-GEMM there (round 16).
+took 4x as long, and prefill ran at 0.40x the dense path (benchmarks/RESULTS.md). On a CPU with
+AVX512-BF16 a bfloat16 input of 8 (the library's ``bf16_batch_rows()``) to :data:`SMALL_M` rows
+takes the bfloat16 batch kernel (``gemm_bf16_batch``: weight blocks expanded to bfloat16 in
+registers, ``vdpbf16ps``), about twice as fast there as the 16-bit one. On a CPU with AMX-BF16
+(Intel Xeon, Sapphire Rapids and later) a bfloat16 input of ``amx_rows()`` (2) to :data:`AMX_MAX`
+rows takes the tile kernel instead (``gemm_bf16_amx``: the same expanded blocks, 16 weight rows by
+16 activation rows per ``tdpbf16ps``), which beat both other kernels at every such row count there;
+above that, up to :data:`AMX_LARGE_MAX_ROWS` rows and :data:`AMX_LARGE_MAX_OUTPUTS` outputs, the
+large-row tile kernel (``gemm_bf16_amx_large``: each weight expanded once per product, the
+activation rows read in place), which beats expand-and-GEMM there.
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ AMX_MAX = 128
 #: (``gemm_bf16_amx_large``: each weight expanded once per product into the tiles' layout, the
 #: activations read where they lie, 2 x 2 tiles) while rows x outputs stay within
 #: AMX_LARGE_MAX_OUTPUTS; beyond either, expand-and-GEMM. On an Intel Xeon with AMX
-#: (``benchmarks/bench_quant.py --parts 8``; RESULTS.md, issue 11, round 16) the kernel took
+#: (``benchmarks/bench_quant.py --parts 8``; RESULTS.md) the kernel took
 #: 0.43-0.80x expand-and-GEMM's time at 160 and 256 rows for every weight of the default model
 #: and of Gemma 3, and 0.54-0.95x at 1,024 rows for weights of up to 960 outputs; but
 #: 1.11-1.27x for 1,536 and 3,072 outputs at 1,024 rows, where oneDNN's GEMM runs nearer the

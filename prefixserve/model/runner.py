@@ -150,9 +150,9 @@ class ModelRunner:
         """Whether steps that compute prompt positions attend through the C kernel where it
         applies (``_prompt_kernel``), or through torch (gather and SDPA): a bfloat16 model on a
         CPU with AMX tiles, where SDPA's products run on the tiles: the mixed steps of a
-        16-client replay took 0.7x the kernel's time (benchmarks/RESULTS.md, issue 11, round
-        15), and Gemma 3's cold 2,000-token prompt 0.73x with its sliding-window groups
-        through SDPA too (round 16). Steps of one position per sequence (a dense or LoRA
+        16-client replay took 0.7x the kernel's time (benchmarks/RESULTS.md), and Gemma 3's
+        cold 2,000-token prompt 0.73x with its sliding-window groups through SDPA too. Steps
+        of one position per sequence (a dense or LoRA
         model's decodes) keep the kernel either way."""
         self._fused: fused_decode.FusedDecode | None = None
         self._prompt_attention: prompt_attention.PromptAttention | None = None

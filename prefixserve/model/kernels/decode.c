@@ -597,7 +597,7 @@ static int64_t group_chunks(const DecodeModel *m, const DecodeBatch *s, int64_t 
  * added head by head. A group of rows is bound by arithmetic, its keys and values being read
  * from memory once for all of them: it scores eight positions at a time against every query
  * and adds each block of values into every query's output while the block sits in L1. (On
- * the row alone, both measured slower: benchmarks/RESULTS.md, issue 11, round 3.) */
+ * the row alone, both measured slower: benchmarks/RESULTS.md.) */
 #define DEFINE_ATTEND(T, C)                                                                    \
     static void attend_group_##T(const DecodeModel *m, const DecodeBatch *s, const C *kv,       \
                                  const ChunkGroup *gr, const int64_t *members, int64_t g,       \
@@ -685,8 +685,7 @@ DEFINE_ATTEND(f16, uint16_t)
  * eight sums reduced together (sum8x16); values are added into the outputs of up to
  * PV_BLOCK(DD) queries at a time, their accumulators in registers for the whole run. The
  * AVX2 form scored a position at a time per query and made one pass over the values per
- * query, converting each 16-bit element again every time (benchmarks/RESULTS.md, issue 11,
- * round 6). */
+ * query, converting each 16-bit element again every time (benchmarks/RESULTS.md). */
 #define LOAD16_f32(p) _mm512_loadu_ps(p)
 #define LOAD16_bf16(p)                                                                         \
     _mm512_castsi512_ps(_mm512_slli_epi32(                                                     \
@@ -950,12 +949,12 @@ DEFINE_WIDEN512(f16, uint16_t)
 /* Part `part` of `parts` of the `bytes` bytes at p asked into the L2 cache, a line at a time.
  * A block's slots are a few kilobytes and the next block lies anywhere, so the hardware
  * prefetchers alone left the loads waiting on memory (the widening loop took 88% of the
- * attention's time, round 6). Asking for a whole run's keys and values at once (192 lines of
+ * attention's time). Asking for a whole run's keys and values at once (192 lines of
  * a run of 16 slots) did not help as much as it could: the requests fill the core's miss
  * buffers and the prefetch instructions then wait for them, so the scores stalled behind the
  * memory instead of overlapping it. The key pass therefore asks for the next runs in slices,
- * one before each query head's scores (issue 11, round 12: a decode step's attention at 16
- * rows x 415 positions 12.1 -> 7.9 ms). */
+ * one before each query head's scores: a decode step's attention at 16 rows x 415
+ * positions takes 7.9 ms this way, 12.1 ms with the prefetchers alone. */
 static inline void prefetch_part(const void *p, int64_t bytes, int64_t part, int64_t parts) {
     const char *at = (const char *)p;
     /* the lines that begin in this part: each line of the span once over the parts */
@@ -970,7 +969,7 @@ static inline void prefetch_part(const void *p, int64_t bytes, int64_t part, int
  * times the query heads of a KV head. A slot holds every KV head's keys (or values) side by
  * side, so reading all the heads of a run is one contiguous read of the run's slots; a task
  * per KV head read a third of each slot, and that strided read cost this machine nearly what
- * the whole slots did (issue 11, round 8). With bf16_queries, a bfloat16 cache is read in
+ * the whole slots did. With bf16_queries, a bfloat16 cache is read in
  * place: scores_bf16 for the keys, the weights rounded to bfloat16 into `run`, and pv_bf16
  * for the values. */
 #define DEFINE_ATTEND512(T, C)                                                                 \
@@ -1326,7 +1325,7 @@ static int64_t unit_rows(int64_t u, int64_t unit, int64_t B, int64_t *n) {
 /* One decoder layer over x [B, hidden], called by every thread of the step's parallel region:
  * the products and attention are shared out (team_linear, attention), and so are the small
  * row-wise steps between them, by rows (FOR_ROWS; on one thread, `omp single`, they left the
- * other waiting ~9% of a 16-row step: issue 11, round 12). Each ends in a barrier. The last
+ * other waiting ~9% of a 16-row step). Each ends in a barrier. The last
  * product's output is left in sc->delta, added to x by the next layer (or decode_forward)
  * so that one barrier serves both. */
 static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
@@ -1454,8 +1453,7 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
     rotary_tables(m, s, m->inv_freq, sc.cos_, sc.sin_);
     if (m->inv_freq_local) rotary_tables(m, s, m->inv_freq_local, sc.cos_local, sc.sin_local);
     /* one parallel region for every layer: a team forked per product (about 150 a step), with
-     * the scalar rounding, left one row's layers 1.2x slower (benchmarks/RESULTS.md, issue 11,
-     * round 4) */
+     * the scalar rounding, left one row's layers 1.2x slower (benchmarks/RESULTS.md) */
 #pragma omp parallel
     {
         for (int64_t l = 0; l < m->num_layers; l++) {

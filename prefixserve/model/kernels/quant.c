@@ -379,14 +379,14 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
 /* Bytes ahead of a weight block that the batch kernels prefetch into L1 (tile8_q16, the
  * bfloat16 expansion). A decode step's products are short (0.2-1 MB each, split over the
  * threads) and stream from memory; 320 bytes ahead left the fused layers of one row 1.2x
- * slower than 4 KB (benchmarks/RESULTS.md, issue 11, round 4). */
+ * slower than 4 KB (benchmarks/RESULTS.md). */
 #ifndef PREFETCH
 #define PREFETCH 4096
 #endif
 /* The one-row kernels ask 8 KB ahead of each row's block (the rows of a group lie next to each
  * other: a few dozen rows ahead), into L2. Asked 4 KB ahead into L1, the 30 MB Q8_0 output
  * head of the default model streamed at 16-19 GB/s and took 1.6-1.8 ms a decode step; so, at
- * 34-40 GB/s (issue 11, round 12). The Q4_1 products, bound by their arithmetic, ran about
+ * 34-40 GB/s. The Q4_1 products, bound by their arithmetic, ran about
  * as fast either way. */
 #define ROW_PREFETCH 8192
 #define ROW_PREFETCH_HINT _MM_HINT_T1
@@ -517,7 +517,7 @@ static inline __m256i hsum8_epi32(const __m256i *v) {
  * sums in a vector of its own (a multiply-add, a conversion and a multiply-add with the row's
  * broadcast scale), reduced once at the end, where the AVX2 form reduces every block's sums
  * across lanes: on AMD Zen 5 the fused step of 8 and of 16 rows took 4-5% less time with it,
- * interleaved (benchmarks/RESULTS.md, issue 11, round 5). */
+ * interleaved (benchmarks/RESULTS.md). */
 static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *dT,
                       const float *sT, int64_t K, int64_t nb, float *y, int64_t ldy) {
     int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
@@ -527,7 +527,7 @@ static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float 
     for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         /* the output head (49,152 rows, one product) stalled on its weight loads without it:
-         * 1.3x faster at 8 and at 16 rows with it; a decode step's layers the same (round 5) */
+         * 1.3x faster at 8 and at 16 rows with it; a decode step's layers the same */
         _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
         __m512i wv;
         if (fmt == FMT_Q4_1) {
@@ -949,7 +949,7 @@ static void amx_chunk(const uint8_t *w, int64_t row_bytes, int fmt, int64_t nb, 
 /* Rows from which a bfloat16 model's products take the AMX kernel (gemm_bf16_amx,
  * amx_rows_range), or 0 where the build has no such kernel or the OS refuses the tiles: from 2
  * rows it beat both the 16-bit and the bfloat16 batch kernels for every weight shape of the
- * default model (benchmarks/bench_quant.py part 7; benchmarks/RESULTS.md, issue 11, round 15).
+ * default model (benchmarks/bench_quant.py part 7; benchmarks/RESULTS.md).
  * The first call asks Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM); make it
  * before any thread uses the kernel (the library's loader does). */
 int amx_rows(void) {
