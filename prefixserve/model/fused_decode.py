@@ -24,76 +24,16 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from pathlib import Path
 from typing import cast
 
 import torch
 from torch import nn
 
-from prefixserve.model import quant_kernels
+from prefixserve.model import decode_kernel
+from prefixserve.model.decode_kernel import KV_TYPES, SUPPORTED_DTYPES
 from prefixserve.model.gemma3 import GeGLU, Gemma3CausalLM
 from prefixserve.model.llama import CausalLM, DecoderLayer
 from prefixserve.model.quant import QuantLinear
-
-_SOURCE = Path(__file__).with_name("kernels") / "decode.c"
-#: Activation dtypes of the fused step. With bfloat16 the layers compute in float32 (norm
-#: weights and biases are copied to float32 once).
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-#: Cache dtypes the kernel reads and writes (``kv_type`` of ``decode.c``), any of them beside
-#: either activation dtype (``--kv-cache-dtype``); K/V are rounded to the 16-bit types as they
-#: are written (to nearest even, as torch rounds) and attention reads them back.
-KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + \
-               [(name, ctypes.c_int64) for name in
-                ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")] + \
-               [(name, ctypes.c_void_p) for name in
-                ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "kv", "q_norm", "k_norm",
-                 "attn_out_norm", "mlp_out_norm")] + \
-               [("group", ctypes.c_int64), ("local_rope", ctypes.c_int64)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64),
-                ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
-                ("block_size", ctypes.c_int64), ("num_slots", ctypes.c_int64),
-                ("kv_type", ctypes.c_int64), ("bf16_products", ctypes.c_int64),
-                ("bf16_queries", ctypes.c_int64), ("eps", ctypes.c_double),
-                ("inv_freq", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)),
-                ("gelu", ctypes.c_int64), ("query_factor", ctypes.c_double),
-                ("inv_freq_local", ctypes.c_void_p), ("num_groups", ctypes.c_int64),
-                ("windows", ctypes.c_void_p)]
-
-
-class _Batch(ctypes.Structure):
-    _fields_ = [("B", ctypes.c_int64), ("pos", ctypes.c_void_p), ("tables", ctypes.c_void_p),
-                ("rows", ctypes.c_void_p), ("table_stride", ctypes.c_int64)]
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.decode_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch),
-                                   ctypes.c_void_p]
-    lib.decode_forward.restype = ctypes.c_int
-    # attention alone (prefixserve.model.prompt_attention)
-    model, batch = ctypes.POINTER(_Model), ctypes.POINTER(_Batch)
-    lib.attention_plan_bytes.argtypes = [model, batch]
-    lib.attention_plan_bytes.restype = ctypes.c_int64
-    lib.attention_plan.argtypes = [model, batch, ctypes.c_int64, ctypes.c_void_p]
-    lib.attention_plan.restype = None
-    lib.attention_run.argtypes = [model, batch, ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_void_p]
-    lib.attention_run.restype = None
-    lib.attention_has_fast_form.argtypes = [ctypes.c_int64]
-    lib.attention_has_fast_form.restype = ctypes.c_int
-    lib.attention_has_bf16_form.argtypes = []
-    lib.attention_has_bf16_form.restype = ctypes.c_int
-
-
-_library = quant_kernels.KernelLibrary(_SOURCE, _declare)
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
@@ -135,8 +75,8 @@ def unsupported_attention(model: nn.Module, kv_cache: torch.Tensor) -> str | Non
     for failed, reason in reasons:
         if failed:
             return reason
-    if _library.get() is None:
-        return f"the decode kernel cannot be built: {_library.error}"
+    if decode_kernel.library.get() is None:
+        return f"the decode kernel cannot be built: {decode_kernel.library.error}"
     return None
 
 
@@ -146,7 +86,7 @@ class FusedDecode:
     into the model's weights and the cache: build it again if either is replaced."""
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
-        lib = _library.get()
+        lib = decode_kernel.library.get()
         assert lib is not None, "check unsupported() first"
         self._lib = lib
         config = model.config
@@ -158,7 +98,7 @@ class FusedDecode:
         sliding = getattr(model, "sliding", [False] * len(model.layers))
         if local is not None:
             self._keep.append(local.float().contiguous())
-        layers = (_Layer * len(model.layers))()
+        layers = (decode_kernel.LayerStruct * len(model.layers))()
         for i, layer in enumerate(_layers(model)):
             layers[i] = self._layer(layer, kv_cache[layout.slot[i]])
             layers[i].group = layout.group[i]
@@ -171,7 +111,7 @@ class FusedDecode:
         bf16 = int(_layers(model)[0].input_norm.weight.dtype == torch.bfloat16)
         first = _layers(model)[0]
         query_factor = getattr(first.attn, "query_factor", 1.0)
-        self.model = _Model(
+        self.model = decode_kernel.ModelStruct(
             len(model.layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
             kv_cache.shape[2], KV_TYPES[kv_cache.dtype], bf16, bf16, config.rms_norm_eps,
@@ -179,7 +119,7 @@ class FusedDecode:
             None if local is None else self._keep[3].data_ptr(), self.num_groups,
             windows.data_ptr())
 
-    def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> _Layer:
+    def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> decode_kernel.LayerStruct:
         def as_float(tensor: torch.Tensor) -> int:
             kept = tensor.detach().float().contiguous()  # a copy unless already float32
             self._keep.append(kept)
@@ -198,7 +138,7 @@ class FusedDecode:
         # Q/K norms (Qwen3, Gemma 3); Gemma 3's norms of each block's output
         extra = [norm(layer.attn, "q_norm"), norm(layer.attn, "k_norm"),
                  norm(layer, "post_attn_out_norm"), norm(layer, "post_mlp_norm")]
-        return _Layer(*norms, *(p.qweight.data_ptr() for p in projections),
+        return decode_kernel.LayerStruct(*norms, *(p.qweight.data_ptr() for p in projections),
                       *(p.fmt for p in projections), *(bias(p) for p in projections),
                       cache.data_ptr(), *extra)
 
@@ -218,8 +158,9 @@ class FusedDecode:
         pos_t = torch.tensor(positions, dtype=torch.int64)
         groups = [(tables, torch.tensor(rows, dtype=torch.int64))]
         groups += [(t, torch.tensor(r, dtype=torch.int64)) for t, r in extra]
-        batches = (_Batch * len(groups))(*(
-            _Batch(len(positions), pos_t.data_ptr(), t.data_ptr(), r.data_ptr(), t.stride(0))
+        batch = decode_kernel.BatchStruct
+        batches = (batch * len(groups))(*(
+            batch(len(positions), pos_t.data_ptr(), t.data_ptr(), r.data_ptr(), t.stride(0))
             for t, r in groups))
         if self._lib.decode_forward(ctypes.byref(self.model), batches,
                                     hidden.data_ptr()) != 0:

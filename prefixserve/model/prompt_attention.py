@@ -29,20 +29,20 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.model import fused_decode
+from prefixserve.model import decode_kernel
 
 
 def available(head_dim: int) -> bool:
     """Whether this CPU's build of the kernel attends at this head size in its 512-bit form
     (the one measured faster than SDPA; the AVX2 form was not)."""
-    lib = fused_decode._library.get()
+    lib = decode_kernel.library.get()
     return lib is not None and bool(lib.attention_has_fast_form(head_dim))
 
 
 def attends_in_bf16() -> bool:
     """Whether this CPU's build attends with bfloat16 queries and weights over a bfloat16 cache
     with ``vdpbf16ps`` (AVX512-BF16): ``PromptAttention(..., bf16_queries=True)`` takes it."""
-    lib = fused_decode._library.get()
+    lib = decode_kernel.library.get()
     return lib is not None and bool(lib.attention_has_bf16_form())
 
 
@@ -52,7 +52,7 @@ class KernelPlan:
     the float32 queries and outputs every layer reuses (``[rows, heads * head_dim]``)."""
 
     owner: PromptAttention
-    batch: fused_decode._Batch
+    batch: decode_kernel.BatchStruct
     arrays: tuple[torch.Tensor, ...]
     plan: torch.Tensor
     query: torch.Tensor
@@ -72,7 +72,7 @@ class KernelPlan:
 
 class PromptAttention:
     """The kernel's attention for a model's cache: heads, KV heads, head size, block size and
-    cache type (one of :data:`~prefixserve.model.fused_decode.KV_TYPES`). ``bf16_queries``
+    cache type (one of :data:`~prefixserve.model.decode_kernel.KV_TYPES`). ``bf16_queries``
     says that the queries are bfloat16 values (a bfloat16 model's): with a bfloat16 cache the
     kernel then attends in bfloat16 (:func:`attends_in_bf16`), reading keys and values in place
     and rounding the softmax weights to bfloat16 as torch's SDPA does in bfloat16. It keeps
@@ -83,12 +83,12 @@ class PromptAttention:
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, block_size: int,
                  kv_cache: torch.Tensor, bf16_queries: bool = False) -> None:
-        lib = fused_decode._library.get()
+        lib = decode_kernel.library.get()
         assert lib is not None and available(head_dim), "check available() first"
         self.lib = lib
         self.width = heads * head_dim
-        self.model = fused_decode._Model(0, 0, heads, kv_heads, head_dim, 0, block_size,
-                                         kv_cache.shape[2], fused_decode.KV_TYPES[kv_cache.dtype],
+        self.model = decode_kernel.ModelStruct(0, 0, heads, kv_heads, head_dim, 0, block_size,
+                                         kv_cache.shape[2], decode_kernel.KV_TYPES[kv_cache.dtype],
                                          0, int(bf16_queries), 0.0, None, None)
         self._buffer = torch.empty(0, dtype=torch.float32)
 
@@ -101,7 +101,7 @@ class PromptAttention:
         there)."""
         pos_t = torch.tensor(positions, dtype=torch.int64)
         rows_t = torch.tensor(table_rows, dtype=torch.int64)
-        batch = fused_decode._Batch(len(positions), pos_t.data_ptr(), tables.data_ptr(),
+        batch = decode_kernel.BatchStruct(len(positions), pos_t.data_ptr(), tables.data_ptr(),
                                     rows_t.data_ptr(), tables.stride(0))
         plan_floats = (self.lib.attention_plan_bytes(ctypes.byref(self.model),
                                                      ctypes.byref(batch)) + 3) // 4

@@ -48,7 +48,6 @@ from prefixserve.tools import estimate_hybrid
 from prefixserve.tools.estimate_results import CacheResult, Estimate, ReplaySettings
 from prefixserve.tools.trace_formats import (
     ReadOptions,
-    TraceError,
     TraceRequest,
     Workload,
     read_workload,
@@ -594,27 +593,3 @@ def estimate(args: argparse.Namespace) -> Estimate:
     return Estimate(workload, settings, args.warmup_fraction, results, read_seconds,
                     first_seconds + run.seconds, run.jobs, run.peak_rss_mib,
                     run.worker_peak_rss_mib, kv_bytes)
-
-
-def run_estimate(args: argparse.Namespace) -> int:
-    """The ``prefixserve estimate`` command: prints the table, writes ``--json``/``--plot``.
-
-    Returns 0, or 2 after printing the reason when the input or an option is unusable."""
-    from prefixserve.tools.estimate_report import print_report, write_json, write_plot
-
-    try:
-        result = estimate(args)
-    except (TraceError, ValueError, OSError) as exc:
-        print(f"prefixserve estimate: error: {exc}", file=sys.stderr)
-        return 2
-    from prefixserve.tools.estimate_lora import lora_figures, print_lora_report
-
-    result.lora = lora_figures(result.workload, result.settings)
-    print_report(result)
-    if result.lora is not None:
-        print_lora_report(result.lora)
-    if args.json:
-        write_json(result, args.json)
-    if args.plot:
-        write_plot(result, args.plot)
-    return 0

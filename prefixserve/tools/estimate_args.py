@@ -4,6 +4,7 @@ argparse is imported here; ``estimate`` itself is imported when the command runs
 from __future__ import annotations
 
 import argparse
+import sys
 
 DESCRIPTION = """\
 Replays a prompt log or a block-hash trace, in file order, through the engine's own prefix-cache
@@ -63,9 +64,33 @@ def run(args: argparse.Namespace) -> int:
         from prefixserve.tools.estimate_replicas import run_replica_estimate
 
         return run_replica_estimate(args)
-    from prefixserve.tools.estimate import run_estimate
-
     return run_estimate(args)
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """The one-server estimate: prints the table, writes ``--json``/``--plot``.
+
+    Returns 0, or 2 after printing the reason when the input or an option is unusable. (The
+    estimator and its reports are imported here, at the top: neither imports the other.)"""
+    from prefixserve.tools.estimate import estimate
+    from prefixserve.tools.estimate_lora import lora_figures, print_lora_report
+    from prefixserve.tools.estimate_report import print_report, write_json, write_plot
+    from prefixserve.tools.trace_formats import TraceError
+
+    try:
+        result = estimate(args)
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"prefixserve estimate: error: {exc}", file=sys.stderr)
+        return 2
+    result.lora = lora_figures(result.workload, result.settings)
+    print_report(result)
+    if result.lora is not None:
+        print_lora_report(result.lora)
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        write_plot(result, args.plot)
+    return 0
 
 
 def _add_input(parser: argparse.ArgumentParser) -> None:

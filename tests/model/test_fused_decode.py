@@ -20,7 +20,7 @@ import torch
 from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import fused_decode, quant_kernels
+from prefixserve.model import decode_kernel, fused_decode, quant_kernels
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.lora import install_lora
@@ -173,8 +173,8 @@ def test_the_avx2_build_matches_the_eager_layers(case: str, extra: int,
     (skipped where the native build is AVX2)."""
     if not has_avx512_and_avx2():
         pytest.skip("the native build is the AVX2 one, or there is none")
-    avx2 = quant_kernels.KernelLibrary(fused_decode._SOURCE, fused_decode._declare, AVX2_BUILD)
-    monkeypatch.setattr(fused_decode, "_library", avx2)
+    avx2 = quant_kernels.KernelLibrary(decode_kernel.SOURCE, decode_kernel.declare, AVX2_BUILD)
+    monkeypatch.setattr(decode_kernel, "library", avx2)
     check_against_eager(case, extra)
     assert avx2.lib is not None
 
@@ -489,8 +489,8 @@ def test_sliding_window_models_take_the_fused_layers(name: str, window: int, bui
     if build == "avx2":
         if not has_avx512_and_avx2():
             pytest.skip("the native build is the AVX2 one, or there is none")
-        monkeypatch.setattr(fused_decode, "_library", quant_kernels.KernelLibrary(
-            fused_decode._SOURCE, fused_decode._declare, AVX2_BUILD))
+        monkeypatch.setattr(decode_kernel, "library", quant_kernels.KernelLibrary(
+            decode_kernel.SOURCE, decode_kernel.declare, AVX2_BUILD))
     config, model = windowed_model(name, window, tmp_path)
     dtype = WINDOWED[name][1]
     fused, fused_cache, fused_runner = run_windowed(model, config, False, dtype)

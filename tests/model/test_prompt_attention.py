@@ -11,7 +11,7 @@ import torch
 from isa_helpers import has_avx512_and_avx2
 from test_fused_decode import dense_model, packed_model, tiny_config
 
-from prefixserve.model import fused_decode, prompt_attention, quant_kernels
+from prefixserve.model import decode_kernel, prompt_attention, quant_kernels
 from prefixserve.model.attention import (
     AttentionMetadata,
     TableRows,
@@ -202,9 +202,9 @@ def test_without_avx512_bf16_the_flag_falls_back_to_float32(
     stubs leaves the outputs at zero), ``attends_in_bf16`` asking the wrong build."""
     if not has_avx512_and_avx2():
         pytest.skip("needs an AVX-512 CPU to build its kernel without AVX512-BF16")
-    build = quant_kernels.KernelLibrary(fused_decode._SOURCE, fused_decode._declare,
+    build = quant_kernels.KernelLibrary(decode_kernel.SOURCE, decode_kernel.declare,
                                         ("-mno-avx512bf16",))
-    monkeypatch.setattr(fused_decode, "_library", build)
+    monkeypatch.setattr(decode_kernel, "library", build)
     assert prompt_attention.available(64) and not prompt_attention.attends_in_bf16()
     plan = planned(9, 3, 64, torch.bfloat16, bf16_queries=True)
     q = torch.randn(plan.want.num_tokens, 9, 64)
