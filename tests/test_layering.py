@@ -10,6 +10,7 @@ one layer, and each layer may import only the layers listed in ``ALLOWED``. From
                    package is prefixserve/__init__.py, the lazy LLM / SamplingParams facade;
                    server and tools never import each other
     engine
+    tiers          the disk and Redis cache tiers, over the core's tier interface
     core, model    independent of each other
     values         sampling_params.py and outputs.py, the API's plain values: every layer may
                    import them, and they import nothing else of prefixserve
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 #: ``package``. A new top-level module or subpackage must be added here (the test says so).
 LAYERS = {
     "core": "core",
+    "tiers": "tiers",
     "router": "router",
     "model": "model",
     "engine": "engine",
@@ -59,16 +61,19 @@ LAYERS = {
 ALLOWED: dict[str, frozenset[str]] = {
     "values": frozenset({"values"}),
     "core": frozenset({"core", "values"}),
+    "tiers": frozenset({"tiers", "core", "values"}),
     "router": frozenset({"router", "core", "values"}),
     "model": frozenset({"model", "values"}),
-    "engine": frozenset({"engine", "model", "core", "values"}),
-    "server": frozenset({"server", "package", "engine", "model", "router", "core", "values"}),
-    "serve_ray": frozenset({"serve_ray", "server", "package", "engine", "model", "router", "core",
-                            "values"}),
-    "tools": frozenset({"tools", "package", "engine", "model", "router", "core", "values"}),
-    "package": frozenset({"package", "engine", "model", "core", "values"}),
-    "cli": frozenset({"cli", "serve_ray", "server", "tools", "package", "engine", "model",
-                      "router", "core", "values"}),
+    "engine": frozenset({"engine", "tiers", "model", "core", "values"}),
+    "server": frozenset({"server", "package", "engine", "tiers", "model", "router", "core",
+                         "values"}),
+    "serve_ray": frozenset({"serve_ray", "server", "package", "engine", "tiers", "model", "router",
+                            "core", "values"}),
+    "tools": frozenset({"tools", "package", "engine", "tiers", "model", "router", "core",
+                        "values"}),
+    "package": frozenset({"package", "engine", "tiers", "model", "core", "values"}),
+    "cli": frozenset({"cli", "serve_ray", "server", "tools", "package", "engine", "tiers",
+                      "model", "router", "core", "values"}),
 }
 
 #: Imports that break ``ALLOWED`` today and are tolerated until they are removed, as

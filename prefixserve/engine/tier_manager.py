@@ -420,12 +420,12 @@ def open_tiers(config: EngineConfig, namespace: bytes) -> list[KVTier]:
     """The configured tiers in lookup order: disk, then Redis."""
     tiers: list[KVTier] = []
     if config.kv_disk_dir:
-        from prefixserve.engine.disk_tier import DiskTier
+        from prefixserve.tiers.disk import DiskTier
 
         tiers.append(DiskTier(config.kv_disk_dir, namespace.hex(),
                               parse_memory(config.kv_disk_size)))
     if config.kv_redis_url:
-        from prefixserve.engine.redis_tier import RedisTier
+        from prefixserve.tiers.redis import RedisTier
 
         budget = config.kv_redis_max_memory
         tiers.append(RedisTier(config.kv_redis_url, config.kv_redis_ttl, config.kv_tier_timeout,

@@ -15,8 +15,8 @@ from redis_helpers import RedisServer
 
 from prefixserve.core.tiers import TierChain, decode_record, encode_record, tier_key
 from prefixserve.engine.config import EngineConfig
-from prefixserve.engine.disk_tier import DiskTier
-from prefixserve.engine.redis_tier import RedisTier
+from prefixserve.tiers.disk import DiskTier
+from prefixserve.tiers.redis import RedisTier
 
 pytestmark = pytest.mark.fast
 

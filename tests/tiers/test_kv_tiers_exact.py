@@ -24,7 +24,7 @@ from prefixserve.core.tiers import (
     encode_record,
     tier_key,
 )
-from prefixserve.engine.disk_tier import DiskTier
+from prefixserve.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.fast
 
