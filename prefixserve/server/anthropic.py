@@ -57,7 +57,7 @@ from prefixserve.server.anthropic_tools import (
     tool_use_blocks,
     with_tools_ending_at,
 )
-from prefixserve.server.errors import ApiError, AsciiJSONResponse
+from prefixserve.server.errors import ApiError, AsciiJSONResponse, quote
 from prefixserve.server.serving import OpenAIServing, _Prompts, _Run
 from prefixserve.server.streams import (
     ClientDisconnectedError,
@@ -67,7 +67,8 @@ from prefixserve.server.streams import (
 )
 from prefixserve.server.tool_calls import ToolCalling, ToolCallStream
 
-_PATH = "/v1/messages"
+#: Where errors take Anthropic's shape.
+ANTHROPIC_PATH = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                 429: "rate_limit_error", 529: "overloaded_error"}
@@ -140,7 +141,7 @@ class AnthropicPrompt:
                 continue
             ttl = block.cache_control.ttl or "5m"
             if ttl not in TTL_SECONDS:
-                raise ApiError(400, f"{where}.cache_control.ttl: {ttl!r} is not a supported "
+                raise ApiError(400, f"{where}.cache_control.ttl: {quote(ttl)} is not a supported "
                                "TTL; use \"5m\" or \"1h\"")
             if isinstance(block, TextBlock) and not block.text:
                 raise ApiError(400, f"{where}: cache_control cannot be set on an empty text "
@@ -242,6 +243,14 @@ class AnthropicServing:
         prompt = await asyncio.to_thread(AnthropicPrompt, self.serving, body)
         return CountTokensResponse(input_tokens=len(prompt.ids))
 
+    def _checked_prompt(self, body: MessagesRequest) -> AnthropicPrompt:
+        """The request's prompt, checked as ``check_prompt`` does (rendering, encoding and
+        checking a large conversation takes seconds: the route runs this in a worker
+        thread)."""
+        prompt = AnthropicPrompt(self.serving, body)
+        self.serving.check_prompt(prompt.ids, body.max_tokens, "messages")
+        return prompt
+
     def _params(self, body: MessagesRequest, prompt: AnthropicPrompt) -> SamplingParams:
         calling = prompt.calling
         constraint = calling.constraint(self.serving.tokenizer) if calling is not None else None
@@ -258,8 +267,7 @@ class AnthropicServing:
                              api_key: str | None) -> Response | MessageResponse:
         serving = self.serving
         model = serving.resolve_model(body.model)
-        prompt = await asyncio.to_thread(AnthropicPrompt, serving, body)  # off the event loop
-        serving.check_prompt(prompt.ids, body.max_tokens, "messages")
+        prompt = await asyncio.to_thread(self._checked_prompt, body)  # off the event loop
         run = _Run(id=f"msg_{uuid.uuid4().hex}", model=model, prompts=_Prompts([prompt.ids]),
                    params=self._params(body, prompt), salt=serving.cache_salt(None, api_key),
                    param="messages", include_usage=False, grammar_param="tools",
@@ -416,7 +424,7 @@ def install_anthropic_errors(app: FastAPI) -> None:
 def _reshaped(handler: Handler) -> Handler:
     async def reshape(request: Request, exc: Exception) -> Response:
         response = await handler(request, exc)
-        if not request.url.path.startswith(_PATH):
+        if not request.url.path.startswith(ANTHROPIC_PATH):
             return response
         body = json.loads(bytes(response.body))
         error = body.get("error", {})

@@ -44,7 +44,7 @@ from prefixserve.server.anthropic_protocol import (
     ToolUseBlock,
     ToolUseOut,
 )
-from prefixserve.server.errors import ApiError
+from prefixserve.server.errors import ApiError, quote
 from prefixserve.server.tool_calls import ToolCalling
 
 SENTINEL = "\ue000\ue001"  # private-use characters: marks a breakpoint while rendering
@@ -71,7 +71,7 @@ def tool_calling(body: CountTokensRequest, template: str | None) -> ToolCalling 
     tools = body.tools or []
     choice = body.tool_choice
     if choice is not None and choice.type in ("any", "tool") and not tools:
-        raise ApiError(400, f"tool_choice: {choice.type!r} needs tools, and none are given")
+        raise ApiError(400, f"tool_choice: {quote(choice.type)} needs tools, and none are given")
     if not tools and _uses_tools(body):
         raise ApiError(400, "messages: requests with tool_use or tool_result blocks must "
                        "define tools")
@@ -176,7 +176,7 @@ def _user(index: int, blocks: list[ContentBlock], mark: object, known: set[str])
             continue  # a tool_use: refused by conversation()
         if block.tool_use_id not in known:
             raise ApiError(400, f"messages.{index}.content.{j}: tool_result answers "
-                           f"tool_use_id {block.tool_use_id!r}, which no earlier tool_use "
+                           f"tool_use_id {quote(block.tool_use_id)}, which no earlier tool_use "
                            "block has")
         if texts:
             out.append(Turn("user", _text(texts, mark)))

@@ -12,6 +12,7 @@ process exits with status 0. Connection-level protections (``--request-read-time
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -113,6 +114,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         kv_events_zmq=getattr(args, "kv_events_zmq", None))
 
 
+def freeze_startup_objects() -> None:
+    """Moves what startup allocated (the model, the app, their modules) out of the garbage
+    collector's reach: a full collection then walks only what requests allocate. Walking the
+    whole heap held the GIL for 0.1-0.2 s, a pause of every stream and of ``/health``."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Runs the server until SIGINT/SIGTERM; returns the process exit status."""
     try:
@@ -153,6 +162,7 @@ def run_server(args: argparse.Namespace) -> int:
                        http=read_timeout_protocol(http_config.request_read_timeout)),
         drain_timeout=args.shutdown_timeout,
         on_drain_timeout=lambda: engine.abort_all(SHUTDOWN_MESSAGE))
+    freeze_startup_objects()
     try:
         server.run()
     finally:

@@ -27,7 +27,7 @@ from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.lora_registry import LoRAInUseError
 from prefixserve.model.lora import LoRAError
 from prefixserve.server.config import ServerConfig
-from prefixserve.server.errors import ApiError
+from prefixserve.server.errors import ApiError, quote
 from prefixserve.server.openapi import ErrorDocs, error_doc
 
 MODEL_NAME_LABEL = "model_name"
@@ -71,7 +71,7 @@ def add_lora_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig, admin_
     async def load_lora_adapter(body: LoadLoRARequest, key: AdminKey) -> LoRAStatus:
         """Loads a LoRA adapter to serve as ``model: lora_name``. An admin action."""
         if body.lora_name in config.served_model_names:
-            raise ApiError(400, f"{body.lora_name!r} is the base model's name; give the "
+            raise ApiError(400, f"{quote(body.lora_name)} is the base model's name; give the "
                            "adapter another", param="lora_name", code="invalid_lora")
         try:
             info = await engine.add_lora(body.lora_name, body.lora_path)
@@ -85,14 +85,14 @@ def add_lora_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig, admin_
         """Unloads a LoRA adapter that no request uses. An admin action."""
         known = {info.name: info for info in engine.lora_adapters}
         if body.lora_name not in known:
-            raise ApiError(404, f"no LoRA adapter named {body.lora_name!r} is loaded",
+            raise ApiError(404, f"no LoRA adapter named {quote(body.lora_name)} is loaded",
                            param="lora_name", code="lora_not_found")
         try:
             await engine.remove_lora(body.lora_name)
         except LoRAInUseError as exc:
             raise ApiError(409, str(exc), param="lora_name", code="lora_in_use") from exc
         except KeyError as exc:  # unloaded meanwhile by another call
-            raise ApiError(404, f"no LoRA adapter named {body.lora_name!r} is loaded",
+            raise ApiError(404, f"no LoRA adapter named {quote(body.lora_name)} is loaded",
                            param="lora_name", code="lora_not_found") from exc
         info = known[body.lora_name]
         return LoRAStatus(status="unloaded", lora_name=info.name, lora_id=info.lora_id)

@@ -7,8 +7,10 @@ Each answer is kept in memory (the conversation that led to it plus its text) fo
 ``previous_response_id``, at most ``--max-stored-responses`` of them, oldest dropped first;
 ``store: false`` keeps nothing. A stored response belongs to the API key that created it (its
 tenant, the SHA-256 of the key): another key gets the same 400 as an unknown id, so nothing
-tells it that the id exists. The admin key has no rights over stored responses (no route lists,
-reads or deletes them; they leave by age). A streamed answer sends ``response.created``,
+tells it that the id exists. The admin key has no rights over stored responses: it is no API
+key (``/v1/responses`` answers it 401 whatever id it names), no route lists, reads or deletes
+them, and they leave by age only; a key given both as ``--api-key`` and ``--admin-key`` is a
+tenant like any other, with its own responses. A streamed answer sends ``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``, one
 ``response.output_text.delta`` per piece, then the ``.done`` events and ``response.completed``
 (or ``response.incomplete`` when it hit ``max_output_tokens``). Tools, reasoning items and
@@ -17,7 +19,6 @@ other output types are not part of this subset (a 400 for unknown fields).
 Annotations here are evaluated (no ``from __future__ import annotations``), as in ``app.py``.
 """
 
-import asyncio
 import hashlib
 import time
 import uuid
@@ -263,8 +264,8 @@ def add_responses_route(app: FastAPI, serving: OpenAIServing, config: ServerConf
         chat = ChatCompletionRequest.model_validate(
             {"messages": messages, "max_completion_tokens": body.max_output_tokens,
              "temperature": body.temperature, "top_p": body.top_p})
-        ids = await asyncio.to_thread(serving.chat_prompt, chat)
-        serving.check_prompt(ids, body.max_output_tokens, "input")
+        ids = await serving.checked_ids(lambda: serving.chat_prompt(chat),
+                                        body.max_output_tokens, "input")
         params = serving.sampling_params(chat, max_tokens=body.max_output_tokens,
                                          logprobs=None, prompt_logprobs=None)
         run = serving._run("resp", model, _Prompts([ids]), params, chat, key, "input")

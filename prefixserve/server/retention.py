@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from prefixserve.core import Retention, RetentionRange
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import QueueFullError, RequestError
-from prefixserve.server.errors import ApiError
+from prefixserve.server.errors import ApiError, quote
 from prefixserve.server.retention_protocol import PinInfo, PinList, PinRequest, RetentionSpec
 
 
@@ -102,6 +102,6 @@ class PinService:
 
     async def unpin(self, pin_id: str) -> None:
         if not await self.engine.unpin(pin_id):
-            raise ApiError(404, f"no pin named {pin_id!r}", code="pin_not_found")
+            raise ApiError(404, f"no pin named {quote(pin_id)}", code="pin_not_found")
         self.tokens.pop(pin_id, None)
 

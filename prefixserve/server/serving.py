@@ -43,7 +43,7 @@ from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
 from prefixserve.server.agent_protocol import ResponseToolCall
 from prefixserve.server.config import ServerConfig
-from prefixserve.server.errors import ApiError
+from prefixserve.server.errors import ApiError, quote
 from prefixserve.server.logprobs import LogprobEntry, LogprobFormatter
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.protocol import (
@@ -282,7 +282,8 @@ class OpenAIServing:
             return self.config.served_model_names[0]
         if name not in self.config.served_model_names and not self._is_lora(name):
             served = ", ".join(self.config.served_model_names)
-            raise ApiError(404, f"the model {name!r} does not exist here; use one of: {served}",
+            raise ApiError(404, f"the model {quote(name)} does not exist here; use one of: "
+                           f"{served}",
                            param="model", code="model_not_found")
         return name
 
@@ -334,11 +335,24 @@ class OpenAIServing:
     def check_prompt(self, ids: Sequence[int], max_tokens: int | None, param: str) -> None:
         """A 400 naming ``param`` (or ``max_tokens``) unless the prompt is non-empty, in the
         vocabulary, shorter than the context and leaves room for ``max_tokens`` more (the
-        engine's ``validate_prompt``)."""
+        engine's ``validate_prompt``). It reads every id: a route calls it in the worker
+        thread that made the ids (:meth:`checked_ids`), off the event loop."""
         try:
             self.engine.validate_prompt(ids, max_tokens)
         except RequestError as exc:
             raise _bad_request(exc, param) from exc
+
+    async def checked_ids(self, make: Callable[[], list[int]], max_tokens: int | None,
+                          param: str) -> list[int]:
+        """``make()``'s token ids, checked by :meth:`check_prompt`, both in a worker thread:
+        encoding or rendering a large input takes seconds, and checking a million ids a
+        tenth of one, which on the event loop would stall every other client."""
+        def run() -> list[int]:
+            ids = make()
+            self.check_prompt(ids, max_tokens, param)
+            return ids
+
+        return await asyncio.to_thread(run)
 
     def sampling_params(self, body: GenerationRequest, *, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None,
@@ -382,7 +396,7 @@ class OpenAIServing:
         for key, value in body.logit_bias.items():
             token_id = int(key) if key.isascii() and key.isdigit() else -1
             if not 0 <= token_id < self.vocab_size:
-                raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, "
+                raise ApiError(400, f"logit_bias: {quote(key)} is not a token id in [0, "
                                f"{self.vocab_size})", param="logit_bias", code="invalid_value")
             bias[token_id] = value
         bad = [t for t in body.allowed_token_ids or () if t >= self.vocab_size]
@@ -488,11 +502,9 @@ class OpenAIServing:
         items = _prompt_items(body.prompt)
         self.check_limits(len(items), body.n)
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        ids_list = await asyncio.to_thread(self._encode_prompts, items)
-        for ids in ids_list:
-            self.check_prompt(ids, max_tokens, "prompt")
+        ids_list = await asyncio.to_thread(self._encode_prompts, items, max_tokens)
         k, echo = body.logprobs, bool(body.echo)
-        constraint, grammar_param = structured_outputs(body)
+        constraint, grammar_param = await asyncio.to_thread(structured_outputs, body)
         params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
                                       prompt_logprobs=k if echo else None,
                                       constraint=constraint)
@@ -505,10 +517,14 @@ class OpenAIServing:
             lambda stream: self._completion_events(run, choices, stream),
             lambda: self._completion_response(run, choices), response)
 
-    def _encode_prompts(self, items: Sequence[Any]) -> list[list[int]]:
-        """The token ids of each prompt (text encoded, ids as given). Encoding a large text
-        takes seconds: the routes run this in a worker thread, off the event loop."""
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+    def _encode_prompts(self, items: Sequence[Any], max_tokens: int) -> list[list[int]]:
+        """The token ids of each prompt (text encoded, ids as given), each checked by
+        :meth:`check_prompt`. Encoding a large text takes seconds: the route runs this in a
+        worker thread, off the event loop."""
+        ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+        for ids in ids_list:
+            self.check_prompt(ids, max_tokens, "prompt")
+        return ids_list
 
     def _echo_texts(self, items: Sequence[Any], ids_list: Sequence[list[int]]) -> list[str]:
         """The text to echo of each prompt: as given, or its token ids decoded (special tokens
@@ -593,10 +609,10 @@ class OpenAIServing:
         self.check_limits(1, body.n)
         max_tokens = body.max_completion_tokens or body.max_tokens
         tools = self.tool_calling(body)
-        ids = await asyncio.to_thread(self.chat_prompt, body, tools)
-        self.check_prompt(ids, max_tokens, "messages")
+        ids = await self.checked_ids(lambda: self.chat_prompt(body, tools), max_tokens,
+                                     "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        constraint, grammar_param = structured_outputs(body)
+        constraint, grammar_param = await asyncio.to_thread(structured_outputs, body)
         tool_constraint = tools.constraint(self.tokenizer) if tools is not None else None
         if tool_constraint is not None:
             if constraint is not None and tools is not None and tools.choice != "auto":

@@ -52,7 +52,7 @@ from prefixserve.server.agent_protocol import (
     ResponseToolCall,
     ToolDefinition,
 )
-from prefixserve.server.errors import ApiError
+from prefixserve.server.errors import ApiError, quote
 from prefixserve.server.structured import check_json_schema
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -102,7 +102,8 @@ def check_tool_messages(messages: Sequence[Any]) -> None:
             known.add(call.id)
         if message.role == "tool" and message.tool_call_id not in known:
             raise ApiError(400, f"messages[{index}]: the tool message answers the call "
-                           f"{message.tool_call_id!r}, which no earlier assistant message made",
+                           f"{quote(message.tool_call_id)}, which no earlier assistant message "
+                           "made",
                            param="messages", code="invalid_messages")
 
 
@@ -138,7 +139,7 @@ class ToolCalling:
         kind = choice.type if isinstance(choice, NamedToolChoice) else (choice or "auto")
         forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
         if forced is not None and forced not in names:
-            raise ApiError(400, f"tool_choice names the function {forced!r}, which is not in "
+            raise ApiError(400, f"tool_choice names the function {quote(forced)}, which is not in "
                            f"tools ({', '.join(names) or 'none given'})", param="tool_choice",
                            code="invalid_value")
         if kind == "required" and not tools:

@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prefixserve.engine.errors import EngineDeadError
+from prefixserve.server.anthropic import ANTHROPIC_PATH, anthropic_error
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, error_response
 
@@ -156,9 +157,14 @@ class BodyLimitMiddleware:
                 return b"".join(parts)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = ApiError(413, f"the request body is larger than this server's limit of "
-                         f"{self.max_body_size} bytes", code="request_too_large")
-        await error_response(error)(scope, receive, send)
+        """A 413 before any work starts, in the shape of the API the path belongs to."""
+        message = (f"the request body is larger than this server's limit of "
+                   f"{self.max_body_size} bytes (--max-request-body-size)")
+        if str(scope.get("path", "")).startswith(ANTHROPIC_PATH):
+            response = anthropic_error(413, message)
+        else:
+            response = error_response(ApiError(413, message, code="request_too_large"))
+        await response(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
