@@ -65,6 +65,10 @@ class EngineConfig:
     capped by the KV cache. ``max_num_batched_tokens`` is the token budget of one step; with
     ``enable_chunked_prefill`` a prompt longer than what is left of it is computed in chunks,
     without it a prompt longer than the whole budget is refused (it could never run).
+    ``long_prefill_token_threshold``: while requests wait, a running prefill's chunk is at most
+    this many tokens and the running prefills leave this many of the budget to the waiting
+    requests, so that one long prompt does not hold a short request back until its prefill
+    ends (None: a quarter of ``max_num_batched_tokens``; 0: off; without chunked prefill, off).
     ``max_waiting_requests`` bounds the queue in sequences (a request of ``n`` takes ``n``;
     None: unbounded); a request that does not fit the room left is refused.
     ``dtype`` defaults to ``"auto"``: bfloat16 where the CPU computes it natively (AVX512-BF16 or
@@ -117,6 +121,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
     max_waiting_requests: int | None = None
     num_threads: int | None = None
     max_pinned_fraction: float = 0.5
@@ -141,6 +146,15 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
 
+    @property
+    def prefill_threshold(self) -> int:
+        """``long_prefill_token_threshold`` resolved: its default, and 0 without chunking."""
+        if not self.enable_chunked_prefill:
+            return 0
+        if self.long_prefill_token_threshold is None:
+            return self.max_num_batched_tokens // 4
+        return self.long_prefill_token_threshold
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], "
@@ -156,6 +170,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and not 0 <= threshold < self.max_num_batched_tokens:
+            raise ValueError(f"long_prefill_token_threshold must be in [0, "
+                             f"max_num_batched_tokens = {self.max_num_batched_tokens}), got "
+                             f"{threshold}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
         if self.kv_cache_memory is not None:

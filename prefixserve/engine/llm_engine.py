@@ -138,7 +138,8 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings, capacity)
         log_kv_capacity(self.model_config, num_blocks, config)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                   config.prefill_threshold)
         self.tiers: KVTierManager | None = None
         if namespace is not None:
             self.tiers = make_tier_manager(config, namespace, self.kv_cache_manager,

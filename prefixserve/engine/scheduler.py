@@ -9,6 +9,12 @@ Each step the scheduler fills a token budget (``max_num_batched_tokens``):
    When the pool is short, the most recently started running request is preempted (its blocks
    freed and its drafts dropped, its hash chain kept so that resuming hits its own blocks) until
    the allocation fits.
+   A prefill chunk leaves one token of the budget to each decoding request after it. While
+   requests wait and a sequence slot is free, a prefill chunk of a running request is
+   at most ``long_prefill_token_threshold`` tokens, and the running prefills leave that many
+   tokens of the budget to the waiting requests (decodes are not held back): one long prompt
+   no longer holds a short request back until its whole prefill is done. Nothing waiting, a
+   prefill takes the whole budget.
 2. Then waiting requests, oldest first, while there is budget, a free sequence slot and no
    preemption happened in this step: ``get_computed_blocks`` (a pure query), then
    ``allocate_slots`` with the hits; a request that does not fit stays at the head of the queue.
@@ -21,7 +27,8 @@ Invariants:
   preemption; when the engine is idle the pool's free count equals its size.
 * Liveness: a request that passes ``check_admissible`` is scheduled within a bounded number of
   steps, and every step with unfinished requests schedules at least one token. The oldest
-  running request always gets the whole budget's first tokens and is never the preemption
+  running request always gets the budget's first tokens (at least one: the threshold is below
+  the budget) and is never the preemption
   victim while another running request is left, so it finishes; the waiting head then fits
   once nothing runs, because (a) ``max_model_len`` is capped by the pool's capacity, so one
   request alone always fits the pool, and (b) without chunked prefill a new prompt is admitted
@@ -78,11 +85,16 @@ class Scheduler:
     """Decides which requests run in each step and how many tokens each computes."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int = 0) -> None:
+        if not 0 <= long_prefill_token_threshold < max_num_batched_tokens:
+            raise ValueError("long_prefill_token_threshold must be in [0, "
+                             f"max_num_batched_tokens), got {long_prefill_token_threshold}")
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -120,12 +132,36 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _prefill_limits(self) -> tuple[int, int]:
+        """The most tokens one running prefill may take in this step, and the budget the
+        running requests leave for the waiting ones: (no limit, 0) unless requests wait, a
+        sequence slot is free and ``long_prefill_token_threshold`` is set."""
+        threshold = self.long_prefill_token_threshold
+        if not threshold or not self.waiting or len(self.running) >= self.max_num_seqs:
+            return self.max_num_batched_tokens, 0
+        return threshold, threshold
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedules the running requests in the order they started, preempting the newest
+        when the pool is short; returns the budget left."""
+        chunk_limit, reserve = self._prefill_limits()
         scheduled_running: list[Request] = []
         queue = list(self.running)
+        oldest = queue[0] if queue else None
+        decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in queue)
         while queue and budget > 0:
             request = queue.pop(0)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 1:
+                decodes -= 1
+            elif num_new > 1:  # a prefill chunk: leave a token to each decode after it
+                room = budget - reserve - decodes  # and the reserve to the waiting requests
+                floor = 1 if request is oldest else 0  # the oldest always computes
+                num_new = min(num_new, chunk_limit, max(room, floor))
             if num_new <= 0:
                 scheduled_running.append(request)
                 continue
@@ -144,7 +180,11 @@ class Scheduler:
                 budget -= num_new + len(drafts)
         # Requests not reached for lack of budget stay running, unscheduled this step.
         self.running = scheduled_running + queue
+        return budget
 
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting requests, oldest first, while the budget, the sequence slots and
+        the pool allow and no preemption happened in this step."""
         now = time.time()
         index = 0  # past the requests the gate holds back
         while (index < len(self.waiting) and budget > 0 and not out.num_preempted
@@ -180,7 +220,6 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-        return out
 
     @staticmethod
     def _drafts(request: Request, num_new: int, budget: int) -> list[int]:

@@ -96,7 +96,8 @@ class AnthropicPrompt:
         if auto is not None and self.turns[-1][1]:  # automatic caching: the last block
             last = self.turns[-1][1][-1]
             self.turns[-1][1][-1] = last.model_copy(update={"cache_control": auto})
-        self.calling = tool_calling(body, serving.tokenizer.chat_template)
+        self.calling = tool_calling(body, serving.tokenizer.chat_template,
+                                    serving.config.max_json_schema_depth)
         self.text = self._render(None)
         self.ids = serving.tokenizer.encode(self.text, add_special_tokens=False)
         self.breakpoints = self._breakpoints()

@@ -66,7 +66,8 @@ class Turn:
         return {"role": self.role, "content": self.content}
 
 
-def tool_calling(body: CountTokensRequest, template: str | None) -> ToolCalling | None:
+def tool_calling(body: CountTokensRequest, template: str | None,
+                 max_schema_depth: int) -> ToolCalling | None:
     """The request's tools as the OpenAI path's ``ToolCalling`` (None without tools)."""
     tools = body.tools or []
     choice = body.tool_choice
@@ -80,7 +81,7 @@ def tool_calling(body: CountTokensRequest, template: str | None) -> ToolCalling 
     if choice is not None and choice.type == "tool":
         kind = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
     parallel = not getattr(choice, "disable_parallel_tool_use", None)
-    return ToolCalling.for_request(definitions, kind, parallel, template)
+    return ToolCalling.for_request(definitions, kind, parallel, template, max_schema_depth)
 
 
 def _definition(index: int, tool: Tool) -> ToolDefinition:

@@ -108,6 +108,11 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
     limits.add_argument("--max-request-body-size", metavar="SIZE", default="32MiB",
                         help="largest request body, e.g. 1MiB (default 32MiB); larger bodies "
                         "get 413")
+    limits.add_argument("--max-json-schema-depth", type=int, metavar="LEVELS",
+                        default=config.DEFAULT_MAX_JSON_SCHEMA_DEPTH,
+                        help="levels of objects and arrays a JSON schema (response_format, "
+                        "structured_outputs, tool parameters) may nest; deeper ones get 400 "
+                        f"(default {config.DEFAULT_MAX_JSON_SCHEMA_DEPTH})")
     limits.add_argument("--request-read-timeout", type=float, metavar="SECONDS",
                         default=config.DEFAULT_REQUEST_READ_TIMEOUT,
                         help="seconds a client has to send a request's headers and body before "
@@ -158,6 +163,11 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=None, help="compute long prompts in chunks (default: on; off, "
                        "a prompt longer than --max-num-batched-tokens is refused)")
+    group.add_argument("--long-prefill-token-threshold", type=int, metavar="N",
+                       help="while requests wait, a running prefill computes at most N tokens "
+                       "per step and leaves N of the step's budget to them, so a short request "
+                       "starts beside a long prompt's prefill (default: a quarter of "
+                       "--max-num-batched-tokens; 0: off)")
     group.add_argument("--num-threads", type=int, metavar="N",
                        help="CPU threads for the model (default: torch's)")
     group.add_argument("--deterministic", action="store_true", default=None,

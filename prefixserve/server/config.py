@@ -18,6 +18,9 @@ MAX_N = DEFAULT_MAX_N = 128
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 #: Largest request body, in bytes.
 DEFAULT_MAX_REQUEST_BODY_SIZE = 32 << 20
+#: Levels of objects and arrays a JSON schema (output constraint or tool parameters) may nest:
+#: the schema checks recurse, and about 100 levels exhaust Python's stack.
+DEFAULT_MAX_JSON_SCHEMA_DEPTH = 64
 #: Seconds a client has to send a request's headers and body.
 DEFAULT_REQUEST_READ_TIMEOUT = 30.0
 DEFAULT_MAX_RETENTION_DURATION = 3600.0
@@ -52,6 +55,7 @@ class ServerConfig:
     max_n: int = DEFAULT_MAX_N
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE
+    max_json_schema_depth: int = DEFAULT_MAX_JSON_SCHEMA_DEPTH
     request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT
     allowed_origins: tuple[str, ...] = ()
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
@@ -63,7 +67,7 @@ class ServerConfig:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
         for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request",
-                     "max_request_body_size"):
+                     "max_request_body_size", "max_json_schema_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_n > MAX_N:

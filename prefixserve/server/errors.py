@@ -2,7 +2,8 @@
 
 Every error the server answers goes through here: a request that fails validation is a 400 (never
 FastAPI's 422), an unknown route a 404, a wrong method a 405, a missing or wrong API key a 401.
-Bodies are written with ASCII escapes only, so no client input, however malformed, can make an
+An unexpected error is a 500 ``internal_error`` that leaves the connection open. Bodies are
+written with ASCII escapes only, so no client input, however malformed, can make an
 error response itself fail.
 """
 
@@ -18,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -147,3 +149,35 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
+    app.add_middleware(KeepAliveOnError, handlers=app.exception_handlers)
+
+
+class KeepAliveOnError:
+    """Answers an unexpected exception with the ``Exception`` handler's 500 and keeps the
+    connection open. Starlette's outermost middleware answers it too, but then raises it
+    again to the server, which closes the connection: the client's next request on it would
+    get no answer. This one sits inside it and raises nothing once it has answered (an
+    exception after the response started still reaches the server, which can only close)."""
+
+    def __init__(self, app: ASGIApp, handlers: Mapping[Any, Any]) -> None:
+        self.app = app
+        self.handlers = handlers  # read at each error: a later wrapper of the handler applies
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            if started:
+                raise
+            response = await self.handlers[Exception](Request(scope, receive), exc)
+            await response(scope, receive, send)

@@ -504,7 +504,8 @@ class OpenAIServing:
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         ids_list = await asyncio.to_thread(self._encode_prompts, items, max_tokens)
         k, echo = body.logprobs, bool(body.echo)
-        constraint, grammar_param = await asyncio.to_thread(structured_outputs, body)
+        constraint, grammar_param = await asyncio.to_thread(
+            structured_outputs, body, self.config.max_json_schema_depth)
         params = self.sampling_params(body, max_tokens=max_tokens, logprobs=k,
                                       prompt_logprobs=k if echo else None,
                                       constraint=constraint)
@@ -563,7 +564,8 @@ class OpenAIServing:
         """The request's tools (None without), after checking its tool messages."""
         check_tool_messages(body.messages)
         return ToolCalling.for_request(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                       self.tokenizer.chat_template)
+                                       self.tokenizer.chat_template,
+                                       self.config.max_json_schema_depth)
 
     def chat_prompt(self, body: ChatCompletionRequest,
                     tools: ToolCalling | None = None) -> list[int]:
@@ -612,7 +614,8 @@ class OpenAIServing:
         ids = await self.checked_ids(lambda: self.chat_prompt(body, tools), max_tokens,
                                      "messages")
         k = (body.top_logprobs or 0) if body.logprobs else None
-        constraint, grammar_param = await asyncio.to_thread(structured_outputs, body)
+        constraint, grammar_param = await asyncio.to_thread(
+            structured_outputs, body, self.config.max_json_schema_depth)
         tool_constraint = tools.constraint(self.tokenizer) if tools is not None else None
         if tool_constraint is not None:
             if constraint is not None and tools is not None and tools.choice != "auto":

@@ -128,9 +128,11 @@ class ToolCalling:
 
     @classmethod
     def for_request(cls, tools: list[ToolDefinition] | None, choice: Any,
-                    parallel: bool | None, template: str | None) -> ToolCalling | None:
+                    parallel: bool | None, template: str | None,
+                    max_schema_depth: int) -> ToolCalling | None:
         """None without tools (and ``tool_choice`` absent or ``none``); a 400 naming
-        ``tool_choice`` for a choice the tools cannot satisfy."""
+        ``tool_choice`` for a choice the tools cannot satisfy, or ``tools`` for parameters that
+        are no JSON schema or nest more than ``max_schema_depth`` levels."""
         tools = list(tools or [])
         names = [t.function.name for t in tools]
         if len(set(names)) != len(names):
@@ -149,7 +151,7 @@ class ToolCalling:
             return None
         for tool in tools:
             if tool.function.parameters is not None:
-                check_json_schema(tool.function.parameters, "tools")
+                check_json_schema(tool.function.parameters, "tools", max_schema_depth)
         return cls(tools, kind, forced, parallel is not False, detect_format(template))
 
     # ------------------------------------------------------------------ the prompt

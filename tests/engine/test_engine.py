@@ -300,3 +300,34 @@ def test_async_llm_builds_its_engine_in_the_engine_thread(
     assert threading.active_count() == threads
     monkeypatch.undo()
     assert_idle(cached)
+
+
+def test_a_short_request_starts_beside_a_long_prefill_and_both_answer_as_alone() -> None:
+    """The real engine with a 256-token step budget (threshold a quarter of it, the default):
+    a 1,500-token prompt takes six steps to prefill; a short prompt added after its first step
+    gets its first token in the next step, long before the long one's, and both greedy answers
+    are those each prompt gives alone (run after, from the cache). Kills a threshold that does
+    not reach the scheduler (the short one waited for the whole prefill)."""
+    llm = LLM(num_blocks=256, block_size=16, dtype="float32", max_num_batched_tokens=256)
+    engine = llm.engine
+    assert engine.scheduler.long_prefill_token_threshold == 64
+    tokenizer = llm.get_tokenizer()
+    long_ids = tokenizer.encode(" ".join(f"item {i}," for i in range(600)))[:1500]
+    short_ids = tokenizer.encode("The capital of France is")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    engine.add_request(long_ids, params, request_id="long")
+    engine.step()
+    engine.add_request(short_ids, params, request_id="short")
+    first_token: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {"long": [], "short": []}
+    for step in range(1, 40):
+        for out in engine.step():
+            outputs[out.request_id] += out.outputs[0].token_ids
+            if out.outputs[0].token_ids:
+                first_token.setdefault(out.request_id, step)
+        if not engine.has_unfinished_requests():
+            break
+    assert first_token["short"] == 1 and first_token["long"] >= 5, first_token
+    alone = [token_outputs(llm.generate([ids], params))[0] for ids in (long_ids, short_ids)]
+    assert [outputs["long"], outputs["short"]] == alone
+    assert_idle(llm)

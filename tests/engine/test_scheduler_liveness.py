@@ -39,6 +39,7 @@ class Setup:
     max_num_batched_tokens: int
     chunked: bool
     caching: bool
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass
@@ -62,7 +63,8 @@ class Run:
 
 def make_scheduler(setup: Setup) -> Scheduler:
     manager = KVCacheManager(setup.num_blocks, setup.block_size, setup.caching)
-    return Scheduler(manager, setup.max_num_seqs, setup.max_num_batched_tokens, setup.chunked)
+    return Scheduler(manager, setup.max_num_seqs, setup.max_num_batched_tokens, setup.chunked,
+                     setup.long_prefill_token_threshold)
 
 
 def admit(scheduler: Scheduler, setup: Setup, rid: str, arrival: Arrival, run: Run) -> bool:
@@ -140,9 +142,10 @@ def setups(draw: st.DrawFn) -> Setup:
         # the engine caps the context at the pool's capacity; at the cap preemption is likely
         max_model_len=draw(st.one_of(st.just(capacity), st.integers(2, capacity))),
         max_num_seqs=draw(st.integers(1, 4)),
-        max_num_batched_tokens=draw(st.integers(1, 16)),
-        chunked=draw(st.booleans()),
+        max_num_batched_tokens=(budget := draw(st.integers(1, 16))),
+        chunked=(chunked := draw(st.booleans())),
         caching=draw(st.booleans()),
+        long_prefill_token_threshold=draw(st.integers(0, budget - 1)) if chunked else 0,
     )
 
 

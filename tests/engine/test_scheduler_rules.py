@@ -166,6 +166,34 @@ def test_running_requests_the_budget_does_not_reach_stay_running() -> None:
     assert step(scheduler) == [("b", 1), ("c", 1)]
 
 
+def test_a_long_prefill_leaves_the_threshold_to_a_short_request_that_waits() -> None:
+    """An 8,000-token prompt in chunks of a 2,048-token budget, threshold 512. Alone it takes
+    the whole budget; once a 4-token request waits, the long prefill computes 512 and the short
+    prompt runs whole in the same step; with nothing waiting, the long one has the whole
+    budget again, and the short one's decode is never held back. Kills a scheduler that
+    gives a running prefill the whole budget while a request waits (the short one then waited
+    for all four chunks) and one that caps the prefill when nothing waits."""
+    scheduler = make(600, 16, budget=2048, threshold=512)
+    add(scheduler, "long", [i % 50 for i in range(8000)])
+    assert step(scheduler) == [("long", 2048)]
+    add(scheduler, "short", [1, 2, 3, 4])
+    assert step(scheduler) == [("long", 512), ("short", 4)]
+    assert step(scheduler) == [("long", 2047), ("short", 1)]
+    assert step(scheduler) == [("long", 2047), ("short", 1)]
+    add(scheduler, "third", [5, 6, 7, 8])
+    assert step(scheduler) == [("long", 512), ("short", 1), ("third", 4)]
+
+
+def test_the_long_prefill_threshold_keeps_a_slot_free_for_nothing() -> None:
+    """With every sequence slot taken, a waiting request cannot start: the running prefill
+    keeps the whole budget (no tokens set aside that nobody may use)."""
+    scheduler = make(600, 16, budget=2048, max_num_seqs=1, threshold=512)
+    add(scheduler, "long", [i % 50 for i in range(8000)])
+    add(scheduler, "short", [1, 2, 3, 4])
+    assert step(scheduler) == [("long", 2048)]
+    assert step(scheduler) == [("long", 2048)]
+
+
 def test_defaults_status_and_timestamps() -> None:
     manager = KVCacheManager(16, 4)
     scheduler = Scheduler(manager, 4, 16)

@@ -8,6 +8,7 @@ itself."""
 
 from __future__ import annotations
 
+import http.client
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -157,6 +158,60 @@ def test_bad_agent_input_is_a_400_naming_the_parameter(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"]) == (param, code), error
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """A schema of ``levels`` objects, each the one required property of the one above."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _deep_schema_requests(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    chat = {"messages": user("hi"), "max_tokens": 4}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    return [
+        ("/v1/chat/completions", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}},
+         "response_format"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                             "guided_json": json.dumps(schema)}, "guided_json"),
+        ("/v1/chat/completions", {**chat, "structured_outputs": {"json": schema}},
+         "structured_outputs"),
+        ("/v1/chat/completions", {**chat, "tools": [tool]}, "tools"),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": user("hi"),
+                          "tools": [{"name": "f", "input_schema": schema}]}, "tools"),
+    ]
+
+
+def test_a_deep_schema_is_a_400_naming_the_limit_and_the_connection_serves_on(
+        server: ServerProcess) -> None:
+    """200 nested objects, in each place a schema goes: a 400 naming the depth limit (it used
+    to be a 500 ``RecursionError`` from the schema check, after which the server closed the
+    keep-alive connection), and the next request on the same connection is answered. A
+    schema of 30 levels, within the limit, still constrains the output."""
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=900)
+    for path, body, param in _deep_schema_requests(_nested(200)):
+        connection.request("POST", path, json.dumps(body),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+        assert response.status == 400, (path, error)
+        assert "--max-json-schema-depth" in error["message"], error
+        if path != "/v1/messages":
+            assert error["param"] == param, error
+        connection.request("POST", "/tokenize", json.dumps({"prompt": "still here"}),
+                           {"Content-Type": "application/json"})
+        follow_up = connection.getresponse()
+        assert follow_up.status == 200 and json.loads(follow_up.read())["count"] > 0
+    connection.close()
+    body = {"messages": user("hi"), "max_tokens": 200, "temperature": 0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "ok", "schema": _nested(30)}}}
+    answer = post(server, "/v1/chat/completions", body).json()
+    jsonschema.validate(json.loads(answer["choices"][0]["message"]["content"]), _nested(30))
 
 
 def test_grammar_survives_preemption_and_is_rebuilt_from_the_tokens() -> None:
