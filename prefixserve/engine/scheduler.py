@@ -139,9 +139,11 @@ class Scheduler:
     def _prefill_limits(self) -> tuple[int, int]:
         """The most tokens one running prefill may take in this step, and the budget the
         running requests leave for the waiting ones: (no limit, 0) unless requests wait, a
-        sequence slot is free and ``long_prefill_token_threshold`` is set."""
+        sequence slot is free and ``long_prefill_token_threshold`` is set (and still below
+        the budget, which a caller may have lowered)."""
         threshold = self.long_prefill_token_threshold
-        if not threshold or not self.waiting or len(self.running) >= self.max_num_seqs:
+        if (not 0 < threshold < self.max_num_batched_tokens  # (a budget lowered since)
+                or not self.waiting or len(self.running) >= self.max_num_seqs):
             return self.max_num_batched_tokens, 0
         return threshold, threshold
 
