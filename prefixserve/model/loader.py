@@ -174,7 +174,6 @@ def _assemble(
     ``get``) reads the matmul weights, which may come back packed.
     """
     weight = get_weight or get
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     state: dict[str, Weight] = {
         "embed_tokens.weight": weight(names["embed"]),
         "norm.weight": get(names["norm"]),
@@ -182,42 +181,50 @@ def _assemble(
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = weight(names["lm_head"])
     for i in range(config.num_hidden_layers):
+        state.update(_layer_state(config, i, names, get, weight, unpermute))
+    return state
 
-        def part(key: str, layer: int = i) -> torch.Tensor:
-            return get(names[key].format(i=layer))
 
-        def matrix(key: str, layer: int = i) -> Weight:
-            return weight(names[key].format(i=layer))
+def _layer_state(config: ModelConfig, i: int, names: dict[str, str], get: TensorSource,
+                 weight: WeightSource | TensorSource, unpermute: bool) -> dict[str, Weight]:
+    """Layer ``i``'s entries of the state dict (see :func:`_assemble`)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
-        def qkv(suffix: str) -> Weight:
-            read = matrix if suffix == "" else part
-            q, k, v = read("q" + suffix), read("k" + suffix), read("v" + suffix)
-            if unpermute:
-                q, k = _unpermute_rows(q, heads), _unpermute_rows(k, kv_heads)
-            return _cat([q, k, v])
+    def part(key: str) -> torch.Tensor:
+        return get(names[key].format(i=i))
 
-        prefix = f"layers.{i}."
-        state[prefix + "input_norm.weight"] = part("input_norm")
-        state[prefix + "post_attn_norm.weight"] = part("post_norm")
-        state[prefix + "attn.qkv_proj.weight"] = qkv("")
-        state[prefix + "attn.o_proj.weight"] = matrix("o")
-        state[prefix + "mlp.gate_up_proj.weight"] = _cat([matrix("gate"), matrix("up")])
-        state[prefix + "mlp.down_proj.weight"] = matrix("down")
-        if config.attention_bias:
-            state[prefix + "attn.qkv_proj.bias"] = qkv("_bias")  # biases are never packed
-        if config.attention_out_bias:
-            state[prefix + "attn.o_proj.bias"] = part("o_bias")
-        if config.mlp_bias:
-            state[prefix + "mlp.gate_up_proj.bias"] = torch.cat(
-                (part("gate_bias"), part("up_bias"))
-            )
-            state[prefix + "mlp.down_proj.bias"] = part("down_bias")
-        if config.qk_norm:
-            state[prefix + "attn.q_norm.weight"] = part("q_norm")
-            state[prefix + "attn.k_norm.weight"] = part("k_norm")
-        if config.architecture == "gemma3":
-            state[prefix + "post_attn_out_norm.weight"] = part("post_attn_out_norm")
-            state[prefix + "post_mlp_norm.weight"] = part("post_mlp_norm")
+    def matrix(key: str) -> Weight:
+        return weight(names[key].format(i=i))
+
+    def qkv(suffix: str) -> Weight:
+        read = matrix if suffix == "" else part
+        q, k, v = read("q" + suffix), read("k" + suffix), read("v" + suffix)
+        if unpermute:
+            q, k = _unpermute_rows(q, heads), _unpermute_rows(k, kv_heads)
+        return _cat([q, k, v])
+
+    prefix = f"layers.{i}."
+    state: dict[str, Weight] = {
+        prefix + "input_norm.weight": part("input_norm"),
+        prefix + "post_attn_norm.weight": part("post_norm"),
+        prefix + "attn.qkv_proj.weight": qkv(""),
+        prefix + "attn.o_proj.weight": matrix("o"),
+        prefix + "mlp.gate_up_proj.weight": _cat([matrix("gate"), matrix("up")]),
+        prefix + "mlp.down_proj.weight": matrix("down"),
+    }
+    if config.attention_bias:
+        state[prefix + "attn.qkv_proj.bias"] = qkv("_bias")  # biases are never packed
+    if config.attention_out_bias:
+        state[prefix + "attn.o_proj.bias"] = part("o_bias")
+    if config.mlp_bias:
+        state[prefix + "mlp.gate_up_proj.bias"] = torch.cat((part("gate_bias"), part("up_bias")))
+        state[prefix + "mlp.down_proj.bias"] = part("down_bias")
+    if config.qk_norm:
+        state[prefix + "attn.q_norm.weight"] = part("q_norm")
+        state[prefix + "attn.k_norm.weight"] = part("k_norm")
+    if config.architecture == "gemma3":
+        state[prefix + "post_attn_out_norm.weight"] = part("post_attn_out_norm")
+        state[prefix + "post_mlp_norm.weight"] = part("post_mlp_norm")
     return state
 
 

@@ -77,6 +77,23 @@ class ExecuteOutput:
     prompt_logits: list[torch.Tensor | None]
 
 
+def _check_runner_args(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       kv_dtype: torch.dtype, device: torch.device | str,
+                       deterministic: bool) -> None:
+    """A ValueError for a pool, cache dtype or mode the runner cannot run with."""
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError("num_blocks and block_size must be positive")
+    if model.norm.weight.dtype != dtype:
+        raise ValueError(
+            f"model activations are {model.norm.weight.dtype}, the cache would be {dtype}"
+        )
+    if deterministic:
+        _check_deterministic(dtype, torch.device(device))
+        if kv_dtype != dtype:
+            raise ValueError("the deterministic mode needs the KV cache in the "
+                             f"activations' dtype ({dtype}), not {kv_dtype}")
+
+
 class ModelRunner:
     """Runs a :class:`CausalLM` over a preallocated paged KV cache.
 
@@ -109,19 +126,10 @@ class ModelRunner:
         enforce_eager: bool = False,
         kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("num_blocks and block_size must be positive")
-        if model.norm.weight.dtype != dtype:
-            raise ValueError(
-                f"model activations are {model.norm.weight.dtype}, the cache would be {dtype}"
-            )
         kv_dtype = kv_cache_dtype or dtype
+        _check_runner_args(model, num_blocks, block_size, dtype, kv_dtype, device, deterministic)
         self.deterministic = deterministic
         if deterministic:
-            _check_deterministic(dtype, torch.device(device))
-            if kv_dtype != dtype:
-                raise ValueError("the deterministic mode needs the KV cache in the "
-                                 f"activations' dtype ({dtype}), not {kv_dtype}")
             batch_invariant.make_batch_invariant(model)
         self.config = config
         self.model = model

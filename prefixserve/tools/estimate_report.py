@@ -250,15 +250,25 @@ def write_plot(estimate: Estimate, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import PercentFormatter
 
     workload = estimate.workload
-    bs = workload.block_size
     finite = estimate.finite
-    infinite = estimate.infinite
     colors = plt.get_cmap("viridis")([i / max(1, len(finite)) for i in range(len(finite))])
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
+    _plot_sizes(left, estimate, colors)
+    _plot_rolling(right, estimate, colors)
+    fig.suptitle(f"{os.path.basename(workload.path)}: {len(workload.requests):,} requests, "
+                 f"block size {workload.block_size}", fontsize=12)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
 
+
+def _plot_sizes(left: Any, estimate: Estimate, colors: Any) -> None:
+    """The left panel: hit rate against pool size, the infinite cache as a line."""
+    from matplotlib.ticker import PercentFormatter
+
+    bs = estimate.workload.block_size
+    finite, infinite = estimate.finite, estimate.infinite
     sizes = [r.capacity_blocks for r in finite if r.capacity_blocks is not None]  # all of them
     token_rates = [r.token_hit_rate for r in finite]
     left.axhline(infinite.token_hit_rate, color="black", linestyle=":", linewidth=1.5,
@@ -287,24 +297,24 @@ def write_plot(estimate: Estimate, path: str) -> None:
     left.grid(True, which="major", alpha=0.3)
     left.legend(loc="upper left", fontsize=9)
 
+
+def _plot_rolling(right: Any, estimate: Estimate, colors: Any) -> None:
+    """The right panel: the rolling hit rate over the replay, one curve per cache."""
+    from matplotlib.ticker import PercentFormatter
+
     warmup = estimate.settings.warmup_requests
     if warmup:
         right.axvspan(0, warmup, color="grey", alpha=0.12, label="warm-up (not counted)")
-    for result, color in zip(finite, colors, strict=True):
+    for result, color in zip(estimate.finite, colors, strict=True):
         xs, ys = zip(*result.rolling, strict=True)
         right.plot(xs, ys, color=color, linewidth=1.4, label=_capacity_label(result))
-    xs, ys = zip(*infinite.rolling, strict=True)
+    xs, ys = zip(*estimate.infinite.rolling, strict=True)
     right.plot(xs, ys, color="black", linestyle=":", linewidth=1.5, label="infinite")
     right.set_ylim(0, 1.0)
     right.yaxis.set_major_formatter(PercentFormatter(1.0))
-    right.set_xlim(0, len(workload.requests))
+    right.set_xlim(0, len(estimate.workload.requests))
     right.set_xlabel("requests replayed (file order)")
     right.set_ylabel(f"hit rate by blocks, last {estimate.settings.window:,} requests")
     right.set_title("Rolling hit rate over the replay", fontsize=10)
     right.grid(True, alpha=0.3)
     right.legend(loc="upper left", fontsize=9)
-
-    fig.suptitle(f"{os.path.basename(workload.path)}: {len(workload.requests):,} requests, "
-                 f"block size {bs}", fontsize=12)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
