@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
+from model_helpers import pack_projections, packed_model, tiny_config
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.model import decode_kernel, fused_decode, quant_kernels
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.llama import CausalLM
 from prefixserve.model.lora import install_lora
-from prefixserve.model.quant import FMT_Q4_1, FMT_Q8_0, QuantLinear, pack_float
+from prefixserve.model.quant import FMT_Q4_1, FMT_Q8_0
 from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInput
 
 #: Logits of the fused step vs the eager one, as a fraction of the largest |logit|. Both run
@@ -39,45 +40,6 @@ KV_TOL = 1e-4
 #: at and well above it are covered.
 CHUNK = 256
 
-
-def tiny_config(heads: int = 4, kv_heads: int = 2, bias: bool = False, head_dim: int = 16
-                ) -> ModelConfig:
-    """Head sizes 64 and 128 take the kernel's vector paths, others its scalar ones."""
-    return ModelConfig("llama", vocab_size=96, hidden_size=64, intermediate_size=96,
-                       num_hidden_layers=2, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, head_dim=head_dim, attention_bias=bias,
-                       max_position_embeddings=1024, rms_norm_eps=1e-6)
-
-
-def dense_model(config: ModelConfig, seed: int = 0) -> CausalLM:
-    """A random-weight model with dense projections (what a safetensors model loads as)."""
-    torch.manual_seed(seed)
-    model = CausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name
-                    else 0.15 * torch.randn_like(p))
-    return model.eval()
-
-
-def packed_model(config: ModelConfig, fmt: int = FMT_Q4_1, seed: int = 0) -> CausalLM:
-    """A random-weight model whose four projections per layer are packed in ``fmt``."""
-    return pack_projections(dense_model(config, seed), fmt)
-
-
-def pack_projections(model: CausalLM, fmt: int) -> CausalLM:
-    """``model`` with the four projections of each layer packed in ``fmt`` (in place)."""
-    with torch.no_grad():
-        for layer in model.layers:
-            for owner, attr in ((layer.attn, "qkv_proj"), (layer.attn, "o_proj"),
-                                (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-                dense = getattr(owner, attr)
-                packed = QuantLinear(pack_float(dense.weight.numpy(), fmt),
-                                     bias=dense.bias is not None)
-                if dense.bias is not None:
-                    packed.bias.copy_(dense.bias)
-                setattr(owner, attr, packed)
-    return model.eval()
 
 
 def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: int,

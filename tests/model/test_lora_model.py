@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
+from model_helpers import build, llama_cpp_permute, write_gguf
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from test_model_loader import build, llama_cpp_permute, write_gguf
 from transformers import PreTrainedModel
 
 from prefixserve.model.config import ModelConfig

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from isa_helpers import has_avx512_and_avx2
-from test_fused_decode import dense_model, packed_model, tiny_config
+from model_helpers import dense_model, packed_model, tiny_config
 
 from prefixserve.model import decode_kernel, prompt_attention, quant_kernels
 from prefixserve.model.attention import (
