@@ -2,8 +2,9 @@
 
 The names and defaults follow vLLM's ``SamplingParams`` so that code written for vLLM (or for the
 OpenAI API, whose fields map onto these) works unchanged. Every field is checked in
-``__post_init__``; a bad value raises ``ValueError`` whose message names the field and the allowed
-range, so the HTTP layer can hand it back to the caller as a 400 error.
+``__post_init__``; a bad value raises ``SamplingParamsError`` (a ``ValueError``) whose ``param``
+names the field and whose message gives the allowed range, so the HTTP layer can hand it back to
+the caller as a 400 error naming the field.
 
 A plain value, importable without torch: every layer may import this module
 (docs/architecture.md), and it imports nothing else of prefixserve.
@@ -27,24 +28,33 @@ MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 
 
+class SamplingParamsError(ValueError):
+    """A field of :class:`SamplingParams` out of its range: ``param`` names the field, the
+    message says what it accepts."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
     return value
 
 
-def _check_float(name: str, value: Any) -> float:
+def _check_float(name: str, value: Any, param: str | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise SamplingParamsError(param or name, f"{name} must be a number, got {value!r}")
     value = float(value)
     if math.isnan(value):
-        raise ValueError(f"{name} must not be NaN")
+        raise SamplingParamsError(param or name, f"{name} must not be NaN")
     return value
 
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be a bool, got {value!r}")
     return value
 
 
@@ -80,12 +90,14 @@ class StructuredOutputsParams:
         given = [kind for kind in GRAMMAR_KINDS
                  if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs needs exactly one of json, json_object, "
+            raise SamplingParamsError(
+                "structured_outputs", "structured_outputs needs exactly one of json, json_object, "
                              f"regex, choice, grammar; got {given or 'none'}")
         if self.choice is not None:
             if not isinstance(self.choice, tuple | list) or not self.choice or not all(
                     isinstance(c, str) for c in self.choice):
-                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+                raise SamplingParamsError("structured_outputs", "structured_outputs.choice must "
+                                          "be a non-empty list of strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         object.__setattr__(self, "trigger_token_ids", tuple(self.trigger_token_ids))
 
@@ -169,7 +181,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         """Validate every field and normalise ``stop``, ``stop_token_ids`` and ``top_k``."""
         if _check_int("n", self.n) < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            raise SamplingParamsError("n", f"n must be >= 1, got {self.n}")
         self._check_sampling()
         self._check_penalties()
         self.stop = self._normalise_stop(self.stop)
@@ -180,70 +192,83 @@ class SamplingParams:
     def _check_token_controls(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a map of token id to bias, got "
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias must be a map of token id to bias, got "
                                  f"{self.logit_bias!r}")
             bias = {}
             for token_id, value in self.logit_bias.items():
                 if _check_int("logit_bias key", token_id) < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id}")
-                value = _check_float("logit_bias value", value)
+                    raise SamplingParamsError(
+                        "logit_bias", f"logit_bias keys must be token ids >= 0, got {token_id}")
+                value = _check_float("logit_bias value", value, "logit_bias")
                 if not -100.0 <= value <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+                    raise SamplingParamsError(
+                        "logit_bias", f"logit_bias values must be in [-100, 100], got {value}")
                 bias[token_id] = value
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             ids = self._normalise_stop_token_ids(self.allowed_token_ids, "allowed_token_ids")
             if not ids:
-                raise ValueError("allowed_token_ids must not be empty")
+                raise SamplingParamsError(
+                    "allowed_token_ids", "allowed_token_ids must not be empty")
             self.allowed_token_ids = ids
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            raise SamplingParamsError(
+                "structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
     def _check_sampling(self) -> None:
         self.temperature = _check_float("temperature", self.temperature)
         if not 0.0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+            raise SamplingParamsError(
+                "temperature", f"temperature must be >= 0 and finite, got {self.temperature}")
         self.top_p = _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if _check_int("top_k", self.top_k) < -1:
-            raise ValueError(f"top_k must be -1, 0 (both mean off) or >= 1, got {self.top_k}")
+            raise SamplingParamsError(
+                "top_k", f"top_k must be -1, 0 (both mean off) or >= 1, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not MIN_SEED <= _check_int("seed", self.seed) <= MAX_SEED:
-            raise ValueError(
-                f"seed must be None or an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed}"
+            raise SamplingParamsError(
+                "seed", f"seed must be None or an integer in [{MIN_SEED}, {MAX_SEED}], got "
+                f"{self.seed}"
             )
 
     def _check_penalties(self) -> None:
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(
+            raise SamplingParamsError(
+                "repetition_penalty",
                 f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise SamplingParamsError(name, f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
 
     def _check_lengths_and_outputs(self) -> None:
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be None or >= 1, got {self.max_tokens}")
+            raise SamplingParamsError(
+                "max_tokens", f"max_tokens must be None or >= 1, got {self.max_tokens}")
         if _check_int("min_tokens", self.min_tokens) < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise SamplingParamsError(
+                "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise SamplingParamsError(
+                "min_tokens",
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}")
+                raise SamplingParamsError(
+                    name, f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
 
@@ -254,10 +279,12 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list | tuple):
-            raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
+            raise SamplingParamsError(
+                "stop", f"stop must be None, a string or a list of strings, got {stop!r}")
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must contain only non-empty strings, got {s!r}")
+                raise SamplingParamsError(
+                    "stop", f"stop must contain only non-empty strings, got {s!r}")
         return list(stop)
 
     @staticmethod
@@ -265,10 +292,11 @@ class SamplingParams:
         if ids is None:
             return []
         if not isinstance(ids, list | tuple):
-            raise ValueError(f"{name} must be None or a list of integers, got {ids!r}")
+            raise SamplingParamsError(
+                name, f"{name} must be None or a list of integers, got {ids!r}")
         for token_id in ids:
             if _check_int(f"{name} element", token_id) < 0:
-                raise ValueError(f"{name} must contain ids >= 0, got {token_id}")
+                raise SamplingParamsError(name, f"{name} must contain ids >= 0, got {token_id}")
         return list(ids)
 
     @property

@@ -52,12 +52,11 @@ SESSION_HEADER = "x-session-id"
 """Header naming a session for the ``session`` policy (else the body's ``user``)."""
 
 
-class _Shim:
-    """What ``OpenAIServing.chat_prompt`` and ``cache_salt`` read: the tokenizer and config."""
-
-    def __init__(self, tokenizer: Any, config: Any) -> None:
-        self.tokenizer = tokenizer
-        self.config = config
+def _first_prompt(prompt: Any) -> str | list[int]:
+    """The first prompt of a completion request's ``prompt`` (which routes the request)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else [int(t) for t in prompt]
 
 
 class Ingress:
@@ -71,7 +70,7 @@ class Ingress:
         namespace = argparse.Namespace(**args)
         self.engine = engine
         self.config = server_config(namespace)
-        self.shim = _Shim(load_tokenizer(namespace.model), self.config)
+        self.tokenizer = load_tokenizer(namespace.model)
         self.hasher = PromptHasher(namespace.block_size or 16, namespace.prefix_caching_hash_algo)
         self.routing_override = bool(namespace.routing_override)
         self.admin_check = get_args(KeyParameters.for_config(self.config).admin)[1].dependency
@@ -94,26 +93,23 @@ class Ingress:
 
         from prefixserve.server.errors import ApiError
         from prefixserve.server.protocol import ChatCompletionRequest, CompletionRequest
-        from prefixserve.server.serving import OpenAIServing
+        from prefixserve.server.serving import cache_salt, chat_prompt
 
         try:
             data = json.loads(body)
             if path == "/v1/chat/completions":
                 chat = ChatCompletionRequest.model_validate(data)
-                ids = OpenAIServing.chat_prompt(self.shim, chat)  # type: ignore[arg-type]
+                ids = chat_prompt(self.tokenizer, chat)
                 salt = chat.cache_salt
             else:
                 completion = CompletionRequest.model_validate(data)
-                prompt = completion.prompt
-                first = prompt[0] if isinstance(prompt, list) and prompt and \
-                    not isinstance(prompt[0], int) else prompt
-                ids = self.shim.tokenizer.encode(first) if isinstance(first, str) else \
-                    [int(t) for t in first]  # type: ignore[arg-type]
+                first = _first_prompt(completion.prompt)
+                ids = self.tokenizer.encode(first) if isinstance(first, str) else first
                 salt = completion.cache_salt
         except (ValueError, ValidationError, ApiError, TypeError):
             return {}
         api_key = _bearer(headers.get("authorization"))
-        salt = OpenAIServing.cache_salt(self.shim, salt, api_key)  # type: ignore[arg-type]
+        salt = cache_salt(self.config, salt, api_key)
         model = data.get("model") if isinstance(data, dict) else None
         lora = (loras or {}).get(model) if isinstance(model, str) else None
         hashes = self.hasher.hash_values(ids, salt, lora)

@@ -39,8 +39,13 @@ from starlette.responses import Response
 from prefixserve.core import Retention
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
+from prefixserve.model.tokenizer import Tokenizer
 from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
-from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
+from prefixserve.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 from prefixserve.server.agent_protocol import ResponseToolCall
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, quote
@@ -260,6 +265,49 @@ def _prompt_items(prompt: str | list[int] | list[str] | list[list[int]]) -> list
     return list(prompt)
 
 
+def cache_salt(config: ServerConfig, salt: str | None, api_key: str | None) -> str | None:
+    """The request's salt, prefixed with the SHA-256 of the caller's key under
+    ``salt_by_api_key`` (its tenant)."""
+    if not (config.salt_by_api_key and api_key):
+        return salt
+    tenant = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+    return tenant if salt is None else f"{tenant}:{salt}"
+
+
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest,
+                tools: ToolCalling | None = None) -> list[int]:
+    """The conversation rendered with the model's chat template (with the tools as their
+    format says), as token ids; a 400 when the template refuses it. Rendering and encoding
+    a large conversation takes seconds: the routes run this in a worker thread."""
+    messages: list[dict[str, Any]] = []
+    for message in body.messages:
+        content = message.content if isinstance(message.content, str | None) else \
+            "\n".join(part.text for part in message.content)
+        item = {"role": "system" if message.role == "developer" else message.role,
+                "content": content or ""}
+        if message.name is not None:
+            item["name"] = message.name
+        messages.append(item)
+    add_generation_prompt = body.add_generation_prompt is not False
+    extra = dict(body.chat_template_kwargs or {})
+    tool_variables: dict[str, Any] = {}
+    if tools is not None:
+        messages, tool_variables = tools.messages(messages, body.messages)
+    reserved = sorted(_RESERVED_TEMPLATE_NAMES & extra.keys())
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+                       param="chat_template_kwargs", code="invalid_value")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **{**extra, **tool_variables})
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise ApiError(400, f"the chat template cannot render these messages: {exc}",
+                       param="messages", code="invalid_messages") from exc
+    assert isinstance(ids, list)
+    return ids
+
+
 class OpenAIServing:
     """Serves ``/v1/completions`` and ``/v1/chat/completions`` from an ``AsyncLLM``."""
 
@@ -325,12 +373,8 @@ class OpenAIServing:
                            param="n" if n > 1 else "prompt", code="too_many_sequences")
 
     def cache_salt(self, salt: str | None, api_key: str | None) -> str | None:
-        """The request's salt, prefixed with the SHA-256 of the caller's key under
-        ``salt_by_api_key``."""
-        if not (self.config.salt_by_api_key and api_key):
-            return salt
-        tenant = hashlib.sha256(api_key.encode("utf-8")).hexdigest()
-        return tenant if salt is None else f"{tenant}:{salt}"
+        """:func:`cache_salt` under this server's config."""
+        return cache_salt(self.config, salt, api_key)
 
     def check_prompt(self, ids: Sequence[int], max_tokens: int | None, param: str) -> None:
         """A 400 naming ``param`` (or ``max_tokens``) unless the prompt is non-empty, in the
@@ -382,10 +426,8 @@ class OpenAIServing:
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=self._logit_bias(body), allowed_token_ids=body.allowed_token_ids,
                 structured_outputs=constraint)
-        except ValueError as exc:
-            message = str(exc)
-            raise ApiError(400, message, param=message.split()[0],
-                           code="invalid_value") from exc
+        except SamplingParamsError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from exc
 
     def _logit_bias(self, body: GenerationRequest) -> dict[int, float] | None:
         """``logit_bias`` with integer keys; a 400 naming it for a key that is not a token id
@@ -569,36 +611,8 @@ class OpenAIServing:
 
     def chat_prompt(self, body: ChatCompletionRequest,
                     tools: ToolCalling | None = None) -> list[int]:
-        """The conversation rendered with the model's chat template (with the tools as their
-        format says), as token ids; a 400 when the template refuses it. Rendering and encoding
-        a large conversation takes seconds: the routes run this in a worker thread."""
-        messages: list[dict[str, Any]] = []
-        for message in body.messages:
-            content = message.content if isinstance(message.content, str | None) else \
-                "\n".join(part.text for part in message.content)
-            item = {"role": "system" if message.role == "developer" else message.role,
-                    "content": content or ""}
-            if message.name is not None:
-                item["name"] = message.name
-            messages.append(item)
-        add_generation_prompt = body.add_generation_prompt is not False
-        extra = dict(body.chat_template_kwargs or {})
-        tool_variables: dict[str, Any] = {}
-        if tools is not None:
-            messages, tool_variables = tools.messages(messages, body.messages)
-        reserved = sorted(_RESERVED_TEMPLATE_NAMES & extra.keys())
-        if reserved:
-            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
-                           param="chat_template_kwargs", code="invalid_value")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                **{**extra, **tool_variables})
-        except (ValueError, TypeError, jinja2.TemplateError) as exc:
-            raise ApiError(400, f"the chat template cannot render these messages: {exc}",
-                           param="messages", code="invalid_messages") from exc
-        assert isinstance(ids, list)
-        return ids
+        """:func:`chat_prompt` with this server's tokenizer."""
+        return chat_prompt(self.tokenizer, body, tools)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request,
                                      api_key: str | None, response: Response,
