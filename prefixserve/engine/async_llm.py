@@ -20,11 +20,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from prefixserve.core import MAX_PRIORITY, Retention
+from prefixserve.core import Retention
 from prefixserve.core.kv_events import KVEventBatch, KVSnapshot
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.errors import EngineDeadError
-from prefixserve.engine.llm_engine import EngineStats, LLMEngine
+from prefixserve.engine.llm_engine import (
+    PIN_WARMUP_PARAMS,
+    PIN_WARMUP_RETENTION,
+    EngineStats,
+    LLMEngine,
+)
 from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.stat_logger import StatLogger
 from prefixserve.model.tokenizer import Tokenizer
@@ -36,7 +41,6 @@ logger = logging.getLogger("prefixserve.engine")
 T = TypeVar("T")
 
 _IDLE_WAIT_S = 1.0
-_PIN_WARMUP = Retention.whole_prompt(MAX_PRIORITY, 60.0)
 """A pin's prefill keeps its blocks at the top priority until the pin takes them."""
 """Longest sleep of the engine thread while no work can run (it wakes at once on a command)."""
 
@@ -194,11 +198,10 @@ class AsyncLLM:
         still cached when it finishes) and pins its full blocks; returns their number. Raises
         ``RequestError`` over the pin budget (checked before computing) or for a bad prompt."""
         ids = list(token_ids)
-        self.engine.validate_prompt(ids, 1)
-        await self._call(lambda: self.engine.check_pin_budget(len(ids)))
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        async for _ in self.generate(ids, params, f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
-                                     cache_salt=cache_salt, retention=_PIN_WARMUP):
+        await self._call(lambda: self.engine.check_pin(ids))
+        async for _ in self.generate(ids, PIN_WARMUP_PARAMS,
+                                     f"pin-{pin_id}-{uuid.uuid4().hex[:8]}",
+                                     cache_salt=cache_salt, retention=PIN_WARMUP_RETENTION):
             pass
         return await self._call(lambda: self.engine.pin_cached_prefix(pin_id, ids, cache_salt))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from prefixserve.core import MAX_PRIORITY, Retention
+from prefixserve.core import Retention
 from prefixserve.engine.config import EngineConfig
-from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.engine.llm_engine import PIN_WARMUP_PARAMS, PIN_WARMUP_RETENTION, LLMEngine
 from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.output_processor import RequestState
 from prefixserve.model.tokenizer import Tokenizer
@@ -91,10 +91,8 @@ class LLM:
         returns their number. Raises ``RequestError`` over the pin budget."""
         engine = self.engine
         ids = (engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
-        engine.validate_prompt(ids, 1)
-        engine.check_pin_budget(len(ids))
-        self._run([ids], SamplingParams(max_tokens=1, temperature=0.0), cache_salt, None,
-                  Retention.whole_prompt(MAX_PRIORITY, 60.0))
+        engine.check_pin(ids)
+        self._run([ids], PIN_WARMUP_PARAMS, cache_salt, None, PIN_WARMUP_RETENTION)
         return engine.pin_cached_prefix(pin_id, ids, cache_salt)
 
     def unpin(self, pin_id: str) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from prefixserve.core import (
+    MAX_PRIORITY,
     CacheRequest,
     MultiModalInput,
     PinBudgetError,
@@ -45,6 +46,7 @@ from prefixserve.engine.output_processor import (
 )
 from prefixserve.engine.request import Request
 from prefixserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from prefixserve.engine.step_hooks import CleanupHook, SpeculationHook, StepHook, TierHook
 from prefixserve.engine.structured_output import GrammarError, StructuredOutputs
 from prefixserve.engine.tier_manager import (
     KVTierManager,
@@ -62,7 +64,6 @@ from prefixserve.model.sampler import (
     Sampler,
     compute_prompt_logprobs,
     make_generator,
-    verifiable,
     verify_drafts,
 )
 from prefixserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -100,6 +101,12 @@ class EngineStats:
     """Draft tokens computed by n-gram speculation (``--num-speculative-tokens``)."""
     spec_accepted_tokens: int = 0
     """Draft tokens the model agreed with: each one a token gained without a step of its own."""
+
+
+#: The prefill that computes a prefix before it is pinned: one greedy token, with its blocks
+#: kept at the top priority for a minute so that they are still cached when the pin takes them.
+PIN_WARMUP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+PIN_WARMUP_RETENTION = Retention.whole_prompt(MAX_PRIORITY, 60.0)
 
 
 class LLMEngine:
@@ -141,9 +148,12 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.prefill_threshold)
         self.tiers: KVTierManager | None = None
+        self.hooks: list[StepHook] = []
+        """What runs around each step's schedule, model and outputs (``step_hooks.py``)."""
         if namespace is not None:
             self.tiers = make_tier_manager(config, namespace, self.kv_cache_manager,
                                            self.runner.kv_cache, self.scheduler.add_request)
+            self.hooks.append(TierHook(self.tiers))
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
                                             self.model_config.eos_token_ids)
@@ -159,6 +169,7 @@ class LLMEngine:
             self._enable_speculation()
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self.hooks.append(CleanupHook(self.scheduler, self.structured))
 
     def _enable_speculation(self) -> None:
         """The n-gram proposer (any model: a verification step's rows read only the blocks of
@@ -166,6 +177,8 @@ class LLMEngine:
         config = self.config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
+        self.hooks.append(SpeculationHook(self.proposer, self.scheduler, self.structured,
+                                          self.max_model_len))
 
     def _enable_lora(self) -> None:
         """Adapter slots in the model, the registry as the scheduler's gate, and the adapters
@@ -276,6 +289,13 @@ class LLMEngine:
             request.metrics.arrival_time = arrival
             children.append(request)
         self.output_processor.add_request(request_id, text, children)
+        self._queue(children, grammar, params)
+        return request_id
+
+    def _queue(self, children: list[Request], grammar: str | None,
+               params: SamplingParams) -> None:
+        """Hands a request's sequences to the tiers (which look them up first) or the
+        scheduler, with their grammar."""
         for request in children:
             if grammar is not None and params.structured_outputs is not None:
                 self.structured.add(request.request_id, grammar, params.structured_outputs)
@@ -283,7 +303,6 @@ class LLMEngine:
                 self.tiers.admit(request)
             else:
                 self.scheduler.add_request(request)
-        return request_id
 
     def check_token_controls(self, params: SamplingParams) -> None:
         """Raises ``RequestError`` (naming the field) for a ``logit_bias`` or
@@ -470,6 +489,14 @@ class LLMEngine:
         except ValueError as exc:  # the id is in use
             raise RequestError(str(exc), code="pin_id_in_use") from exc
 
+    def check_pin(self, token_ids: Sequence[int]) -> None:
+        """Raises ``RequestError`` unless ``token_ids`` is a prompt the engine takes and a
+        prefix of its length fits the pin budget: what ``LLM.pin_prefix`` and
+        ``AsyncLLM.pin_prefix`` check before the warm-up (``PIN_WARMUP_PARAMS``,
+        ``PIN_WARMUP_RETENTION``) computes the prefix and ``pin_cached_prefix`` pins it."""
+        self.validate_prompt(token_ids, 1)
+        self.check_pin_budget(len(token_ids))
+
     def check_pin_budget(self, num_tokens: int) -> None:
         """Raises ``RequestError`` (code ``pin_budget_exceeded``) when a prefix of
         ``num_tokens`` could not be pinned even if none of its blocks were pinned yet (checked
@@ -531,59 +558,23 @@ class LLMEngine:
         run until something changes (a request arrives or is aborted), so a loop driving the
         engine should wait for new work rather than step again at once. (With cache tiers, a
         step that only waits for loads in flight waits a little itself and reports True.)"""
-        tiers = self.tiers
-        if tiers is not None:
-            tiers.apply_loads()
-        if self.proposer is not None:
-            self._propose(self.proposer)
+        for hook in self.hooks:
+            hook.before_schedule()
         scheduled = self.scheduler.schedule()
         self.metrics.observe(self.kv_cache_manager.make_prefix_cache_stats())
-        self.last_step_scheduled = bool(scheduled.scheduled)
         if not scheduled.scheduled:
-            if tiers is not None and tiers.has_pending:  # loads will bring work by themselves
-                tiers.wait_for_loads()
-                self.last_step_scheduled = True
+            self.last_step_scheduled = any([hook.when_idle() for hook in self.hooks])
             return []
-        if tiers is not None:
-            tiers.before_execute()
+        self.last_step_scheduled = True
+        for hook in self.hooks:
+            hook.before_execute()
         executed = self._execute(scheduled)
-        if tiers is not None:
-            tiers.after_execute(executed.requests)
+        for hook in self.hooks:
+            hook.after_execute(executed.requests)
         outputs = self.output_processor.process(executed, finish=self.scheduler.finish_request)
-        self.scheduler.release_out_of_window(executed.requests)
-        self._forget_finished(executed.requests)
+        for hook in self.hooks:
+            hook.after_step(executed.requests)
         return outputs
-
-    def _forget_finished(self, requests: list[Request]) -> None:
-        """Drops the grammar state and the n-gram index of the ``requests`` that finished."""
-        if not len(self.structured) and self.proposer is None:
-            return
-        for request in requests:
-            if request.is_finished:
-                if request.request_id in self.structured:
-                    self.structured.remove(request.request_id)
-                if self.proposer is not None:
-                    self.proposer.forget(request.request_id)
-
-    def _propose(self, proposer: NgramProposer) -> None:
-        """Drafts for the running requests that decode a plain sequence (greedy or a plain
-        draw: no penalty, token control, grammar or logprobs, so that the model's logits alone
-        give the distribution of each position and ``verify_drafts`` can check a draft), as
-        many as each may still produce after its next token."""
-        for request in self.scheduler.running:
-            if request.draft_token_ids:  # last step's, verified or dropped
-                request.draft_token_ids = []
-            num_out = len(request.output_token_ids)
-            params = request.params
-            if (request.num_computed_tokens != request.num_tokens - 1 or not num_out
-                    or not verifiable(params, num_out) or params.prompt_logprobs is not None
-                    or request.request_id in self.structured):
-                continue
-            room = self.max_model_len - request.num_tokens
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - num_out)
-            request.draft_token_ids = proposer.propose(request.request_id, request.token_ids,
-                                                       room - 1)
 
     def _execute(self, scheduled: SchedulerOutput) -> ExecutedStep:
         """Runs the model over the scheduled tokens, moves each request's
