@@ -10,7 +10,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from prefixserve.serve_ray import args as serve_args
+from prefixserve.serve_ray import args as replica_args
+from prefixserve.server import cli_args as serve_args
 from prefixserve.tools import demo_args, estimate_args
 from prefixserve.tools.bench import args as bench_args
 
@@ -18,10 +19,20 @@ from prefixserve.tools.bench import args as bench_args
 #: the engine run without them.
 TOOLS_PACKAGES = frozenset({"rich", "matplotlib", "httpx"})
 
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """``prefixserve serve``: the server's flags, with the replica flags of Ray Serve
+    plugged in."""
+    parser = serve_args.add_parser(subparsers)
+    replica_args.add_replica_arguments(parser)
+    return parser
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [
     demo_args.add_parser,
     estimate_args.add_parser,
-    serve_args.add_parser,
+    add_serve_parser,
     bench_args.add_parser,
 ]
 

@@ -1,4 +1,5 @@
-"""The ``prefixserve serve`` flags for many replicas on Ray Serve. Only argparse is imported here:
+"""The ``prefixserve serve`` flags for many replicas on Ray Serve, added to the server's own
+parser (``server.cli_args``). Only argparse is imported here:
 ``prefixserve serve`` without ``--replicas``/``--ray-address`` runs the single server and never
 imports Ray."""
 
@@ -13,9 +14,10 @@ from prefixserve.server import cli_args as serve_args
 ROUTINGS = ("round-robin", "least-loaded", "prefix-aware", "session")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """``prefixserve serve`` with the replica flags added."""
-    parser = serve_args.add_parser(subparsers)
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """Plugs the replica flags into the server's ``prefixserve serve`` parser (from
+    ``server.cli_args``) and makes its command :func:`run`, which starts the single server
+    unless replicas are asked for."""
     group = parser.add_argument_group(
         "replicas on Ray Serve (with --replicas N > 1 or --ray-address)")
     group.add_argument("--replicas", type=int, default=1, metavar="N",
@@ -58,7 +60,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        "health check before Ray replaces it; a loaded machine needs more than "
                        "Ray's own 5-10 s (default 120)")
     parser.set_defaults(func=run)
-    return parser
 
 
 def _positive_seconds(text: str) -> float:
