@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import batch_invariant
+from prefixserve.model.attention import batch_invariant
 
 MODES = {"bf16": ("bf16", "bfloat16"), "packed": ("auto", "auto")}
 _salts = itertools.count()

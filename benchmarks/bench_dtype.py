@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from prefixserve.model.dtypes import cpu_has_native_bfloat16
+from prefixserve.model.weights.dtypes import cpu_has_native_bfloat16
 
 #: (out, in) of SmolLM2-135M's projections: q/o, k/v, MLP up, MLP down, the output head.
 SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))

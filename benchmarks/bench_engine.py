@@ -37,7 +37,7 @@ from rich.table import Table
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.model import shared_prefix_attention
+from prefixserve.model.attention import shared_prefix as shared_prefix_attention
 
 console = Console()
 
@@ -149,7 +149,7 @@ def hf_model(dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from prefixserve.model.config import default_model_path
+    from prefixserve.model.arch.config import default_model_path
 
     path = default_model_path()
     folder, name = os.path.dirname(path), os.path.basename(path)

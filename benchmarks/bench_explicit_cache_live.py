@@ -184,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.breakpoint_tokens is None:
         args.breakpoint_tokens = 512 // args.scale if args.trace else args.prefix_tokens
-    from prefixserve.model.tokenizer import load_tokenizer
+    from prefixserve.model.text.tokenizer import load_tokenizer
     from prefixserve.tools.bench.datasets import WordVocabulary
 
     vocabulary = WordVocabulary(load_tokenizer(None))

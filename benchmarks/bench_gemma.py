@@ -32,7 +32,7 @@ import time
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model.named_models import named_model_path
+from prefixserve.model.weights.named_models import named_model_path
 
 WORDS = ("river", "ledger", "bridge", "mill", "clerk", "ferry", "spring", "stone", "town",
          "record", "copy", "late", "farmer", "wedding", "library", "north")

@@ -29,7 +29,7 @@ import torch
 
 from prefixserve.engine.structured_output import StructuredOutputs
 from prefixserve.model.sampler import Sampler
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.text.tokenizer import load_tokenizer
 from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA = {

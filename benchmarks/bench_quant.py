@@ -77,13 +77,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import prefixserve.model.quant as quant
+import prefixserve.model.weights.quant as quant
 from prefixserve import LLM
-from prefixserve.model import fused_decode, prompt_attention, quant_kernels
-from prefixserve.model.attention import TableRows, build_metadata
-from prefixserve.model.config import default_model_path
-from prefixserve.model.loader import load_model
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.arch.config import default_model_path
+from prefixserve.model.attention import fused_decode
+from prefixserve.model.attention import prompt as prompt_attention
+from prefixserve.model.attention.paged import TableRows, build_metadata
+from prefixserve.model.text.tokenizer import load_tokenizer
+from prefixserve.model.weights import quant_kernels
+from prefixserve.model.weights.loader import load_model
 
 # bench_engine.py lies beside this script (its folder is on sys.path when run as a script).
 from bench_engine import decode_rate, median_range, ours_decode, ours_prefill  # isort: skip

@@ -167,11 +167,11 @@ def check_speculation(model: str | None) -> str:
 def check_lora(model: str | None) -> str:
     from lora_helpers import write_peft_adapter
 
-    from prefixserve.model.config import ModelConfig, resolve_model_path
+    from prefixserve.model.arch.config import ModelConfig, resolve_model_path
 
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
-        from prefixserve.model.gguf_file import GGUFFile
+        from prefixserve.model.weights.gguf_file import GGUFFile
 
         gguf = GGUFFile(path)
         config = ModelConfig.from_gguf_metadata(gguf.metadata, set(gguf.tensors))
@@ -311,7 +311,7 @@ def prefixserve_speed(model: str | None, repeats: int) -> dict[str, float]:
 def transformers_speed(model: str | None, repeats: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    from prefixserve.model.config import resolve_model_path
+    from prefixserve.model.arch.config import resolve_model_path
 
     path = resolve_model_path(model)
     net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE.name).eval()

@@ -41,8 +41,8 @@ from collections.abc import Callable
 import torch
 from bench_quant import accuracy_reference, next_token_logits, perplexity
 
-from prefixserve.model import quant
-from prefixserve.model.loader import load_model
+from prefixserve.model.weights import quant
+from prefixserve.model.weights.loader import load_model
 
 BLOCK = 32  # llama.cpp rounds the rows of its Q4/Q8 products to int8 in blocks of 32
 Rounding = tuple[str, str]  # weights: "" or "channel"; rows: "", "token", "call" or "block"

@@ -24,9 +24,9 @@ import json
 import os
 from typing import Any
 
-from prefixserve.model.config import ModelConfig, resolve_model_path
-from prefixserve.model.gguf_file import GGUFFile
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.arch.config import ModelConfig, resolve_model_path
+from prefixserve.model.text.tokenizer import load_tokenizer
+from prefixserve.model.weights.gguf_file import GGUFFile
 
 
 def load_model_config(model: str | None) -> ModelConfig:

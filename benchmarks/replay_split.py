@@ -28,7 +28,8 @@ from pathlib import Path
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.output_processor import ExecutedStep
 from prefixserve.engine.scheduler import SchedulerOutput
-from prefixserve.model import fused_decode, quant_kernels
+from prefixserve.model.attention import fused_decode
+from prefixserve.model.weights import quant_kernels
 
 
 def step_kind(scheduled: SchedulerOutput) -> str:

@@ -96,7 +96,7 @@ class Scenario:
 
 
 def default_model() -> str:
-    from prefixserve.model.config import default_model_path
+    from prefixserve.model.arch.config import default_model_path
 
     return default_model_path()
 

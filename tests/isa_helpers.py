@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from prefixserve.model import quant_kernels
+from prefixserve.model.weights import quant_kernels
 
 #: Flags that build a kernel file for this CPU without its AVX-512 forms (the AVX2 ones).
 AVX2_BUILD = ("-mno-avx512f",)

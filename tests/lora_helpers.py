@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.gguf_file import GGUFFile
-from prefixserve.model.loader import default_model_path
-from prefixserve.model.lora import part_shapes
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.lora import part_shapes
+from prefixserve.model.weights.gguf_file import GGUFFile
+from prefixserve.model.weights.loader import default_model_path
 
 PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",

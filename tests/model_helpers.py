@@ -18,9 +18,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import CausalLM
-from prefixserve.model.quant import FMT_Q4_1, QuantLinear, pack_float
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.weights.quant import FMT_Q4_1, QuantLinear, pack_float
 
 
 def tiny_config(heads: int = 4, kv_heads: int = 2, bias: bool = False, head_dim: int = 16

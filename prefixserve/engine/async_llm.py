@@ -32,7 +32,7 @@ from prefixserve.engine.llm_engine import (
 )
 from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.stat_logger import StatLogger
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 

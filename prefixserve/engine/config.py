@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
-from prefixserve.model.config import WEIGHT_MODES
+from prefixserve.model.arch.config import WEIGHT_MODES
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -77,7 +77,7 @@ class EngineConfig:
     beside float32 activations halve the cache's memory and what attention reads.
     ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
-    dense in ``dtype`` (see :mod:`prefixserve.model.loader`).
+    dense in ``dtype`` (see :mod:`prefixserve.model.weights.loader`).
     ``max_pinned_fraction`` bounds the blocks pins may hold (``pin_prefix``), a share of the pool.
     ``device`` is ``"auto"`` (the default: the first CUDA GPU where torch sees one, else the
     CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``"auto"`` is resolved here, so the engine only
@@ -97,9 +97,10 @@ class EngineConfig:
     failed tier stays marked down, and the bytes of KV the writer thread may hold.
     ``deterministic`` runs the batch-invariant kernels: a request's output depends only on its
     own tokens, sampling parameters and seed, not on the batch, the chunking of its prompt or
-    the prefix cache (CPU, float32 or bfloat16; see :mod:`prefixserve.model.batch_invariant`).
+    the prefix cache (CPU, float32 or bfloat16; see
+    :mod:`prefixserve.model.attention.batch_invariant`).
     ``enforce_eager`` runs decode steps through the torch modules layer by layer instead of
-    the fused decode kernel (:mod:`prefixserve.model.fused_decode`; for comparisons and
+    the fused decode kernel (:mod:`prefixserve.model.attention.fused_decode`; for comparisons and
     debugging).
     ``num_speculative_tokens`` (0: off) turns on n-gram speculation: a plain request that
     decodes computes up to this many draft tokens, found by prompt lookup with n-grams of

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixserve.core import KVCacheManager
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from prefixserve.model.config import ModelConfig
+from prefixserve.model.arch.config import ModelConfig
 from prefixserve.model.kv_layout import blocks_for_request, kv_layout, max_tokens_for_blocks
 
 if TYPE_CHECKING:

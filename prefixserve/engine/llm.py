@@ -10,7 +10,7 @@ from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import PIN_WARMUP_PARAMS, PIN_WARMUP_RETENTION, LLMEngine
 from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.output_processor import RequestState
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 

@@ -55,10 +55,8 @@ from prefixserve.engine.tier_manager import (
     namespace_of,
     tier_hash_root,
 )
-from prefixserve.model.config import resolve_model_path
-from prefixserve.model.dtypes import resolve_dtype, resolve_kv_cache_dtype
-from prefixserve.model.loader import load_model
-from prefixserve.model.lora import install_lora
+from prefixserve.model.arch.config import resolve_model_path
+from prefixserve.model.arch.lora import install_lora
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.sampler import (
     Sampler,
@@ -66,7 +64,9 @@ from prefixserve.model.sampler import (
     make_generator,
     verify_drafts,
 )
-from prefixserve.model.tokenizer import Tokenizer, load_tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer, load_tokenizer
+from prefixserve.model.weights.dtypes import resolve_dtype, resolve_kv_cache_dtype
+from prefixserve.model.weights.loader import load_model
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 

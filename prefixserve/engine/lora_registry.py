@@ -2,7 +2,7 @@
 
 :class:`LoRARegistry` knows every loaded adapter by its served name (several names may hold the
 same weights: they share one content id, one slot and one cache namespace) and which adapter
-sits in each of the model's ``max_loras`` slots (:class:`~prefixserve.model.lora.LoRAModel`).
+sits in each of the model's ``max_loras`` slots (:class:`~prefixserve.model.arch.lora.LoRAModel`).
 
 Admission (the scheduler's gate, :meth:`LoRARegistry.may_admit`): a waiting request under an
 adapter is admitted only once its adapter is in a slot. A resident adapter is used as it is;
@@ -25,8 +25,14 @@ from dataclasses import dataclass
 
 from prefixserve.engine.errors import RequestError
 from prefixserve.engine.request import Request
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.lora import LoRAAdapter, LoRAError, LoRAModel, load_adapter, validate_adapter
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.lora import (
+    LoRAAdapter,
+    LoRAError,
+    LoRAModel,
+    load_adapter,
+    validate_adapter,
+)
 
 __all__ = ["LoRACacheCounts", "LoRAInUseError", "LoRAInfo", "LoRARegistry"]
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prefixserve.engine.request import Request
-from prefixserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from prefixserve.model.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from prefixserve.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 
 #: Called with a sequence's request once it has a finish reason (``Scheduler.finish_request``).

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from llguidance.numpy import fill_next_token_bitmask
 
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:

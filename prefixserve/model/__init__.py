@@ -1,7 +1,7 @@
 """Model layer: configuration, tokenizer, weights loading, decoder model and paged-KV runner.
 
-Names are resolved lazily (PEP 562) so that ``import prefixserve.model.tokenizer`` and
-``prefixserve.model.config`` do not import torch; the torch-based names (``load_model``,
+Names are resolved lazily (PEP 562) so that ``import prefixserve.model.text.tokenizer`` and
+``prefixserve.model.arch.config`` do not import torch; the torch-based names (``load_model``,
 ``ModelRunner``, ...) import their modules on first access.
 """
 
@@ -11,26 +11,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prefixserve.model.config import (
+    from prefixserve.model.arch.config import (
         ModelConfig,
         default_model_path,
         kv_cache_bytes_per_token,
     )
-    from prefixserve.model.loader import load_model
     from prefixserve.model.runner import ExecuteOutput, ModelRunner, SeqBatchInput
-    from prefixserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+    from prefixserve.model.text.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+    from prefixserve.model.weights.loader import load_model
 
 _EXPORTS = {
-    "ModelConfig": "config",
-    "default_model_path": "config",
-    "kv_cache_bytes_per_token": "config",
-    "load_model": "loader",
+    "ModelConfig": "arch.config",
+    "default_model_path": "arch.config",
+    "kv_cache_bytes_per_token": "arch.config",
+    "load_model": "weights.loader",
     "ExecuteOutput": "runner",
     "ModelRunner": "runner",
     "SeqBatchInput": "runner",
-    "IncrementalDetokenizer": "tokenizer",
-    "Tokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
+    "IncrementalDetokenizer": "text.tokenizer",
+    "Tokenizer": "text.tokenizer",
+    "load_tokenizer": "text.tokenizer",
 }
 
 __all__ = [

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prefixserve.model.config import ModelConfig, _HasItemSize
+from prefixserve.model.arch.config import ModelConfig, _HasItemSize
 
 
 @dataclass(frozen=True)

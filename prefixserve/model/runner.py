@@ -9,14 +9,15 @@ from itertools import accumulate
 
 import torch
 
-from prefixserve.model import batch_invariant, fused_decode, prompt_attention
-from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.dtypes import cpu_has_amx
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.arch.lora import LoRAModel
+from prefixserve.model.attention import batch_invariant, fused_decode
+from prefixserve.model.attention import prompt as prompt_attention
+from prefixserve.model.attention.paged import AttentionMetadata, TableRows, build_metadata
+from prefixserve.model.attention.window import build_window_metadata
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
-from prefixserve.model.llama import CausalLM
-from prefixserve.model.lora import LoRAModel
-from prefixserve.model.window_attention import build_window_metadata
+from prefixserve.model.weights.dtypes import cpu_has_amx
 
 MIN_SPLIT_CONTEXT = 1024
 """A step that mixes prefills and decodes runs its decodes through the fused layers (a second
@@ -50,7 +51,7 @@ class SeqBatchInput:
     ``extra_block_tables`` those of groups 1, 2, ... (a window group's table may hold any block,
     the null block say, before the blocks its window reaches: those are never read).
     ``lora_slot`` (None: the base model) is the LoRA adapter slot the sequence runs under; it
-    needs a runner with ``lora`` set (see :mod:`prefixserve.model.lora`).
+    needs a runner with ``lora`` set (see :mod:`prefixserve.model.arch.lora`).
     """
 
     token_ids: list[int]
@@ -105,12 +106,14 @@ class ModelRunner:
     sequence may read in a step a block that another sequence of the same step writes.
 
     ``deterministic`` switches the model to the batch-invariant kernels (in place; see
-    :mod:`prefixserve.model.batch_invariant`): a sequence's logits then do not depend on the
+    :mod:`prefixserve.model.attention.batch_invariant`): a sequence's logits then do not depend on
+    the
     other sequences of a step, nor on how its tokens were split between steps and the cache.
 
     Steps where every sequence adds one token run the decoder layers through
-    :class:`~prefixserve.model.fused_decode.FusedDecode` where it applies (see
-    :func:`~prefixserve.model.fused_decode.unsupported`; ``fused_decode_reason`` says why not),
+    :class:`~prefixserve.model.attention.fused_decode.FusedDecode` where it applies (see
+    :func:`~prefixserve.model.attention.fused_decode.unsupported`; ``fused_decode_reason`` says why
+    not),
     unless ``enforce_eager`` is set or the model has LoRA adapters or runs deterministically.
     """
 

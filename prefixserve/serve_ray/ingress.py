@@ -63,7 +63,7 @@ class Ingress:
     """The ingress deployment class (``serve.deployment`` is applied by ``app``)."""
 
     def __init__(self, engine: DeploymentHandle, args: dict[str, Any]) -> None:
-        from prefixserve.model.tokenizer import load_tokenizer
+        from prefixserve.model.text.tokenizer import load_tokenizer
         from prefixserve.server.app import KeyParameters
         from prefixserve.server.launch import server_config
 

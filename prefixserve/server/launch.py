@@ -136,7 +136,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from prefixserve.engine.async_llm import AsyncLLM
-    from prefixserve.model.config import resolve_model_path
+    from prefixserve.model.arch.config import resolve_model_path
     from prefixserve.server.app import create_app
     from prefixserve.server.transport import DrainingServer, read_timeout_protocol
 

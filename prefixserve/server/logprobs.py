@@ -13,7 +13,7 @@ import functools
 import math
 from collections.abc import Sequence
 
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import Logprob
 from prefixserve.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 

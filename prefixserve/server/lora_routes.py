@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.lora_registry import LoRAInUseError
-from prefixserve.model.lora import LoRAError
+from prefixserve.model.arch.lora import LoRAError
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, quote
 from prefixserve.server.openapi import ErrorDocs, error_doc

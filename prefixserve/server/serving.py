@@ -39,7 +39,7 @@ from starlette.responses import Response
 from prefixserve.core import Retention
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from prefixserve.sampling_params import (
     SamplingParams,

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.sampling_params import StructuredOutputsParams
 from prefixserve.server.agent_protocol import (
     DeltaFunctionCall,

@@ -449,8 +449,8 @@ class _ItemSize:
 
 def model_kv_bytes_per_token(model: str | None, dtype: str) -> int:
     """KV bytes per token of ``model`` (a GGUF file or HF directory, None: the default model)
-    with KV cache in ``dtype``, from ``prefixserve.model.config`` (no weights are loaded)."""
-    from prefixserve.model.config import kv_cache_bytes_per_token
+    with KV cache in ``dtype``, from ``prefixserve.model.arch.config`` (no weights are loaded)."""
+    from prefixserve.model.arch.config import kv_cache_bytes_per_token
 
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"unknown KV dtype {dtype!r}; choose one of {', '.join(_DTYPE_BYTES)}")

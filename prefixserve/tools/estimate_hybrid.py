@@ -22,7 +22,7 @@ from prefixserve.tools.estimate_results import ReplaySettings
 from prefixserve.tools.trace_formats import TraceRequest, Workload
 
 if TYPE_CHECKING:
-    from prefixserve.model.config import ModelConfig
+    from prefixserve.model.arch.config import ModelConfig
 
 CHUNK_TOKENS = 2048
 
@@ -31,8 +31,8 @@ CHUNK_TOKENS = 2048
 def model_config(model: str | None) -> ModelConfig:
     """The config of ``model`` (a GGUF file, an HF directory, a short name or None for the
     default model), read once per process; no weights are loaded."""
-    from prefixserve.model.config import ModelConfig, resolve_model_path
-    from prefixserve.model.gguf_file import GGUFFile
+    from prefixserve.model.arch.config import ModelConfig, resolve_model_path
+    from prefixserve.model.weights.gguf_file import GGUFFile
 
     path = resolve_model_path(model)
     if path.endswith(".gguf"):

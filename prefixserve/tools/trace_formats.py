@@ -386,7 +386,7 @@ class _TextReader:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from prefixserve.model.tokenizer import load_tokenizer
+            from prefixserve.model.text.tokenizer import load_tokenizer
 
             try:
                 self._tokenizer = load_tokenizer(self.tokenizer_name)

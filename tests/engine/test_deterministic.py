@@ -22,11 +22,12 @@ from torch import nn
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.scheduler import SchedulerOutput
-from prefixserve.model import attention, batch_invariant
-from prefixserve.model.batch_invariant import KeyTables, invariant_attention
-from prefixserve.model.named_models import is_available
-from prefixserve.model.quant import QuantLinear
-from prefixserve.model.quant_kernels import kernels
+from prefixserve.model.attention import batch_invariant
+from prefixserve.model.attention import paged as attention
+from prefixserve.model.attention.batch_invariant import KeyTables, invariant_attention
+from prefixserve.model.weights.named_models import is_available
+from prefixserve.model.weights.quant import QuantLinear
+from prefixserve.model.weights.quant_kernels import kernels
 from prefixserve.tools.determinism import offline_checks, server_checks, varied_prompts
 
 PROMPTS = varied_prompts(3)

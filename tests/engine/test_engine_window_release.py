@@ -19,7 +19,7 @@ def test_engine_releases_window_blocks_right_after_prefill(tmp_path: Path) -> No
 
     from prefixserve.engine.config import EngineConfig
     from prefixserve.engine.llm_engine import LLMEngine
-    from prefixserve.model.tokenizer import load_tokenizer
+    from prefixserve.model.text.tokenizer import load_tokenizer
 
     backend = load_tokenizer(None).backend
     backend.save(str(tmp_path / "tokenizer.json"))

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from prefixserve.core import KVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 from prefixserve.engine.scheduler import Scheduler
-from prefixserve.model import shared_prefix_attention
-from prefixserve.model.attention import AttentionMetadata, TableRows, build_metadata
+from prefixserve.model.attention import shared_prefix as shared_prefix_attention
+from prefixserve.model.attention.paged import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.runner import BlockTables, SeqBatchInput
 from prefixserve.model.sampler import Sampler, argmax_rows
 from prefixserve.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from lora_helpers import default_config, write_peft_adapter
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.errors import RequestError
 from prefixserve.engine.lora_registry import LoRAInUseError
-from prefixserve.model.lora import LoRAError
+from prefixserve.model.arch.lora import LoRAError
 
 ONE = SamplingParams(temperature=0, max_tokens=1)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -90,7 +90,7 @@ def test_adapter_prompts_attend_in_the_kernel(llm: LLM,
     the projections, not the attention), and give the tokens the torch attention gives. Kills:
     the kernel turned off whenever adapters are installed (as it was: no plan), or handed rows
     it attends wrongly (other tokens than torch's)."""
-    from prefixserve.model.prompt_attention import PromptAttention
+    from prefixserve.model.attention.prompt import PromptAttention
     plans = []
     plan = PromptAttention.plan
     monkeypatch.setattr(PromptAttention, "plan",

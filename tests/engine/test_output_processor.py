@@ -13,7 +13,7 @@ from prefixserve.engine.output_processor import (
     SampledToken,
 )
 from prefixserve.engine.request import Request
-from prefixserve.model.tokenizer import Tokenizer, load_tokenizer
+from prefixserve.model.text.tokenizer import Tokenizer, load_tokenizer
 from prefixserve.outputs import CompletionOutput, Logprob, RequestOutput
 from prefixserve.sampling_params import SamplingParams
 

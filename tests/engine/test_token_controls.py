@@ -8,7 +8,7 @@ import torch
 
 from prefixserve.engine.structured_output import GrammarState, StructuredOutputs
 from prefixserve.model.sampler import Sampler
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.text.tokenizer import load_tokenizer
 from prefixserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 V = 64

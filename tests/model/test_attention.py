@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import shared_prefix_attention
-from prefixserve.model.attention import build_metadata, paged_attention
+from prefixserve.model.attention import shared_prefix as shared_prefix_attention
+from prefixserve.model.attention.paged import build_metadata, paged_attention
 
 BLOCK = 16
 KV_HEADS, PER_KV, HEAD_DIM = 2, 3, 16

@@ -1,5 +1,5 @@
 """The deterministic mode's kernels: a row's result is bitwise the same whatever else is in the
-step (``prefixserve/model/batch_invariant.py``).
+step (``prefixserve/model/attention/batch_invariant.py``).
 
 Each kernel is checked at every row count 1..64 and every 13th up to 300 (each row of a product
 of M rows against the same row of a product of 300 rows, at varied offsets so that rows land at
@@ -18,15 +18,19 @@ import torch.nn.functional as F
 from isa_helpers import kernels_or_skip
 from torch import nn
 
-from prefixserve.model import batch_invariant
-from prefixserve.model.attention import build_metadata, paged_attention, write_kv
-from prefixserve.model.batch_invariant import RowTiledLinear, make_batch_invariant, tiled_linear
-from prefixserve.model.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from prefixserve.model.lora import LoRABatch, LoRALinear
-from prefixserve.model.quant import QuantEmbedding, QuantLinear, pack_float
-from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0
+from prefixserve.model.arch.layers import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from prefixserve.model.arch.lora import LoRABatch, LoRALinear
+from prefixserve.model.attention import batch_invariant
+from prefixserve.model.attention.batch_invariant import (
+    RowTiledLinear,
+    make_batch_invariant,
+    tiled_linear,
+)
+from prefixserve.model.attention.paged import build_metadata, paged_attention, write_kv
+from prefixserve.model.attention.window import build_window_metadata
 from prefixserve.model.sampler import Sampler, make_generator
-from prefixserve.model.window_attention import build_window_metadata
+from prefixserve.model.weights.quant import QuantEmbedding, QuantLinear, pack_float
+from prefixserve.model.weights.quant_kernels import FMT_Q4_1, FMT_Q8_0
 from prefixserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The fused decode step (``prefixserve/model/fused_decode.py``, ``kernels/decode.c``).
+"""The fused decode step (``prefixserve/model/attention/fused_decode.py``, ``kernels/decode.c``).
 
 It must compute what the eager layer stack computes: the same logits up to float rounding and
 the same K/V written into the cache, for batches of sequences with different context lengths
@@ -21,12 +21,13 @@ from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
 from model_helpers import pack_projections, packed_model, tiny_config
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import decode_kernel, fused_decode, quant_kernels
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import CausalLM
-from prefixserve.model.lora import install_lora
-from prefixserve.model.quant import FMT_Q4_1, FMT_Q8_0
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.arch.lora import install_lora
+from prefixserve.model.attention import decode_kernel, fused_decode
 from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInput
+from prefixserve.model.weights import quant_kernels
+from prefixserve.model.weights.quant import FMT_Q4_1, FMT_Q8_0
 
 #: Logits of the fused step vs the eager one, as a fraction of the largest |logit|. Both run
 #: the same packed products; the norms, attention and exp sum in another order (~1e-7), and
@@ -363,7 +364,7 @@ def windowed_model(name: str, window: int, folder: Path) -> tuple[ModelConfig, C
     """The model ``name`` of WINDOWED with random weights and a sliding window of ``window``,
     loaded through ``load_model`` and its four projections per layer packed in Q8_0."""
     transformers = pytest.importorskip("transformers")
-    from prefixserve.model.loader import load_model
+    from prefixserve.model.weights.loader import load_model
 
     common = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

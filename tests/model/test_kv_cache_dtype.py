@@ -15,8 +15,8 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.cli import build_parser
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.tier_manager import model_identity
-from prefixserve.model.config import ModelConfig, default_model_path
-from prefixserve.model.llama import CausalLM
+from prefixserve.model.arch.config import ModelConfig, default_model_path
+from prefixserve.model.arch.llama import CausalLM
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.server.launch import engine_config
 

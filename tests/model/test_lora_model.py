@@ -23,10 +23,9 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import CausalLM
-from prefixserve.model.loader import load_model
-from prefixserve.model.lora import (
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.arch.lora import (
     FUSED_PARTS,
     LoRAAdapter,
     LoRAError,
@@ -36,6 +35,7 @@ from prefixserve.model.lora import (
     validate_adapter,
 )
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.weights.loader import load_model
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

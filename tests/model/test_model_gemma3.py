@@ -24,10 +24,10 @@ from reference_cache import cached_reference, load_weights, save_weights
 
 from prefixserve.core import CacheRequest
 from prefixserve.engine.kv_cache_setup import capacity_report
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.gguf_file import GGUFFile
-from prefixserve.model.named_models import is_available, named_model_path
+from prefixserve.model.arch.config import ModelConfig
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.weights.gguf_file import GGUFFile
+from prefixserve.model.weights.named_models import is_available, named_model_path
 from prefixserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -230,8 +230,8 @@ def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any) -> None
     is not run through it again.) Kills: a packed Gemma tensor left dense or mis-fused,
     hybrid groups that miss, a warm prefill that reads the wrong window blocks."""
     from prefixserve import LLM
-    from prefixserve.model.quant import QuantLinear
-    from prefixserve.model.quant_kernels import kernels
+    from prefixserve.model.weights.quant import QuantLinear
+    from prefixserve.model.weights.quant_kernels import kernels
 
     if kernels() is None:
         pytest.skip("the quantized kernels cannot be built here (no C compiler)")
@@ -290,7 +290,7 @@ def test_sixteen_sequences_through_the_fused_layers_decode_as_the_eager_ones() -
     one position too long moves no greedy token here: the windows' edges are checked on tiny
     models (``test_fused_decode.py::test_sliding_window_models_take_the_fused_layers``)."""
     from prefixserve import LLM
-    from prefixserve.model.quant_kernels import kernels
+    from prefixserve.model.weights.quant_kernels import kernels
 
     if kernels() is None:
         pytest.skip("the quantized kernels cannot be built here (no C compiler)")
@@ -320,7 +320,7 @@ def test_speculation_on_sliding_windows_changes_no_greedy_token() -> None:
     tokens changed), and drafts that change the output. (A release bug of both runs alike is
     for ``_check_prefix_caching``'s window checks.)"""
     from prefixserve import LLM
-    from prefixserve.model.quant_kernels import kernels
+    from prefixserve.model.weights.quant_kernels import kernels
 
     if kernels() is None:
         pytest.skip("the quantized kernels cannot be built here (no C compiler)")

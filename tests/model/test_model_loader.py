@@ -19,9 +19,9 @@ from transformers import (
     Qwen2Config,
 )
 
-from prefixserve.model.config import ModelConfig, kv_cache_bytes_per_token
-from prefixserve.model.loader import load_model
+from prefixserve.model.arch.config import ModelConfig, kv_cache_bytes_per_token
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.weights.loader import load_model
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))

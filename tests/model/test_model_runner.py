@@ -21,10 +21,10 @@ from transformers import (
     Qwen3Config,
 )
 
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import CausalLM
-from prefixserve.model.loader import load_model
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.llama import CausalLM
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.weights.loader import load_model
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 VOCAB = 256

@@ -14,10 +14,10 @@ import pytest
 import torch
 from reference_cache import cached_reference
 
-from prefixserve.model.config import default_model_path
-from prefixserve.model.loader import load_model
+from prefixserve.model.arch.config import default_model_path
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.text.tokenizer import load_tokenizer
+from prefixserve.model.weights.loader import load_model
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16

@@ -23,9 +23,9 @@ from reference_cache import cached_reference
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from prefixserve.model.chat_template import ChatTemplateError
-from prefixserve.model.config import default_model_path
-from prefixserve.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from prefixserve.model.arch.config import default_model_path
+from prefixserve.model.text.chat_template import ChatTemplateError
+from prefixserve.model.text.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -224,7 +224,7 @@ def test_tokenizer_imports_without_torch() -> None:
         "import sys\n"
         "sys.modules['torch'] = None\n"
         "import prefixserve.model as pm\n"
-        "from prefixserve.model.tokenizer import load_tokenizer\n"
+        "from prefixserve.model.text.tokenizer import load_tokenizer\n"
         "tok = load_tokenizer()\n"
         "assert tok.encode('Hello world') == [19556, 905]\n"
         "assert pm.load_tokenizer is load_tokenizer\n"

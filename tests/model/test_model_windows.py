@@ -25,8 +25,8 @@ from transformers import (
     Qwen2Config,
 )
 
-from prefixserve.model.loader import load_model
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.weights.loader import load_model
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 WINDOW = 8
@@ -192,7 +192,7 @@ def test_drafts_on_windows_change_no_token_in_the_deterministic_mode(tiny: Tiny)
     every block back in the pool when idle. A draft row verified over the wrong
     window would change a token, since the mode's logits depend on nothing but the sequence."""
     from prefixserve import LLM, SamplingParams
-    from prefixserve.model.tokenizer import load_tokenizer
+    from prefixserve.model.text.tokenizer import load_tokenizer
 
     if not (tiny.path / "tokenizer.json").exists():
         load_tokenizer(None).backend.save(str(tiny.path / "tokenizer.json"))

@@ -1,4 +1,4 @@
-"""The C kernel's attention for a step's prompt positions (prefixserve.model.prompt_attention)
+"""The C kernel's attention for a step's prompt positions (prefixserve.model.attention.prompt)
 against torch's paged attention of the same step."""
 
 from __future__ import annotations
@@ -11,17 +11,19 @@ import torch
 from isa_helpers import has_avx512_and_avx2
 from model_helpers import dense_model, packed_model, tiny_config
 
-from prefixserve.model import decode_kernel, prompt_attention, quant_kernels
-from prefixserve.model.attention import (
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.attention import decode_kernel
+from prefixserve.model.attention import prompt as prompt_attention
+from prefixserve.model.attention.paged import (
     AttentionMetadata,
     TableRows,
     build_metadata,
     paged_attention,
 )
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.dtypes import cpu_has_amx
+from prefixserve.model.attention.window import build_window_metadata
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
-from prefixserve.model.window_attention import build_window_metadata
+from prefixserve.model.weights import quant_kernels
+from prefixserve.model.weights.dtypes import cpu_has_amx
 
 BLOCK = 16
 #: (heads, kv heads, head size, cache dtype)

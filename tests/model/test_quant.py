@@ -1,4 +1,5 @@
-"""Quantized weights kept packed in memory (``prefixserve.model.quant``) vs gguf-py's decoding.
+"""Quantized weights kept packed in memory (``prefixserve.model.weights.quant``) vs gguf-py's
+decoding.
 
 gguf-py (``gguf.quants.dequantize``) is the independent reference for every byte layout: the
 packed formats Q4_1 and Q8_0 are GGUF's own, so gguf-py decodes our packed bytes too.
@@ -41,11 +42,12 @@ from isa_helpers import AVX2_BUILD, has_avx512_and_avx2, kernels_or_skip
 from safetensors.numpy import save_file
 from torch import nn
 
-from prefixserve.model import quant, quant_kernels
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.llama import CausalLM
-from prefixserve.model.loader import _cat, load_model
-from prefixserve.model.quant import (
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.weights import quant, quant_kernels
+from prefixserve.model.weights.loader import _cat, load_model
+from prefixserve.model.weights.quant import (
     AMX_LARGE_MAX_OUTPUTS,
     AMX_LARGE_MAX_ROWS,
     AMX_MAX,
@@ -63,7 +65,6 @@ from prefixserve.model.quant import (
     pack_float,
     pack_gguf,
 )
-from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
 Q = GGMLQuantizationType
 GGUF_OF = {FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0}
@@ -964,9 +965,9 @@ def test_unknown_weights_mode(tiny_gguf: Path) -> None:
 FALLBACK_SCRIPT = """
 import json, sys
 import torch
-from prefixserve.model import quant_kernels
-from prefixserve.model.loader import load_model
-from prefixserve.model.quant import QuantEmbedding, QuantLinear
+from prefixserve.model.weights import quant_kernels
+from prefixserve.model.weights.loader import load_model
+from prefixserve.model.weights.quant import QuantEmbedding, QuantLinear
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
 out = {"kernels": quant_kernels.kernels() is not None, "error": quant_kernels.build_error()}
@@ -1047,7 +1048,7 @@ def test_default_model_auto_matches_bf16(default_llms) -> None:
     """``weights="auto"`` (Q4_1 layers and Q8_0 embedding kept packed) holds at most 1.3x the
     file's bytes and generates the greedy tokens of ``weights="bf16"`` (dense float32 here),
     which still loads and generates."""
-    from prefixserve.model.config import default_model_path
+    from prefixserve.model.arch.config import default_model_path
     from prefixserve.sampling_params import SamplingParams
 
     auto, ref = default_llms

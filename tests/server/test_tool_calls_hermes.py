@@ -22,7 +22,7 @@ from server_helpers import ServerProcess, openai_client, serve_for_module
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.text.tokenizer import load_tokenizer
 
 #: A Hermes-style template written for this test: tools in the system turn, calls as
 #: <tool_call> JSON, results as <tool_response> in a user turn.

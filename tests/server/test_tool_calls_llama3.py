@@ -24,7 +24,7 @@ from server_helpers import ServerProcess, openai_client, serve_for_module
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.text.tokenizer import load_tokenizer
 
 SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
            "<|eom_id|>", "<|python_tag|>"]

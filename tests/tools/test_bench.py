@@ -16,7 +16,7 @@ from rich.console import Console
 from server_helpers import ServerProcess
 
 from prefixserve.cli import main
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.text.tokenizer import load_tokenizer
 from prefixserve.tools.bench.client import metrics_url, parse_event, parse_prometheus
 from prefixserve.tools.bench.datasets import (
     Conversation,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixserve.model.tokenizer import load_tokenizer
+from prefixserve.model.text.tokenizer import load_tokenizer
 from prefixserve.tools.bench.datasets import Conversation, WordVocabulary, agent
 
 

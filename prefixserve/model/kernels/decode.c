@@ -21,14 +21,14 @@
  * marked "Gemma 3"). A layer of a sliding-window KV cache group attends its last `window`
  * positions only.
  * The result is x before the final norm, as CausalLM.forward returns it. Float32 activations;
- * prefixserve.model.fused_decode decides when this path applies.
+ * prefixserve.model.attention.fused_decode decides when this path applies.
  *
  * Threads: the whole pass is one OpenMP parallel region. The products and attention are
  * shared out among its threads (orphaned `omp for` loops), the row-wise steps between them
  * run on one thread (`omp single`); each ends in a barrier, which costs less than forking
  * and joining a team for each product did.
  *
- * Built and loaded like quant.c (prefixserve.model.quant_kernels.load_library); the build key
+ * Built and loaded like quant.c (prefixserve.model.weights.quant_kernels.load_library); the build key
  * covers both files.
  */
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /*
- * Batch-invariant paged attention for the deterministic mode (prefixserve.model.batch_invariant).
+ * Batch-invariant paged attention for the deterministic mode (prefixserve.model.attention.batch_invariant).
  *
  * Every query row attends to the keys 0..pos of its own sequence, read from the paged KV cache
  * through the sequence's block table, whatever else is in the step: a prompt computed at once,

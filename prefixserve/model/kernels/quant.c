@@ -16,7 +16,7 @@
  * so both share one thread pool). dequantize() expands rows to float32 for large products,
  * where a float GEMM is faster than these kernels.
  *
- * Built at first use by prefixserve.model.quant_kernels with the host's native ISA. The AVX2
+ * Built at first use by prefixserve.model.weights.quant_kernels with the host's native ISA. The AVX2
  * path is used where the compiler targets it; a portable scalar path otherwise. The eight-row
  * product and the bfloat16 expansion have AVX-512 forms, used where the compiler targets
  * AVX512F and AVX512BW (tests build the AVX2 forms there too); the bfloat16 batch product

@@ -187,7 +187,7 @@ async def _measure(args: argparse.Namespace, dataset: Dataset, vocabulary: WordV
 def run_bench(args: argparse.Namespace) -> int:
     """``prefixserve bench``: 0 when at least one request completed, 1 when none did, 2 when
     the options or the dataset are unusable or the server cannot be reached."""
-    from prefixserve.model.tokenizer import load_tokenizer
+    from prefixserve.model.text.tokenizer import load_tokenizer
 
     try:
         if args.dataset is None:

@@ -29,7 +29,7 @@ WORD_PATTERN = re.compile(r" [a-z]{2,}")
 
 
 class TextTokenizer(Protocol):
-    """What the benchmark needs of a tokenizer (``prefixserve.model.tokenizer.Tokenizer``)."""
+    """What the benchmark needs of a tokenizer (``prefixserve.model.text.tokenizer.Tokenizer``)."""
 
     vocab_size: int
 

@@ -11,9 +11,11 @@ prompts on one prefix) are grouped, each group reads its chunk from the cache on
 chunks' partial results are merged by their log-sum-exp.
 
 :class:`PromptAttention` applies where the fused decode step does
-(:func:`~prefixserve.model.fused_decode.unsupported`), and where only the projections (dense
+(:func:`~prefixserve.model.attention.fused_decode.unsupported`), and where only the projections
+(dense
 weights, LoRA wrappers) keep the fused step off
-(:func:`~prefixserve.model.fused_decode.unsupported_attention`): there it takes every step's
+(:func:`~prefixserve.model.attention.fused_decode.unsupported_attention`): there it takes every
+step's
 rows, decode rows included. A sliding-window KV cache group plans its rows over their windows
 (``plan(..., window=W)``), one :class:`PromptAttention` per group. It needs the kernel's
 512-bit form for the head size (:func:`available`). The runner plans each eager step's
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixserve.model import decode_kernel
+from prefixserve.model.attention import decode_kernel
 
 
 def available(head_dim: int) -> bool:
@@ -72,7 +74,8 @@ class KernelPlan:
 
 class PromptAttention:
     """The kernel's attention for a model's cache: heads, KV heads, head size, block size and
-    cache type (one of :data:`~prefixserve.model.decode_kernel.KV_TYPES`). ``bf16_queries``
+    cache type (one of :data:`~prefixserve.model.attention.decode_kernel.KV_TYPES`).
+    ``bf16_queries``
     says that the queries are bfloat16 values (a bfloat16 model's): with a bfloat16 cache the
     kernel then attends in bfloat16 (:func:`attends_in_bf16`), reading keys and values in place
     and rounding the softmax weights to bfloat16 as torch's SDPA does in bfloat16. It keeps

@@ -26,7 +26,7 @@ prompt was chunked, or how much of it came from the prefix cache. Three things m
 
 :func:`make_batch_invariant` switches a loaded model's linear layers to these kernels; the
 attention switch is the ``deterministic`` flag of
-:func:`~prefixserve.model.attention.build_metadata` (the model runner sets both).
+:func:`~prefixserve.model.attention.paged.build_metadata` (the model runner sets both).
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.model import quant_kernels
-from prefixserve.model.quant import QuantLinear
+from prefixserve.model.weights import quant_kernels
+from prefixserve.model.weights.quant import QuantLinear
 
 #: Rows of every dense product in the deterministic mode. Any fixed size makes every GEMM call
 #: the same shape; 8 keeps the padding of a one-sequence decode step small while larger
 #: products still run as GEMMs (``benchmarks/bench_deterministic.py`` measures the cost).
 ROW_TILE = 8
 
-_SOURCE = Path(__file__).with_name("kernels") / "invariant_attention.c"
+_SOURCE = Path(__file__).parent.parent / "kernels" / "invariant_attention.c"
 
 #: Cache dtypes the attention kernel reads.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)

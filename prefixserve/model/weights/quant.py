@@ -40,9 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefixserve.model import quant_kernels
-from prefixserve.model.dtypes import cpu_has_native_bfloat16
-from prefixserve.model.quant_kernels import FMT_Q4_1, FMT_Q8_0
+from prefixserve.model.weights import quant_kernels
+from prefixserve.model.weights.dtypes import cpu_has_native_bfloat16
+from prefixserve.model.weights.quant_kernels import FMT_Q4_1, FMT_Q8_0
 
 #: Weights per quantization block.
 BLOCK = 32
@@ -229,7 +229,7 @@ class QuantLinear(nn.Module):
         """True: one kernel at every row count (bfloat16 rows: the bfloat16 batch kernel where
         the library has it and ``invariant_batch_kernel`` is set; other rows: the 16-bit
         integer kernel), so that a row's result does not depend on how many rows the product
-        has (the deterministic mode; see :mod:`prefixserve.model.batch_invariant`)."""
+        has (the deterministic mode; see :mod:`prefixserve.model.attention.batch_invariant`)."""
         self.amx_large_max_outputs = AMX_LARGE_MAX_OUTPUTS
         """Rows x outputs up to which more than AMX_MAX bfloat16 rows take the large-row AMX
         kernel (0: never)."""

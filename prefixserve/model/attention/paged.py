@@ -11,7 +11,7 @@ sequence of the same step writes. All index tensors are built once per step in
 
 Decoding sequences that begin with the same cached blocks (a shared system prompt, the turns of
 one conversation) attend in two passes on CPU, the shared keys read from the cache once per
-group: :mod:`prefixserve.model.shared_prefix_attention` plans that when building the metadata
+group: :mod:`prefixserve.model.attention.shared_prefix` plans that when building the metadata
 (:attr:`DecodeGroup.shared`) and runs it in :func:`paged_attention`; this module keeps the paged
 layout and the plain attention.
 """
@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import shared_prefix_attention
-from prefixserve.model.batch_invariant import KeyTables, invariant_attention
-from prefixserve.model.shared_prefix_attention import (
+from prefixserve.model.attention import shared_prefix as shared_prefix_attention
+from prefixserve.model.attention.batch_invariant import KeyTables, invariant_attention
+from prefixserve.model.attention.shared_prefix import (
     SharedPrefixes,
     split_shared_prefixes,
     two_pass_decode,
 )
 
 if TYPE_CHECKING:  # prompt_attention imports the model, which imports this module
-    from prefixserve.model.prompt_attention import KernelPlan, PromptAttention
+    from prefixserve.model.attention.prompt import KernelPlan, PromptAttention
 
 
 @dataclass
@@ -46,7 +46,7 @@ class DecodeGroup:
     longest context, and ``mask`` ``[B, 1, 1, num_keys]`` additive (0 or -inf, in the cache's
     dtype) or None when every context has length ``num_keys``. With ``shared`` set,
     ``block_tables`` and ``num_keys`` cover only the blocks after each sequence's prefix (see
-    :class:`~prefixserve.model.shared_prefix_attention.SharedPrefixes`; all of them for a
+    :class:`~prefixserve.model.attention.shared_prefix.SharedPrefixes`; all of them for a
     sequence in no group).
     """
 
@@ -63,7 +63,7 @@ class PrefillSeq:
 
     With ``cached`` False (nothing of it was in the cache before this step) attention uses the
     fresh K/V with a plain causal mask, or with ``mask`` when one is given (a sliding window,
-    :mod:`prefixserve.model.window_attention`). Otherwise K/V of ``num_keys`` positions are gathered
+    :mod:`prefixserve.model.attention.window`). Otherwise K/V of ``num_keys`` positions are gathered
     from ``block_table`` and ``mask`` (``[end-start, num_keys]``) is causal offset by the
     number of cached tokens.
     """
@@ -80,7 +80,7 @@ class PrefillSeq:
 class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers. With ``invariant`` set
     (the deterministic mode) or ``kernel`` (the C kernel's plan,
-    :mod:`prefixserve.model.prompt_attention`) every row attends through it, and ``decode``
+    :mod:`prefixserve.model.attention.prompt`) every row attends through it, and ``decode``
     and ``prefills`` are empty."""
 
     slot_mapping: torch.Tensor
@@ -120,7 +120,7 @@ def build_metadata(
     masks). ``table_rows``, when given, holds the same tables as ``block_tables`` (which are
     then read only at the new positions, and by the shared-prefix planning of a decode batch).
     ``deterministic`` plans the batch-invariant attention instead (see
-    :mod:`prefixserve.model.batch_invariant`), ``kernel`` the C kernel's (on CPU, with
+    :mod:`prefixserve.model.attention.batch_invariant`), ``kernel`` the C kernel's (on CPU, with
     ``table_rows``).
     """
     if deterministic:

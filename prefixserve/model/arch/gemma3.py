@@ -1,6 +1,7 @@
-"""Gemma 3 text decoder over the paged KV cache (config: :mod:`prefixserve.model.gemma3_config`).
+"""Gemma 3 text decoder over the paged KV cache (config:
+:mod:`prefixserve.model.arch.gemma3_config`).
 
-Differences from :class:`~prefixserve.model.llama.CausalLM`, per the reference implementation:
+Differences from :class:`~prefixserve.model.arch.llama.CausalLM`, per the reference implementation:
 the token embedding is multiplied by ``sqrt(hidden_size)``; every RMSNorm scales by
 ``1 + w`` (computed in float32; the loader stores ``1 + w`` as the norm weight, which is what
 GGUF files hold already); queries and keys get a per-head RMSNorm before rope; each layer has
@@ -10,7 +11,7 @@ four norms: ``x + post_attn_norm(attn(input_norm(x)))``, then
 attention scale is ``query_pre_attn_scalar ** -0.5``; the output head is tied to the
 embedding.
 
-Parameter names: as :mod:`prefixserve.model.llama`, plus ``layers.{i}.post_attn_out_norm`` and
+Parameter names: as :mod:`prefixserve.model.arch.llama`, plus ``layers.{i}.post_attn_out_norm`` and
 ``layers.{i}.post_mlp_norm`` (``layers.{i}.post_attn_norm`` is the norm before the MLP).
 """
 
@@ -22,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from prefixserve.model.config import ModelConfig
-from prefixserve.model.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from prefixserve.model.llama import Attention, CausalLM
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from prefixserve.model.arch.llama import Attention, CausalLM
+from prefixserve.model.attention.paged import AttentionMetadata, paged_attention, write_kv
 
 
 class OffsetRMSNorm(RMSNorm):

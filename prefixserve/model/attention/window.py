@@ -7,8 +7,8 @@ masks are offset to match, so a long sequence costs a window layer ``W`` keys, n
 blocks before that first block may be the null block (the KV cache manager frees blocks that
 slid out of every window and puts the null block in their place): they are never read.
 
-The result is an :class:`~prefixserve.model.attention.AttentionMetadata` that
-:func:`~prefixserve.model.attention.paged_attention` runs unchanged. Decoding sequences of a
+The result is an :class:`~prefixserve.model.attention.paged.AttentionMetadata` that
+:func:`~prefixserve.model.attention.paged.paged_attention` runs unchanged. Decoding sequences of a
 window layer do not use the two-pass shared-prefix path: what they could share is at most the
 window (``W`` keys, below the threshold where the two passes pay off), and each sequence's
 window starts at its own position, so nothing outside it is ever shared.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefixserve.model.attention import (
+from prefixserve.model.attention.paged import (
     AttentionMetadata,
     DecodeGroup,
     PrefillSeq,
@@ -31,7 +31,7 @@ from prefixserve.model.attention import (
 )
 
 if TYPE_CHECKING:  # prompt_attention imports the model, which imports the attention modules
-    from prefixserve.model.prompt_attention import PromptAttention
+    from prefixserve.model.attention.prompt import PromptAttention
 
 
 def build_window_metadata(
@@ -46,7 +46,7 @@ def build_window_metadata(
     deterministic: bool = False,
 ) -> AttentionMetadata:
     """Index tensors of one step for layers with a sliding window of ``window`` tokens;
-    arguments as :func:`~prefixserve.model.attention.build_metadata` (with ``kernel``, the C
+    arguments as :func:`~prefixserve.model.attention.paged.build_metadata` (with ``kernel``, the C
     kernel's plan of every row over its window; with ``deterministic``, the batch-invariant
     attention's)."""
     if deterministic:

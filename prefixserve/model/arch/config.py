@@ -21,7 +21,8 @@ class _HasItemSize(Protocol):
     def itemsize(self) -> int: ...
 
 
-#: How matmul weights can be held in memory (``--weights``, see :mod:`prefixserve.model.loader`).
+#: How matmul weights can be held in memory (``--weights``, see
+#: :mod:`prefixserve.model.weights.loader`).
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
 
 
@@ -45,10 +46,11 @@ def resolve_model_path(model: str | None) -> str:
 
     ``None`` means the default model. A directory holding no ``config.json`` but exactly one
     ``.gguf`` file resolves to that file. A short name of
-    :data:`~prefixserve.model.named_models.NAMED_MODELS` (``gemma-3-270m``) resolves to the file
+    :data:`~prefixserve.model.weights.named_models.NAMED_MODELS` (``gemma-3-270m``) resolves to the
+    file
     its package assembles, unless a file or directory of that name exists.
     """
-    from prefixserve.model.named_models import NAMED_MODELS, named_model_path
+    from prefixserve.model.weights.named_models import NAMED_MODELS, named_model_path
 
     if model in NAMED_MODELS and not os.path.exists(model):
         return named_model_path(model)
@@ -163,7 +165,7 @@ class ModelConfig:
         """
         model_type = cfg.get("model_type", "<missing model_type>")
         if model_type in ("gemma3_text", "gemma3"):
-            from prefixserve.model.gemma3_config import gemma3_from_hf_config
+            from prefixserve.model.arch.gemma3_config import gemma3_from_hf_config
 
             return cls(**gemma3_from_hf_config(cfg))
         arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
@@ -226,7 +228,7 @@ class ModelConfig:
         """Build from GGUF metadata; ``tensor_names`` tells whether an output matrix exists."""
         arch = meta.get("general.architecture", "<missing general.architecture>")
         if arch == "gemma3":
-            from prefixserve.model.gemma3_config import gemma3_from_gguf_metadata
+            from prefixserve.model.arch.gemma3_config import gemma3_from_gguf_metadata
 
             return cls(**gemma3_from_gguf_metadata(meta, tensor_names))
         if arch not in SUPPORTED_ARCHITECTURES:

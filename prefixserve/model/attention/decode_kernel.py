@@ -1,7 +1,8 @@
 """The C decode kernel (``kernels/decode.c``): its library and the structures it takes.
 
-Two modules call it: the fused decode step (:mod:`prefixserve.model.fused_decode`, every layer
-of a decode batch) and prompt-step attention (:mod:`prefixserve.model.prompt_attention`,
+Two modules call it: the fused decode step (:mod:`prefixserve.model.attention.fused_decode`, every
+layer
+of a decode batch) and prompt-step attention (:mod:`prefixserve.model.attention.prompt`,
 attention alone). Both read :data:`library` from this module at each use (tests swap in another
 build of it), and neither imports the other.
 """
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model import quant_kernels
+from prefixserve.model.weights import quant_kernels
 
-SOURCE = Path(__file__).with_name("kernels") / "decode.c"
+SOURCE = Path(__file__).parent.parent / "kernels" / "decode.c"
 #: Activation dtypes of the fused step. With bfloat16 the layers compute in float32 (norm
 #: weights and biases are copied to float32 once).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -58,7 +59,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [ctypes.POINTER(ModelStruct), ctypes.POINTER(BatchStruct),
                                    ctypes.c_void_p]
     lib.decode_forward.restype = ctypes.c_int
-    # attention alone (prefixserve.model.prompt_attention)
+    # attention alone (prefixserve.model.attention.prompt)
     model, batch = ctypes.POINTER(ModelStruct), ctypes.POINTER(BatchStruct)
     lib.attention_plan_bytes.argtypes = [model, batch]
     lib.attention_plan_bytes.restype = ctypes.c_int64

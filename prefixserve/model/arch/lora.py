@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from prefixserve.model.batch_invariant import tiled_linear
-from prefixserve.model.config import ModelConfig
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.attention.batch_invariant import tiled_linear
 
 __all__ = ["LoRAAdapter", "LoRAError", "LoRALinear", "LoRAModel", "install_lora",
            "load_adapter", "validate_adapter"]
@@ -213,7 +213,7 @@ def _max_rank(deltas: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) 
 
 
 def _load_gguf(path: str, name: str) -> LoRAAdapter:
-    from prefixserve.model.gguf_file import GGUFFile
+    from prefixserve.model.weights.gguf_file import GGUFFile
 
     try:
         gguf = GGUFFile(path)

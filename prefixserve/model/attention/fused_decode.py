@@ -29,11 +29,11 @@ from typing import cast
 import torch
 from torch import nn
 
-from prefixserve.model import decode_kernel
-from prefixserve.model.decode_kernel import KV_TYPES, SUPPORTED_DTYPES
-from prefixserve.model.gemma3 import GeGLU, Gemma3CausalLM
-from prefixserve.model.llama import CausalLM, DecoderLayer
-from prefixserve.model.quant import QuantLinear
+from prefixserve.model.arch.gemma3 import GeGLU, Gemma3CausalLM
+from prefixserve.model.arch.llama import CausalLM, DecoderLayer
+from prefixserve.model.attention import decode_kernel
+from prefixserve.model.attention.decode_kernel import KV_TYPES, SUPPORTED_DTYPES
+from prefixserve.model.weights.quant import QuantLinear
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
@@ -59,7 +59,7 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
 
 def unsupported_attention(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     """Why the kernel cannot attend for ``model``'s eager steps over ``kv_cache`` (whatever its
-    projections are: :class:`~prefixserve.model.prompt_attention.PromptAttention`); None when
+    projections are: :class:`~prefixserve.model.attention.prompt.PromptAttention`); None when
     it can."""
     if type(model) not in (CausalLM, Gemma3CausalLM):
         return "not a Llama-family or Gemma 3 model"

@@ -19,9 +19,9 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from prefixserve.model.chat_template import render_chat_template
-from prefixserve.model.config import resolve_model_path
-from prefixserve.model.gguf_file import GGUFFile
+from prefixserve.model.arch.config import resolve_model_path
+from prefixserve.model.text.chat_template import render_chat_template
+from prefixserve.model.weights.gguf_file import GGUFFile
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -256,8 +256,8 @@ def _tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
 
 
 def _spm_tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
-    """A SentencePiece BPE vocabulary (:mod:`prefixserve.model.spm_tokenizer`)."""
-    from prefixserve.model.spm_tokenizer import spm_backend
+    """A SentencePiece BPE vocabulary (:mod:`prefixserve.model.text.spm_tokenizer`)."""
+    from prefixserve.model.text.spm_tokenizer import spm_backend
 
     eos: tuple[int, ...] = ()
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):

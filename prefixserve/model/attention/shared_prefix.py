@@ -10,7 +10,7 @@ contexts is most of the time of a decode step on CPU.
 :func:`split_shared_prefixes` plans a step (once, for all layers): it groups the sequences
 (:func:`shared_prefix_groups`, with the threshold rule that decides whether the two passes pay
 off) and cuts each sequence's prefix off its block table. :func:`two_pass_decode` runs the two
-passes in each layer. The paged layout itself is :mod:`prefixserve.model.attention`'s, which
+passes in each layer. The paged layout itself is :mod:`prefixserve.model.attention.paged`'s, which
 calls into this module and hands it the two things of that layout it needs: a padding mask and
 a way to read K/V out of the cache (:data:`PaddingMask`, :data:`ReadBlocks`).
 """

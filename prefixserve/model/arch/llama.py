@@ -2,9 +2,9 @@
 
 The model works on a flattened batch: ``input_ids`` and ``positions`` are ``[num_tokens]``
 (all sequences of a step concatenated), and attention goes through the paged KV cache
-described by :class:`~prefixserve.model.attention.AttentionMetadata`.
+described by :class:`~prefixserve.model.attention.paged.AttentionMetadata`.
 
-Parameter names (what :func:`~prefixserve.model.loader.load_model` fills):
+Parameter names (what :func:`~prefixserve.model.weights.loader.load_model` fills):
 ``embed_tokens.weight``, ``layers.{i}.input_norm.weight``,
 ``layers.{i}.attn.qkv_proj.{weight,bias}`` (Q, K, V rows concatenated),
 ``layers.{i}.attn.o_proj.{weight,bias}``, ``layers.{i}.attn.{q,k}_norm.weight`` (Qwen3),
@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from prefixserve.model.config import ModelConfig
+from prefixserve.model.arch.config import ModelConfig
+from prefixserve.model.arch.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from prefixserve.model.attention.paged import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model.kv_layout import kv_layout
-from prefixserve.model.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from prefixserve.model.quant import QuantEmbedding
+from prefixserve.model.weights.quant import QuantEmbedding
 
 
 class Attention(nn.Module):

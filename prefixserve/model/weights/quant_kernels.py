@@ -5,7 +5,7 @@ The C file is compiled once per source version and CPU (``-O3 -march=native -fop
 load the cached library. A build writes to a temporary name and renames it, so concurrent
 processes never load a half-written file. :func:`kernels` returns None where no C compiler is
 found or the build fails (the loader then keeps weights dequantized, see
-:mod:`prefixserve.model.quant`); :func:`build_error` says why.
+:mod:`prefixserve.model.weights.quant`); :func:`build_error` says why.
 
 The library links the OpenMP runtime that torch has already loaded (same soname), so its
 parallel loops and torch's share one thread pool and one ``torch.set_num_threads`` setting.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("kernels") / "quant.c"
+_SOURCE = Path(__file__).parent.parent / "kernels" / "quant.c"
 
 #: Format codes shared with the C file.
 FMT_Q4_1 = 0

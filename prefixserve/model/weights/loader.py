@@ -1,7 +1,8 @@
 """Load a model (config + weights) from a GGUF file or an HF safetensors directory.
 
 ``weights`` chooses how matmul weights are held (:data:`WEIGHT_MODES`): ``auto`` keeps a GGUF
-file's quantized tensors packed in memory (see :mod:`prefixserve.model.quant`) and everything
+file's quantized tensors packed in memory (see :mod:`prefixserve.model.weights.quant`) and
+everything
 else dense; ``int8`` / ``int4`` pack every matmul weight as Q8_0 / Q4_1 (safetensors weights are
 quantized at load); ``bf16`` dequantizes everything to dense tensors of the model's ``dtype``
 (the pre-quantization path; on a CPU without native bfloat16 that dtype is float32). Off the CPU
@@ -13,7 +14,7 @@ requested dtype. llama.cpp's converter reorders the rows of the Q and K projecti
 kernel); :func:`_unpermute_rows` undoes that so the model can use HF's "rotate half" rope.
 Qwen2/Qwen3 GGUF files are not permuted.
 
-Q/K/V and gate/up weights are fused at load (see :mod:`prefixserve.model.llama`).
+Q/K/V and gate/up weights are fused at load (see :mod:`prefixserve.model.arch.llama`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from prefixserve.model import quant_kernels
-from prefixserve.model.config import (
+from prefixserve.model.arch.config import (
     WEIGHT_MODES,
     ModelConfig,
     default_model_path,
     resolve_model_path,
 )
-from prefixserve.model.gemma3 import model_class
-from prefixserve.model.gguf_file import GGUFFile
-from prefixserve.model.llama import CausalLM
-from prefixserve.model.quant import (
+from prefixserve.model.arch.gemma3 import model_class
+from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.weights import quant_kernels
+from prefixserve.model.weights.gguf_file import GGUFFile
+from prefixserve.model.weights.quant import (
     FMT_Q4_1,
     FMT_Q8_0,
     PackedWeight,
