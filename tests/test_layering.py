@@ -204,7 +204,7 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
         "import prefixserve.engine.llm_engine\n"
         "from prefixserve.core import hashing\n"
         "def f():\n"
-        "    from prefixserve.server.protocol import Usage\n"
+        "    from prefixserve.server.openai.protocol import Usage\n"
         "    from ..model import sampler\n"
         "    from prefixserve import tools\n"
         "    import importlib\n"
@@ -228,7 +228,7 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
     assert bad_edges(import_edges(modules)) == [
         ("prefixserve.core.planted", target)
         for target in ("prefixserve.engine.llm_engine", "prefixserve.model",
-                       "prefixserve.server.protocol", "prefixserve.tools",
+                       "prefixserve.server.openai.protocol", "prefixserve.tools",
                        "prefixserve.tools.estimate")] + [
         ("prefixserve.outputs", "prefixserve.model")]
 
@@ -244,7 +244,7 @@ TORCH_FREE = [
     "import prefixserve.sampling_params",
     "import prefixserve.outputs",
     "import prefixserve.engine.errors",
-    "import prefixserve.server.protocol",
+    "import prefixserve.server.openai.protocol",
     "import prefixserve.engine.scheduler",
 ]
 

@@ -92,8 +92,8 @@ class Ingress:
         from pydantic import ValidationError
 
         from prefixserve.server.errors import ApiError
-        from prefixserve.server.protocol import ChatCompletionRequest, CompletionRequest
-        from prefixserve.server.serving import cache_salt, chat_prompt
+        from prefixserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+        from prefixserve.server.openai.serving import cache_salt, chat_prompt
 
         try:
             data = json.loads(body)

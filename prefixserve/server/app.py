@@ -32,18 +32,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve import __version__
 from prefixserve.engine.async_llm import AsyncLLM
-from prefixserve.server.agent_routes import add_agent_routes
-from prefixserve.server.anthropic import AnthropicServing
-from prefixserve.server.anthropic_routes import add_anthropic_routes
+from prefixserve.server.admin.kv_event_routes import add_kv_event_routes
+from prefixserve.server.admin.kv_event_zmq import install_kv_event_publisher
+from prefixserve.server.admin.lora_routes import LoRACollector, add_lora_routes
+from prefixserve.server.admin.pin_routes import add_pin_routes
+from prefixserve.server.anthropic.routes import add_anthropic_routes
+from prefixserve.server.anthropic.serving import AnthropicServing
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, install_error_handlers
-from prefixserve.server.kv_event_routes import add_kv_event_routes
-from prefixserve.server.kv_event_zmq import install_kv_event_publisher
-from prefixserve.server.lora_routes import LoRACollector, add_lora_routes
 from prefixserve.server.metrics import ServerMetrics
-from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
-from prefixserve.server.pin_routes import add_pin_routes
-from prefixserve.server.protocol import (
+from prefixserve.server.openai.agent_routes import add_agent_routes
+from prefixserve.server.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -54,7 +53,8 @@ from prefixserve.server.protocol import (
     StatusResponse,
     VersionResponse,
 )
-from prefixserve.server.serving import OpenAIServing
+from prefixserve.server.openai.serving import OpenAIServing
+from prefixserve.server.openapi import ErrorDocs, error_doc, install_openapi, stream_doc
 from prefixserve.server.transport import install_transport_guards
 
 _DESCRIPTION = """\

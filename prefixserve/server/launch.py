@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prefixserve.engine.config import EngineConfig, parse_memory
+from prefixserve.server.admin.kv_event_zmq import check_endpoint
 from prefixserve.server.config import ServerConfig
-from prefixserve.server.kv_event_zmq import check_endpoint
 from prefixserve.server.lora_args import check_lora_names, lora_engine_options
 
 if TYPE_CHECKING:

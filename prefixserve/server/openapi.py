@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from prefixserve.server.config import ServerConfig
-from prefixserve.server.protocol import ChatCompletionChunk, ErrorResponse
+from prefixserve.server.openai.protocol import ChatCompletionChunk, ErrorResponse
 
 #: The ``responses`` of a route: documented status codes (or ``"default"``) to their docs.
 ResponseDocs = dict[int | str, dict[str, Any]]

@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prefixserve.engine.errors import EngineDeadError
-from prefixserve.server.anthropic import ANTHROPIC_PATH, anthropic_error
+from prefixserve.server.anthropic.serving import ANTHROPIC_PATH, anthropic_error
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, error_response
 

@@ -88,7 +88,7 @@ def test_events_are_pushed_over_zmq(server: ServerProcess) -> None:
     late finds a gap, resyncs from ``GET /kv_events`` and then follows the cache, as
     docs/KV_EVENTS.md says. (Planted: not publishing, or a seq frame that differs from the
     batch's, fails this.)"""
-    from prefixserve.server.kv_event_zmq import TOPIC
+    from prefixserve.server.admin.kv_event_zmq import TOPIC
 
     socket = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, TOPIC)

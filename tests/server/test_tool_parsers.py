@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from prefixserve.server.agent_protocol import ToolDefinition
-from prefixserve.server.tool_calls import ToolCalling, detect_format
+from prefixserve.server.openai.agent_protocol import ToolDefinition
+from prefixserve.server.openai.tool_calls import ToolCalling, detect_format
 
 TOOL = ToolDefinition.model_validate({"type": "function", "function": {
     "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}})

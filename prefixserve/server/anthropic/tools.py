@@ -27,15 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prefixserve.server.agent_protocol import (
-    FunctionDefinition,
-    NamedFunction,
-    NamedToolChoice,
-    ResponseFunctionCall,
-    ResponseToolCall,
-    ToolDefinition,
-)
-from prefixserve.server.anthropic_protocol import (
+from prefixserve.server.anthropic.protocol import (
     ContentBlock,
     CountTokensRequest,
     TextBlock,
@@ -45,7 +37,15 @@ from prefixserve.server.anthropic_protocol import (
     ToolUseOut,
 )
 from prefixserve.server.errors import ApiError, quote
-from prefixserve.server.tool_calls import ToolCalling
+from prefixserve.server.openai.agent_protocol import (
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFunctionCall,
+    ResponseToolCall,
+    ToolDefinition,
+)
+from prefixserve.server.openai.tool_calls import ToolCalling
 
 SENTINEL = "\ue000\ue001"  # private-use characters: marks a breakpoint while rendering
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}

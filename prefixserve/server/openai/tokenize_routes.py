@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from prefixserve.server.agent_protocol import ToolChoice, ToolDefinition
 from prefixserve.server.errors import ApiError
+from prefixserve.server.openai.agent_protocol import ToolChoice, ToolDefinition
+from prefixserve.server.openai.protocol import ChatCompletionRequest, ChatMessage, TokenId
+from prefixserve.server.openai.serving import OpenAIServing
 from prefixserve.server.openapi import ResponseDocs
-from prefixserve.server.protocol import ChatCompletionRequest, ChatMessage, TokenId
-from prefixserve.server.serving import OpenAIServing
 
 
 class TokenizeRequest(BaseModel):

@@ -85,7 +85,7 @@ async def _publish(engine: AsyncLLM, socket: Any) -> None:
     skipped (subscribers see the gap and resync)."""
     import zmq
 
-    from prefixserve.server.kv_event_routes import REPLICA_ID
+    from prefixserve.server.admin.kv_event_routes import REPLICA_ID
 
     await engine.enable_kv_events(REPLICA_ID, history=HISTORY)
     sent = 0

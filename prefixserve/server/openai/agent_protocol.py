@@ -1,6 +1,6 @@
 """Pydantic models of the agent-facing fields: structured outputs, tools and tool calls.
 
-Request models are strict, as in :mod:`prefixserve.server.protocol` (which uses them). The
+Request models are strict, as in :mod:`prefixserve.server.openai.protocol` (which uses them). The
 shapes are OpenAI's (``response_format``, ``tools``, ``tool_choice``, ``tool_calls``) plus vLLM's
 ``structured_outputs`` object and its older ``guided_*`` fields.
 """

@@ -23,7 +23,7 @@ from prefixserve.core import Retention, RetentionRange
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.server.errors import ApiError, quote
-from prefixserve.server.retention_protocol import PinInfo, PinList, PinRequest, RetentionSpec
+from prefixserve.server.openai.retention_protocol import PinInfo, PinList, PinRequest, RetentionSpec
 
 
 def to_retention(spec: RetentionSpec | None, max_duration: float) -> Retention | None:

@@ -9,13 +9,13 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import Response
 
-from prefixserve.server.anthropic import AnthropicServing, install_anthropic_errors
-from prefixserve.server.anthropic_protocol import (
+from prefixserve.server.anthropic.protocol import (
     CountTokensRequest,
     CountTokensResponse,
     MessageResponse,
     MessagesRequest,
 )
+from prefixserve.server.anthropic.serving import AnthropicServing, install_anthropic_errors
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError
 from prefixserve.server.openapi import ErrorDocs, error_doc

@@ -33,7 +33,7 @@ from prefixserve.core import Retention, RetentionRange
 from prefixserve.core.retention import CACHE_CONTROL_PRIORITY
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.server.anthropic_protocol import (
+from prefixserve.server.anthropic.protocol import (
     MAX_BREAKPOINTS,
     TTL_SECONDS,
     CountTokensRequest,
@@ -48,7 +48,7 @@ from prefixserve.server.anthropic_protocol import (
     ToolUseOut,
     Usage,
 )
-from prefixserve.server.anthropic_tools import (
+from prefixserve.server.anthropic.tools import (
     SENTINEL,
     common_length,
     conversation,
@@ -58,14 +58,14 @@ from prefixserve.server.anthropic_tools import (
     with_tools_ending_at,
 )
 from prefixserve.server.errors import ApiError, AsciiJSONResponse, quote
-from prefixserve.server.serving import OpenAIServing, _Prompts, _Run
+from prefixserve.server.openai.serving import OpenAIServing, _Prompts, _Run
+from prefixserve.server.openai.tool_calls import ToolCalling, ToolCallStream
 from prefixserve.server.streams import (
     ClientDisconnectedError,
     EventStreamResponse,
     MultiStream,
     run_unless_disconnected,
 )
-from prefixserve.server.tool_calls import ToolCalling, ToolCallStream
 
 #: Where errors take Anthropic's shape.
 ANTHROPIC_PATH = "/v1/messages"

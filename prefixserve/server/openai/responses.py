@@ -31,9 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, error_body, quote
+from prefixserve.server.openai.protocol import ChatCompletionRequest, Text
+from prefixserve.server.openai.serving import OpenAIServing, _Prompts, _Run
 from prefixserve.server.openapi import ResponseDocs
-from prefixserve.server.protocol import ChatCompletionRequest, Text
-from prefixserve.server.serving import OpenAIServing, _Prompts, _Run
 from prefixserve.server.streams import (
     ClientDisconnectedError,
     EventStreamResponse,

@@ -2,7 +2,7 @@
 
 A request may give at most one of ``response_format`` (``json_object`` / ``json_schema``),
 ``structured_outputs`` and the ``guided_*`` fields (a forced tool call brings its own grammar,
-see :mod:`prefixserve.server.tool_calls`). A JSON schema is checked here against the JSON
+see :mod:`prefixserve.server.openai.tool_calls`). A JSON schema is checked here against the JSON
 Schema meta-schema (with ``jsonschema``), so an invalid schema is a 400 that says
 which keyword is wrong; a schema the grammar engine cannot compile is a 400 from the engine,
 named after the same field. Before any of that, a schema nested deeper than
@@ -19,7 +19,7 @@ import jsonschema
 
 from prefixserve.sampling_params import StructuredOutputsParams
 from prefixserve.server.errors import ApiError
-from prefixserve.server.protocol import GenerationRequest
+from prefixserve.server.openai.protocol import GenerationRequest
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 

@@ -46,12 +46,12 @@ from prefixserve.sampling_params import (
     SamplingParamsError,
     StructuredOutputsParams,
 )
-from prefixserve.server.agent_protocol import ResponseToolCall
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, quote
-from prefixserve.server.logprobs import LogprobEntry, LogprobFormatter
 from prefixserve.server.metrics import ServerMetrics
-from prefixserve.server.protocol import (
+from prefixserve.server.openai.agent_protocol import ResponseToolCall
+from prefixserve.server.openai.logprobs import LogprobEntry, LogprobFormatter
+from prefixserve.server.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -67,7 +67,9 @@ from prefixserve.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from prefixserve.server.retention import to_retention
+from prefixserve.server.openai.retention import to_retention
+from prefixserve.server.openai.structured import structured_outputs
+from prefixserve.server.openai.tool_calls import ToolCalling, ToolCallStream, check_tool_messages
 from prefixserve.server.streams import (
     ClientDisconnectedError,
     EventStreamResponse,
@@ -76,8 +78,6 @@ from prefixserve.server.streams import (
     run_unless_disconnected,
     sse_event,
 )
-from prefixserve.server.structured import structured_outputs
-from prefixserve.server.tool_calls import ToolCalling, ToolCallStream, check_tool_messages
 
 logger = logging.getLogger("prefixserve.server")
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.core.retention import CACHE_CONTROL_TTLS
-from prefixserve.server.agent_protocol import FUNCTION_NAME_PATTERN
+from prefixserve.server.openai.agent_protocol import FUNCTION_NAME_PATTERN
 
 MAX_BREAKPOINTS = 4
 """Anthropic allows at most four ``cache_control`` breakpoints per request."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import Logprob
-from prefixserve.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from prefixserve.server.openai.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 MIN_LOGPROB = -9999.0
 

@@ -44,7 +44,8 @@ from typing import Any
 
 from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.sampling_params import StructuredOutputsParams
-from prefixserve.server.agent_protocol import (
+from prefixserve.server.errors import ApiError, quote
+from prefixserve.server.openai.agent_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
     NamedToolChoice,
@@ -52,8 +53,7 @@ from prefixserve.server.agent_protocol import (
     ResponseToolCall,
     ToolDefinition,
 )
-from prefixserve.server.errors import ApiError, quote
-from prefixserve.server.structured import check_json_schema
+from prefixserve.server.openai.structured import check_json_schema
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"

@@ -10,10 +10,10 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.server.openai.protocol import StatusResponse
+from prefixserve.server.openai.retention import PinService
+from prefixserve.server.openai.retention_protocol import PinInfo, PinList, PinRequest
 from prefixserve.server.openapi import ErrorDocs, ResponseDocs, error_doc
-from prefixserve.server.protocol import StatusResponse
-from prefixserve.server.retention import PinService
-from prefixserve.server.retention_protocol import PinInfo, PinList, PinRequest
 
 Handler = Callable[[Request, Exception], Awaitable[Response]]
 

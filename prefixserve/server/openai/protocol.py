@@ -8,7 +8,7 @@ send and that cannot change the result here (``store``, ``metadata``, ``user``..
 implemented (``functions``, ``function_call``, ``modalities``: ``UNSUPPORTED_FIELDS``) are a 400
 unless they hold their neutral value (``[]``, ``"none"``, ``["text"]``). The agent fields
 (``tools``, ``tool_choice``, ``response_format``, ``structured_outputs``...) are modelled in
-:mod:`prefixserve.server.agent_protocol`. The
+:mod:`prefixserve.server.openai.agent_protocol`. The
 constraints here are those of the OpenAI API where it sets one and those of ``SamplingParams``
 otherwise, so ``/openapi.json`` describes what is accepted. Fields outside the OpenAI API
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
@@ -31,7 +31,8 @@ from pydantic import (
 
 from prefixserve.outputs import FinishReason
 from prefixserve.sampling_params import MAX_LOGPROBS
-from prefixserve.server.agent_protocol import (
+from prefixserve.server.config import MAX_N
+from prefixserve.server.openai.agent_protocol import (
     DeltaToolCall,
     ResponseFormat,
     ResponseToolCall,
@@ -40,8 +41,7 @@ from prefixserve.server.agent_protocol import (
     ToolChoice,
     ToolDefinition,
 )
-from prefixserve.server.config import MAX_N
-from prefixserve.server.retention_protocol import RetentionSpec
+from prefixserve.server.openai.retention_protocol import RetentionSpec
 
 #: The most stop strings one request may give.
 MAX_STOP_STRINGS = 16

@@ -8,10 +8,10 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from prefixserve.server.config import ServerConfig
+from prefixserve.server.openai.responses import add_responses_route
+from prefixserve.server.openai.serving import OpenAIServing
+from prefixserve.server.openai.tokenize_routes import add_tokenize_routes
 from prefixserve.server.openapi import ErrorDocs
-from prefixserve.server.responses import add_responses_route
-from prefixserve.server.serving import OpenAIServing
-from prefixserve.server.tokenize_routes import add_tokenize_routes
 
 
 def add_agent_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
