@@ -60,7 +60,7 @@ sys.path.insert(0, str(HERE))
 from server_helpers import ServerProcess  # noqa: E402
 
 from prefixserve.cli import build_parser  # noqa: E402
-from prefixserve.tools.estimate import estimate, most_reused_blocks  # noqa: E402
+from prefixserve.tools.estimate.replay import estimate, most_reused_blocks  # noqa: E402
 from prefixserve.tools.trace_formats import ReadOptions, read_workload  # noqa: E402
 
 ADMIN_KEY = "bench-admin"

@@ -287,7 +287,7 @@ def paper(console: Console, traces: Path) -> dict:
     from kvcache_sim.policies import simulate_ceiling
     from kvcache_sim.trace import parse_trace_file
 
-    from prefixserve.tools.estimate import ReplaySettings, replay_infinite
+    from prefixserve.tools.estimate.replay import ReplaySettings, replay_infinite
     from prefixserve.tools.trace_formats import ReadOptions, read_workload
 
     table = Table(title="Infinite cache over all requests, hit rate by tokens")

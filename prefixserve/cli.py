@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 
 from prefixserve.serve_ray import args as replica_args
 from prefixserve.server import cli_args as serve_args
-from prefixserve.tools import demo_args, estimate_args
+from prefixserve.tools import demo_args
 from prefixserve.tools.bench import args as bench_args
+from prefixserve.tools.estimate import args as estimate_args
 
 #: Packages of the ``tools`` extra (tables, plots, the benchmark's HTTP client): the server and
 #: the engine run without them.

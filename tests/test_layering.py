@@ -208,7 +208,7 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
         "    from ..model import sampler\n"
         "    from prefixserve import tools\n"
         "    import importlib\n"
-        "    importlib.import_module('prefixserve.tools.estimate')\n"
+        "    importlib.import_module('prefixserve.tools.estimate.replay')\n"
     )
     downward = ast.parse(
         "from prefixserve.core import KVCacheManager\n"
@@ -229,7 +229,7 @@ def test_the_walk_sees_every_kind_of_upward_import() -> None:
         ("prefixserve.core.planted", target)
         for target in ("prefixserve.engine.llm_engine", "prefixserve.model",
                        "prefixserve.server.openai.protocol", "prefixserve.tools",
-                       "prefixserve.tools.estimate")] + [
+                       "prefixserve.tools.estimate.replay")] + [
         ("prefixserve.outputs", "prefixserve.model")]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from prefixserve.cli import build_parser
-from prefixserve.tools.estimate import (
+from prefixserve.tools.estimate.replay import (
     CacheResult,
     Estimate,
     ReplaySettings,

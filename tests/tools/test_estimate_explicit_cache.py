@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from prefixserve.cli import build_parser
-from prefixserve.tools.estimate import estimate, most_reused_blocks
-from prefixserve.tools.estimate_results import Estimate
+from prefixserve.tools.estimate.replay import estimate, most_reused_blocks
+from prefixserve.tools.estimate.results import Estimate
 from prefixserve.tools.trace_formats import ReadOptions, TraceError, read_workload
 
 pytestmark = pytest.mark.fast

@@ -1,4 +1,5 @@
-"""Tools in the Messages API, mapped onto the tool calling of the OpenAI path (``tool_calls.py``).
+"""Tools in the Messages API, mapped onto the tool calling of the OpenAI path
+(``openai/tool_calls.py``).
 
 - ``tools`` (``name``, ``description``, ``input_schema``) become OpenAI function definitions, so
   the manifest enters the prompt exactly as for ``/v1/chat/completions`` (the model's template,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixserve.tools.bench.runner import SentPrompt
-from prefixserve.tools.estimate import ReplaySettings, replay_infinite
+from prefixserve.tools.estimate.replay import ReplaySettings, replay_infinite
 from prefixserve.tools.trace_formats import ReadOptions, read_workload
 
 ENGINE_BLOCK_SIZE = 16

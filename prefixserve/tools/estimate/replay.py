@@ -44,8 +44,8 @@ from prefixserve.core import (
     PrefixCachingMetrics,
     Retention,
 )
-from prefixserve.tools import estimate_hybrid
-from prefixserve.tools.estimate_results import CacheResult, Estimate, ReplaySettings
+from prefixserve.tools.estimate import hybrid as estimate_hybrid
+from prefixserve.tools.estimate.results import CacheResult, Estimate, ReplaySettings
 from prefixserve.tools.trace_formats import (
     ReadOptions,
     TraceRequest,

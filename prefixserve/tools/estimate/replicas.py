@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from prefixserve.core.hashing import hash_value_of
 from prefixserve.core.kv_events import KVEventPublisher
 from prefixserve.router import Router, RouteRequest
-from prefixserve.tools.estimate import _PoolReplay, replay_pool
-from prefixserve.tools.estimate_results import CacheResult, ReplaySettings
+from prefixserve.tools.estimate.replay import _PoolReplay, replay_pool
+from prefixserve.tools.estimate.results import CacheResult, ReplaySettings
 from prefixserve.tools.trace_formats import Workload
 
 REPLICA_ROUTINGS = ("round-robin", "prefix-aware", "pooled")
@@ -119,7 +119,7 @@ def parse_routings(text: str) -> list[str]:
 
 def estimate_replicas(args: argparse.Namespace) -> tuple[Workload, list[ReplicaResult]]:
     """Reads the input and replays every (per-replica capacity, routing) pair."""
-    from prefixserve.tools.estimate import (
+    from prefixserve.tools.estimate.replay import (
         _requested_capacities,
         default_capacities,
         replay_infinite,

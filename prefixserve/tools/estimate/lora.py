@@ -17,8 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from prefixserve.core import PrefixCacheStats
-from prefixserve.tools.estimate import replay_infinite
-from prefixserve.tools.estimate_results import ReplaySettings
+from prefixserve.tools.estimate.replay import replay_infinite
+from prefixserve.tools.estimate.results import ReplaySettings
 from prefixserve.tools.trace_formats import Workload
 
 __all__ = ["LoRAFigures", "lora_figures", "print_lora_report"]

@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from prefixserve.tools.estimate_results import CacheResult, Estimate
+from prefixserve.tools.estimate.results import CacheResult, Estimate
 
 
 def _count(n: int) -> str:

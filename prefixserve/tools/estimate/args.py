@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Run the estimate (imports the estimator)."""
     if args.replicas > 1:
-        from prefixserve.tools.estimate_replicas import run_replica_estimate
+        from prefixserve.tools.estimate.replicas import run_replica_estimate
 
         return run_replica_estimate(args)
     return run_estimate(args)
@@ -72,9 +72,9 @@ def run_estimate(args: argparse.Namespace) -> int:
 
     Returns 0, or 2 after printing the reason when the input or an option is unusable. (The
     estimator and its reports are imported here, at the top: neither imports the other.)"""
-    from prefixserve.tools.estimate import estimate
-    from prefixserve.tools.estimate_lora import lora_figures, print_lora_report
-    from prefixserve.tools.estimate_report import print_report, write_json, write_plot
+    from prefixserve.tools.estimate.lora import lora_figures, print_lora_report
+    from prefixserve.tools.estimate.replay import estimate
+    from prefixserve.tools.estimate.report import print_report, write_json, write_plot
     from prefixserve.tools.trace_formats import TraceError
 
     try:

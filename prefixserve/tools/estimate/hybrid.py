@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from prefixserve.core import CacheRequest, PrefixCacheStats
 from prefixserve.core.block_pool import Clock
 from prefixserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from prefixserve.tools.estimate_results import ReplaySettings
+from prefixserve.tools.estimate.results import ReplaySettings
 from prefixserve.tools.trace_formats import TraceRequest, Workload
 
 if TYPE_CHECKING:

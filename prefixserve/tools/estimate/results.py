@@ -1,5 +1,5 @@
 """The figures ``prefixserve estimate`` produces: the replay settings, one ``CacheResult`` per
-cache and the whole ``Estimate``. ``estimate`` computes them and ``estimate_report`` shows them;
+cache and the whole ``Estimate``. ``estimate`` computes them and ``report`` shows them;
 both take the types from here, so the report never imports the estimator (which imports the
 report, when it runs, to print)."""
 
@@ -17,7 +17,7 @@ class ReplaySettings:
     """``warmup_requests``: requests replayed before the figures start counting;
     ``window``: requests in the rolling hit rate; ``concurrency``: resident requests;
     ``group_windows``: the KV cache groups of a model with sliding windows (replayed through
-    the hybrid manager, :mod:`prefixserve.tools.estimate_hybrid`), None for full attention.
+    the hybrid manager, :mod:`prefixserve.tools.estimate.hybrid`), None for full attention.
     Explicit caching (docs/explicit-caching.md): ``pin_top`` pins the prefixes up to the K most
     reused blocks when first computed (within ``max_pinned_fraction`` of the pool); ``ttl``
     gives every request without a retention of its own a whole-prompt retention of
@@ -104,7 +104,7 @@ class Estimate:
     worker_peak_rss_mib: float
     kv_bytes_per_token: int | None = None
     lora: list[Any] | None = None
-    """Per-LoRA figures (``estimate_lora.LoRAFigures``) when the log names LoRA ids."""
+    """Per-LoRA figures (``lora.LoRAFigures``) when the log names LoRA ids."""
 
     @property
     def infinite(self) -> CacheResult:
