@@ -12,6 +12,7 @@ from scheduler_helpers import add, make, step
 from prefixserve.core import KVCacheManager, SlidingWindowKVCacheManager
 from prefixserve.engine.request import Request, RequestStatus
 from prefixserve.engine.scheduler import Scheduler
+from prefixserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fast
 
@@ -192,6 +193,81 @@ def test_the_long_prefill_threshold_keeps_a_slot_free_for_nothing() -> None:
     add(scheduler, "short", [1, 2, 3, 4])
     assert step(scheduler) == [("long", 2048)]
     assert step(scheduler) == [("long", 2048)]
+
+
+def _running(scheduler: Scheduler, rid: str, prompt_len: int, computed: int) -> Request:
+    """A running request of ``prompt_len`` tokens with ``computed`` of them in its blocks; with
+    all of them computed it decodes (one sampled token to compute)."""
+    request = Request(request_id=rid, token_ids=list(range(prompt_len)),
+                      prompt_token_ids=list(range(prompt_len)),
+                      params=SamplingParams(max_tokens=100))
+    blocks = scheduler.kv_cache_manager.allocate_slots(request, computed)
+    assert blocks is not None
+    request.block_ids = [b.block_id for b in blocks]
+    request.num_computed_tokens = computed
+    if computed == prompt_len:
+        request.append_output_token(1)
+    request.status = RequestStatus.RUNNING
+    scheduler.running.append(request)
+    return request
+
+
+def test_prefill_chunks_leave_the_decodes_after_them_and_the_reserve_their_tokens() -> None:
+    """Budget 4, threshold 2, one request waiting: the oldest prefill gets one token (it always
+    computes, though the three decodes and the reserve leave it none), the second prefill none,
+    each decode its one; the reserve is then what the decodes left (nothing)."""
+    scheduler = make(64, 4, budget=4, max_num_seqs=8, threshold=2)
+    for rid in ("p1", "p2"):
+        _running(scheduler, rid, 30, 4)
+    for rid in ("d1", "d2", "d3"):
+        _running(scheduler, rid, 3, 3)
+    add(scheduler, "w", [1, 2])
+    assert step(scheduler) == [("p1", 1), ("d1", 1), ("d2", 1), ("d3", 1)]
+
+
+def test_a_decode_before_a_prefill_is_not_counted_against_it() -> None:
+    """Budget 4, no threshold: a decode, a prefill, a decode. The prefill leaves one token to
+    the decode after it, not two (the one before it has its token already)."""
+    scheduler = make(64, 4, budget=4, max_num_seqs=8)
+    _running(scheduler, "d1", 3, 3)
+    _running(scheduler, "p", 30, 4)
+    _running(scheduler, "d2", 3, 3)
+    assert step(scheduler) == [("d1", 1), ("p", 2), ("d2", 1)]
+
+
+def test_a_two_token_prefill_chunk_leaves_room_for_the_decodes_too() -> None:
+    scheduler = make(64, 4, budget=4, max_num_seqs=8)
+    _running(scheduler, "p", 6, 4)
+    for rid in ("d1", "d2", "d3"):
+        _running(scheduler, rid, 3, 3)
+    assert step(scheduler) == [("p", 1), ("d1", 1), ("d2", 1), ("d3", 1)]
+
+
+def test_the_long_prefill_threshold_is_off_by_default_and_checked() -> None:
+    scheduler = Scheduler(KVCacheManager(600, 16), 8, 64)
+    add(scheduler, "long", [i % 50 for i in range(500)])
+    assert step(scheduler) == [("long", 64)]
+    add(scheduler, "short", [1, 2, 3, 4])
+    assert step(scheduler) == [("long", 64)]
+    manager = KVCacheManager(16, 4)
+    for bad in (-1, 16, 17):
+        with pytest.raises(ValueError, match=r"^long_prefill_token_threshold must be in "
+                           rf"\[0, max_num_batched_tokens\), got {bad}$"):
+            Scheduler(manager, 4, 16, True, bad)
+
+
+def test_a_threshold_of_one_applies_and_a_budget_lowered_to_the_threshold_turns_it_off() -> None:
+    scheduler = make(600, 16, budget=16, threshold=1)
+    add(scheduler, "long", [i % 50 for i in range(500)])
+    assert step(scheduler) == [("long", 16)]
+    add(scheduler, "short", [1, 2, 3, 4])
+    assert step(scheduler) == [("long", 1), ("short", 4)]
+    scheduler = make(600, 16, budget=16, threshold=4)
+    add(scheduler, "long", [i % 50 for i in range(500)])
+    step(scheduler)
+    add(scheduler, "short", [1, 2, 3, 4])
+    scheduler.max_num_batched_tokens = 4
+    assert step(scheduler) == [("long", 4)]
 
 
 def test_defaults_status_and_timestamps() -> None:
