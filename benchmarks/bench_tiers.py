@@ -31,7 +31,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,16 +40,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from local_server import free_port, start_server
+
 from prefixserve.engine.llm import LLM
 from prefixserve.sampling_params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -64,7 +59,7 @@ def redis_server(url: str | None, workdir: str) -> Iterator[str]:
     if binary is None:
         raise SystemExit("redis-server is not installed (`make install` brings it into .venv), "
                          "or give --redis-url")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",
                                 "", "--appendonly", "no", "--dir", workdir],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -138,23 +133,8 @@ def part1(args: argparse.Namespace, workdir: str, redis_url: str) -> None:
 
 def _serve(args: argparse.Namespace, extra: list[str], log: Path) -> tuple[subprocess.Popen[bytes],
                                                                                str]:
-    port = _free_port()
-    command = [sys.executable, "-m", "prefixserve", "serve", "--port", str(port), "--dtype",
-               args.dtype, "--num-blocks", str(args.pool_blocks), "--disable-access-log",
-               "--log-stats-interval", "0", *extra]
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"the server did not start; see {log}")
+    return start_server(["--dtype", args.dtype, "--num-blocks", str(args.pool_blocks), *extra],
+                        log)
 
 
 def part2(args: argparse.Namespace, workdir: str, redis_url: str) -> None:

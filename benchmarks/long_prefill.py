@@ -18,45 +18,23 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
+from local_server import start_server
 
-REPO = Path(__file__).resolve().parents[1]
 LONG_TOKENS = 8000
 SHORT_PROMPT = [1, 504, 3458, 314]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start(extra: Sequence[str], dtype: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    command = [sys.executable, "-m", "prefixserve", "serve", "--port", str(port), "--dtype",
-               dtype, "--max-model-len", "8192", "--num-blocks", "1200", "--log-stats-interval",
-               "0", "--disable-access-log", *extra]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the server did not start")
+    return start_server(["--dtype", dtype, "--max-model-len", "8192", "--num-blocks", "1200",
+                         *extra])
 
 
 def short_request(url: str, out: dict[str, float], start_time: float) -> None:
