@@ -15,8 +15,6 @@ outputs): the cache tiers, n-gram speculation, and the clean-up of finished requ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from prefixserve.engine.ngram_proposer import NgramProposer
 from prefixserve.engine.request import Request
 from prefixserve.engine.scheduler import Scheduler
@@ -38,10 +36,10 @@ class StepHook:
     def before_execute(self) -> None:
         """Before the model runs the scheduled tokens."""
 
-    def after_execute(self, requests: Sequence[Request]) -> None:
+    def after_execute(self, requests: list[Request]) -> None:
         """After the model ran ``requests``, before their outputs are processed."""
 
-    def after_step(self, requests: Sequence[Request]) -> None:
+    def after_step(self, requests: list[Request]) -> None:
         """After the outputs of ``requests`` were processed (finished ones freed)."""
 
 
@@ -64,7 +62,7 @@ class TierHook(StepHook):
     def before_execute(self) -> None:
         self.tiers.before_execute()
 
-    def after_execute(self, requests: Sequence[Request]) -> None:
+    def after_execute(self, requests: list[Request]) -> None:
         self.tiers.after_execute(requests)
 
 
@@ -99,7 +97,7 @@ class SpeculationHook(StepHook):
             request.draft_token_ids = self.proposer.propose(request.request_id,
                                                             request.token_ids, room - 1)
 
-    def after_step(self, requests: Sequence[Request]) -> None:
+    def after_step(self, requests: list[Request]) -> None:
         for request in requests:
             if request.is_finished:
                 self.proposer.forget(request.request_id)
@@ -113,8 +111,8 @@ class CleanupHook(StepHook):
         self.scheduler = scheduler
         self.structured = structured
 
-    def after_step(self, requests: Sequence[Request]) -> None:
-        self.scheduler.release_out_of_window(list(requests))
+    def after_step(self, requests: list[Request]) -> None:
+        self.scheduler.release_out_of_window(requests)
         if not len(self.structured):
             return
         for request in requests:
