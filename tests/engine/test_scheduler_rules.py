@@ -185,7 +185,7 @@ def test_a_long_prefill_leaves_the_threshold_to_a_short_request_that_waits() -> 
     assert step(scheduler) == [("long", 512), ("short", 1), ("third", 4)]
 
 
-def test_the_long_prefill_threshold_keeps_a_slot_free_for_nothing() -> None:
+def test_with_every_slot_taken_a_running_prefill_keeps_the_whole_budget() -> None:
     """With every sequence slot taken, a waiting request cannot start: the running prefill
     keeps the whole budget (no tokens set aside that nobody may use)."""
     scheduler = make(600, 16, budget=2048, max_num_seqs=1, threshold=512)
