@@ -100,17 +100,51 @@ def chain_root(namespace: bytes) -> bytes:
 
 
 def _files_digest(path: str) -> str:
-    """SHA-256 over a model file, or over the files of a model directory (names and bytes)."""
+    """SHA-256 over a model file, or over the files of a model directory (names and each
+    file's SHA-256, from :func:`file_digest`)."""
     digest = hashlib.sha256()
     paths = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, name) for name in os.listdir(path)
         if os.path.isfile(os.path.join(path, name)))
     for file_path in paths:
         digest.update(os.path.basename(file_path).encode() + b"\x00")
-        with open(file_path, "rb") as file:
-            while chunk := file.read(1 << 22):
-                digest.update(chunk)
+        digest.update(bytes.fromhex(file_digest(file_path)))
     return digest.hexdigest()
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of a file's bytes, read once per file version: kept in
+    ``$PREFIXSERVE_CACHE_DIR/digests`` (default ``~/.cache/prefixserve/digests``) under a name
+    made of the file's real path, device, inode, size and modification time, so that a start
+    with tiers does not read a multi-GB model file again; a file changed in any of these is
+    read again. Where the cache cannot be written the digest is computed every time."""
+    st = os.stat(path)
+    stamp = "\x00".join(map(str, (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size,
+                                  st.st_mtime_ns)))
+    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "prefixserve")
+    entry = os.path.join(root, "digests", hashlib.sha256(stamp.encode()).hexdigest()[:32])
+    try:
+        with open(entry, encoding="ascii") as f:
+            cached = f.read().strip()
+        if len(cached) == 64:
+            return cached
+    except (OSError, UnicodeDecodeError):
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        tmp = f"{entry}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(value)
+        os.replace(tmp, entry)
+    except OSError:
+        pass
+    return value
 
 
 @dataclass

@@ -230,6 +230,23 @@ def test_quant_linear_matches_reference(qtype: Q, m: int, lib) -> None:
     assert_within(y, expected, bound, f"{qtype.name} M={m}")
 
 
+@pytest.mark.parametrize("cols", (64, 96, 576, 1056, 2048))
+@pytest.mark.parametrize("fmt", (FMT_Q4_1, FMT_Q8_0), ids=("Q4_1", "Q8_0"))
+def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
+    """The one-row product (a decode step of one sequence) at widths with a whole number of
+    16-block groups and with a remainder (576: 18 blocks), an odd block count (96: 3 blocks,
+    which the 512-bit Q4_1 kernel leaves to the 256-bit one), and for 8 and 12 output rows;
+    every output within the product bound of the reference values."""
+    for rows in (8, 12):
+        values = (0.1 * np.random.default_rng(cols + rows).standard_normal((rows, cols)))
+        packed = pack_float(values.astype(np.float32), fmt)
+        w64 = dequantize_packed(packed).double().numpy()
+        x = activations(1, cols)
+        x64 = x.double().numpy()
+        assert_within(QuantLinear(packed)(x), x64 @ w64.T, product_bound(x64, np.abs(w64)),
+                      f"{FORMAT_NAMES[fmt]} rows={rows} cols={cols}")
+
+
 def test_expand_path_in_slices(lib, monkeypatch: pytest.MonkeyPatch) -> None:
     """A large product expands the weight a few rows at a time (here 3, with a remainder)."""
     monkeypatch.setattr(quant, "_SLICE_ELEMENTS", 3 * COLS)

@@ -254,3 +254,28 @@ def test_a_tier_makes_sha256_the_default_hash() -> None:
         EngineConfig(kv_disk_dir="/x", enable_prefix_caching=False)
     with pytest.raises(ValueError, match="write_policy"):
         EngineConfig(kv_disk_dir="/x", kv_tier_write_policy="sometimes")
+
+
+def test_model_digest_is_read_once_per_file_version(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier namespace's model digest is the file's SHA-256, kept in the cache folder after
+    the first read: a later start takes it from there (here, a planted value comes back, so the
+    file was not read), and a file changed in size or time is read again."""
+    import hashlib
+
+    from prefixserve.engine.tier_manager import file_digest
+
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights " * 1000)
+    first = file_digest(str(model))
+    assert first == hashlib.sha256(model.read_bytes()).hexdigest()
+    [entry] = (tmp_path / "cache" / "digests").iterdir()
+    entry.write_text("ab" * 32)
+    assert file_digest(str(model)) == "ab" * 32
+    with model.open("ab") as f:
+        f.write(b"more")
+    assert file_digest(str(model)) == hashlib.sha256(model.read_bytes()).hexdigest()
+    for old in (tmp_path / "cache" / "digests").iterdir():
+        old.write_text("not a digest")  # a damaged entry is read past
+    assert file_digest(str(model)) == hashlib.sha256(model.read_bytes()).hexdigest() != first

@@ -216,10 +216,10 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
                         const Quantized *q, int64_t B, float *y) {
     int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
 #ifdef __AVX2__
-    if (B == 1 && N % ROWS == 0) {
+    if (B == 1 && rows_fast_fits(N)) {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += ROWS) {
-            rows_q16(W, (int)fmt, row_bytes, n, q->xq, q->xd, q->xs, nb, y);
+            rows_fast(W, (int)fmt, row_bytes, n, q->xq, q->xd, q->xs, nb, y);
             for (int r = 0; bias && r < ROWS; r++) y[n + r] += bias[n + r];
         }
         return;

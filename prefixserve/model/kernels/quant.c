@@ -388,8 +388,12 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
  * head of the default model streamed at 16-19 GB/s and took 1.6-1.8 ms a decode step; so, at
  * 34-40 GB/s. The Q4_1 products, bound by their arithmetic, ran about
  * as fast either way. */
+#ifndef ROW_PREFETCH
 #define ROW_PREFETCH 8192
+#endif
+#ifndef ROW_PREFETCH_HINT
 #define ROW_PREFETCH_HINT _MM_HINT_T1
+#endif
 /* v with its 16-bit lane r (0-3) set to x; r is a constant once the caller's loop unrolls. */
 static inline __m128i insert16(__m128i v, uint16_t x, int r) {
     switch (r) {
@@ -473,6 +477,142 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
     } else {
         rows_q8_0_q16(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
     }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/*
+ * The one-row product at 512 bits (decode steps of one sequence): outputs y[0 .. ROWS) of
+ * ROWS weight rows (row_bytes apart) for one 16-bit activation row, K a multiple of 64.
+ *
+ * Two blocks of a row share one vector: the 32 nibble bytes of blocks b and b + 1 widen to 32
+ * int16, whose low nibbles are elements 0-15 of both blocks and high nibbles elements 16-31;
+ * the activations of the pair are regrouped the same way once for all ROWS rows. A multiply-add
+ * of 16-bit pairs (vpdpwssd where the CPU has AVX512-VNNI) leaves block b's sums in lanes 0-7
+ * and block b + 1's in lanes 8-15, so one conversion and one multiply-add by the pair's scales
+ * serve two blocks. The scales of 16 blocks come in one gather (fp16 d, and for Q4_1 the offset
+ * m in the same 32 bits), converted and multiplied by the activation scales at once; each pair
+ * then takes its two from them with one permute. Q8_0 blocks are one vector each.
+ *
+ * The sums run in another order than tile_q16's, so a row's result differs from it in the last
+ * bits: only the row-dependent entry points use this (team_linear's one-row step and
+ * gemm_quant16_batch), never gemm_quant16 (the deterministic mode's).
+ */
+#define WIDE_ROWS ROWS
+#ifdef __AVX512VNNI__
+#define DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+/* Scales (fp16 at the start of each block, bytes apart) of the blocks b0 .. b0 + n (n <= 16) of
+ * one row, as floats times the activation scales xd; offsets (the fp16 after them) times xs
+ * into *offsets when xs is given. */
+static inline __m512 group_scales(const uint8_t *w, int64_t bytes, int64_t b0, int n,
+                                  const float *xd, const float *xs, __m512 *offsets) {
+    __mmask16 mask = (__mmask16)((1u << n) - 1);
+    __m512i index = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)bytes));
+    __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, index,
+                                              w + b0 * bytes, 1);
+    __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+    if (xs) {
+        __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(raw, 16)));
+        *offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xs + b0), *offsets);
+    }
+    return _mm512_mul_ps(d, _mm512_maskz_loadu_ps(mask, xd + b0));
+}
+
+static void rows_q4_1_wide(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
+                           const float *xd, const float *xs, int64_t nb, float *y) {
+    __m512 acc[WIDE_ROWS], off[WIDE_ROWS];
+    for (int r = 0; r < WIDE_ROWS; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        __m512 scales[WIDE_ROWS];
+        for (int r = 0; r < WIDE_ROWS; r++) {
+            scales[r] = group_scales(w + r * row_bytes, Q4_1_BYTES, b0, n, xd, xs, &off[r]);
+        }
+        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        for (int p = 0; p < n; p += 2, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2))) {
+            int64_t b = b0 + p;
+            __m512i x0 = _mm512_loadu_si512(xq + b * QK), x1 = _mm512_loadu_si512(xq + b * QK + QK);
+            __m512i a_lo = _mm512_shuffle_i64x2(x0, x1, 0x44), a_hi = _mm512_shuffle_i64x2(x0, x1, 0xee);
+            for (int r = 0; r < WIDE_ROWS; r++) {
+                const uint8_t *blk = w + r * row_bytes + b * Q4_1_BYTES;
+                _mm_prefetch((const char *)(blk + ROW_PREFETCH), ROW_PREFETCH_HINT);
+                __m256i bytes = _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4))),
+                    _mm_loadu_si128((const __m128i *)(blk + Q4_1_BYTES + 4)), 1);
+                __m512i both = _mm512_cvtepu8_epi16(bytes);
+                __m512i sums = DPWSSD(_mm512_setzero_si512(), _mm512_and_si512(both, low), a_lo);
+                sums = DPWSSD(sums, _mm512_srli_epi16(both, 4), a_hi);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                         _mm512_permutexvar_ps(pick, scales[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < WIDE_ROWS; r++) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], off[r]));
+}
+
+static void rows_q8_0_wide(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
+                           const float *xd, int64_t nb, float *y) {
+    __m512 acc[WIDE_ROWS];
+    for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        __m512 scales[WIDE_ROWS];
+        for (int r = 0; r < WIDE_ROWS; r++) {
+            scales[r] = group_scales(w + r * row_bytes, Q8_0_BYTES, b0, n, xd, NULL, NULL);
+        }
+        __m512i pick = _mm512_setzero_si512();
+        for (int p = 0; p < n; p++, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(1))) {
+            int64_t b = b0 + p;
+            __m512i x = _mm512_loadu_si512(xq + b * QK);
+            for (int r = 0; r < WIDE_ROWS; r++) {
+                const uint8_t *blk = w + r * row_bytes + b * Q8_0_BYTES;
+                _mm_prefetch((const char *)(blk + ROW_PREFETCH), ROW_PREFETCH_HINT);
+                __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
+                __m512i sums = DPWSSD(_mm512_setzero_si512(), q, x);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                         _mm512_permutexvar_ps(pick, scales[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < WIDE_ROWS; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
+/* Whether rows_fast takes groups of ROWS weight rows of an N-row product. */
+static inline int rows_fast_fits(int64_t N) {
+#ifdef __AVX2__
+    return N % ROWS == 0;
+#else
+    (void)N;
+    return 0;
+#endif
+}
+
+#ifdef __AVX2__
+/* Outputs y[n .. n + ROWS) for one activation row, the fastest way the build has (the 512-bit
+ * kernels where K is a multiple of 64, whose sums run in another order, else rows_q16): for the
+ * row-dependent products. */
+static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64_t n,
+                             const int16_t *xq, const float *xd, const float *xs, int64_t nb,
+                             float *y) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (nb % 2 == 0 && fmt == FMT_Q4_1) {
+        rows_q4_1_wide(W + n * row_bytes, row_bytes, xq, xd, xs, nb, y + n);
+        return;
+    }
+    if (fmt == FMT_Q8_0) {
+        rows_q8_0_wide(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
+        return;
+    }
+#endif
+    rows_q16(W, fmt, row_bytes, n, xq, xd, xs, nb, y);
 }
 #endif
 
@@ -631,6 +771,15 @@ static void batch_row_q16(const uint8_t *w, int fmt, int64_t K, const int16_t *x
 void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                         const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
     int64_t nb = K / QK, tiles = M / 8;
+#ifdef __AVX2__
+    if (M == 1 && rows_fast_fits(N)) {
+        int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+        int parallel = N * K >= (1 << 17);
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t n = 0; n < N; n += ROWS) rows_fast(W, fmt, row_bytes, n, xq, xd, xs, nb, y);
+        return;
+    }
+#endif
     float *dT = tiles ? malloc((size_t)(2 * tiles * nb * 8) * sizeof(float)) : NULL;
     if (!dT) {
         gemm_quant16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
