@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's C++ `llama-server` and `llama-bench`, the peer of benchmarks/side_by_side.py.
+# Builds llama.cpp's C++ `llama-server`, `llama-bench` and `llama-quantize`, the peers of
+# benchmarks/side_by_side.py and benchmarks/real_size.py.
 #
 # Benchmark-only: prefixserve neither needs nor uses llama.cpp, and this script is not part of
 # the README's run/test commands (`make run`, `make test`). It takes the llama.cpp sources that
@@ -50,7 +51,8 @@ cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
-cmake --build "$BUILD_DIR" --config Release -j "${JOBS:-2}" --target llama-server llama-bench
+cmake --build "$BUILD_DIR" --config Release -j "${JOBS:-2}" --target llama-server llama-bench llama-quantize
 
 echo "llama-server: $BUILD_DIR/bin/llama-server"
 echo "llama-bench:  $BUILD_DIR/bin/llama-bench"
+echo "llama-quantize: $BUILD_DIR/bin/llama-quantize"

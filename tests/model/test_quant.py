@@ -53,6 +53,8 @@ from prefixserve.model.weights.quant import (
     AMX_MAX,
     BF16_BATCH_MAX,
     FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q6_K,
     FMT_Q8_0,
     FORMAT_NAMES,
     SMALL_M,
@@ -67,15 +69,15 @@ from prefixserve.model.weights.quant import (
 )
 
 Q = GGMLQuantizationType
-GGUF_OF = {FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0}
+GGUF_OF = {FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0, FMT_Q4_K: Q.Q4_K, FMT_Q6_K: Q.Q6_K}
 #: Each GGUF type and the packed format ``pack_gguf`` gives it (KEPT: exactly, else requantized).
 TARGET = {
     Q.Q4_0: FMT_Q4_1, Q.Q4_1: FMT_Q4_1, Q.Q8_0: FMT_Q8_0,
     Q.Q5_0: FMT_Q8_0, Q.Q5_1: FMT_Q8_0,
-    Q.Q2_K: FMT_Q4_1, Q.Q3_K: FMT_Q4_1, Q.Q4_K: FMT_Q4_1,
-    Q.Q5_K: FMT_Q8_0, Q.Q6_K: FMT_Q8_0,
+    Q.Q2_K: FMT_Q4_1, Q.Q3_K: FMT_Q4_1, Q.Q4_K: FMT_Q4_K,
+    Q.Q5_K: FMT_Q8_0, Q.Q6_K: FMT_Q6_K,
 }
-KEPT = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+KEPT = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 #: Byte offsets of the fp16 super-block scales of the K-quants (gguf-py's ``quants.py``).
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                    Q.Q6_K: (208,)}
@@ -174,12 +176,12 @@ def test_pack_gguf_format_and_kept_bytes(qtype: Q, lib) -> None:
     raw, ref, packed = packed_case(qtype)
     assert packed.fmt == TARGET[qtype] and packed.shape == (ROWS, COLS)
     assert packed.data.dtype == torch.uint8
-    assert packed.data.shape == (ROWS, COLS // 32 * quant.BLOCK_BYTES[packed.fmt])
+    assert packed.data.shape == (ROWS, quant.row_bytes(packed.fmt, COLS))
     data = packed.data.numpy()
     # The packed bytes are GGUF blocks: gguf-py decodes them as the kernels' dequantize does.
     ours = dequantize_packed(packed).numpy()
     np.testing.assert_array_equal(ours, dequantize(data, GGUF_OF[packed.fmt]))
-    if qtype in (Q.Q4_1, Q.Q8_0):
+    if qtype in (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         np.testing.assert_array_equal(data, raw)
     elif qtype == Q.Q4_0:
         np.testing.assert_array_equal(ours, ref)
@@ -196,8 +198,9 @@ def test_pack_gguf_values_only_when_requantized() -> None:
         raise AssertionError("values() called for a tensor kept as it is")
 
     for qtype in KEPT:
-        raw = gguf_raw(qtype, 4, 64)
-        assert pack_gguf(raw, int(qtype), 64, no_values) is not None
+        cols = GGML_QUANT_SIZES[qtype][0] * 2
+        raw = gguf_raw(qtype, 4, cols)
+        assert pack_gguf(raw, int(qtype), cols, no_values) is not None
     dense = np.zeros((4, 64), dtype=np.float32).view(np.uint8)
     assert pack_gguf(dense, int(Q.F32), 64, no_values) is None
     assert pack_gguf(dense, int(Q.F16), 64, no_values) is None
@@ -245,6 +248,31 @@ def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
         x64 = x.double().numpy()
         assert_within(QuantLinear(packed)(x), x64 @ w64.T, product_bound(x64, np.abs(w64)),
                       f"{FORMAT_NAMES[fmt]} rows={rows} cols={cols}")
+
+
+@pytest.mark.parametrize("cols", (256, 768))
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+def test_kquant_products_at_any_width_and_row_invariant(qtype: Q, cols: int, lib) -> None:
+    """K-quant weights kept in their layout: the one-row kernel over 1 and 3 super-blocks and
+    for 8 and 12 output rows within the product bound of gguf-py's values; and in the
+    deterministic mode (row-invariant) a row's outputs are the same bits alone and among 5."""
+    def no_values() -> np.ndarray:
+        raise AssertionError("a K-quant tensor was requantized")
+
+    for rows in (8, 12):
+        raw = gguf_raw(qtype, rows, cols, seed=cols)
+        ref = dequantize(raw, qtype).astype(np.float64)
+        packed = pack_gguf(raw, int(qtype), cols, no_values)
+        assert packed is not None and packed.fmt == TARGET[qtype]
+        x = activations(5, cols)
+        x64 = x.double().numpy()
+        layer = QuantLinear(packed)
+        assert_within(layer(x[:1]), x64[:1] @ ref.T, product_bound(x64[:1], np.abs(ref)),
+                      f"{qtype.name} rows={rows} cols={cols}")
+        layer.row_invariant = True
+        alone, among = layer(x[2:3]), layer(x)
+        assert torch.equal(alone[0], among[2])
+        assert_within(among, x64 @ ref.T, product_bound(x64, np.abs(ref)), f"{qtype.name} M=5")
 
 
 def test_expand_path_in_slices(lib, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -561,7 +589,7 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
                    check=True, capture_output=True, timeout=120)
     portable = ctypes.CDLL(str(target))
     quant_kernels._declare(portable)
-    for qtype in (Q.Q4_0, Q.Q8_0):
+    for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         _, ref, packed = packed_case(qtype)
         w64 = ref.astype(np.float64)
         for m, bits in ((1, 16), (5, 16), (5, 8), (SMALL_M, 16), (SMALL_M + 1, 16)):

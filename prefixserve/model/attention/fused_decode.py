@@ -33,7 +33,7 @@ from prefixserve.model.arch.gemma3 import GeGLU, Gemma3CausalLM
 from prefixserve.model.arch.llama import CausalLM, DecoderLayer
 from prefixserve.model.attention import decode_kernel
 from prefixserve.model.attention.decode_kernel import KV_TYPES, SUPPORTED_DTYPES
-from prefixserve.model.weights.quant import QuantLinear
+from prefixserve.model.weights.quant import K_FORMATS, QuantLinear
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
@@ -109,12 +109,16 @@ class FusedDecode:
         # bfloat16 over a bfloat16 cache (queries and softmax weights rounded, as its eager
         # SDPA rounds them); both on AVX512-BF16 builds
         bf16 = int(_layers(model)[0].input_norm.weight.dtype == torch.bfloat16)
+        # K-quant weights take the 16-bit kernels only (kernels/kquant.c)
+        products = bf16 and not any(cast(QuantLinear, p).fmt in K_FORMATS
+                                    for layer in _layers(model) for p in _projections(layer))
         first = _layers(model)[0]
         query_factor = getattr(first.attn, "query_factor", 1.0)
         self.model = decode_kernel.ModelStruct(
             len(model.layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.head_dim, config.intermediate_size, block_size,
-            kv_cache.shape[2], KV_TYPES[kv_cache.dtype], bf16, bf16, config.rms_norm_eps,
+            kv_cache.shape[2], KV_TYPES[kv_cache.dtype], int(products), bf16,
+            config.rms_norm_eps,
             self._keep[1].data_ptr(), layers, int(isinstance(first.mlp, GeGLU)), query_factor,
             None if local is None else self._keep[3].data_ptr(), self.num_groups,
             windows.data_ptr())

@@ -215,6 +215,21 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
 static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y) {
     int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n += 4) {
+            int64_t end = n + 4 < N ? n + 4 : N;
+            if (B == 1) {
+                kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->xd, q->xs, y);
+            } else {
+                kq_rows(W, (int)fmt, K, n, end, q->xq, q->xd, B, y, N);
+            }
+            for (int64_t r = n; bias && r < end; r++) {
+                for (int64_t b = 0; b < B; b++) y[b * N + r] += bias[r];
+            }
+        }
+        return;
+    }
 #ifdef __AVX2__
     if (B == 1 && rows_fast_fits(N)) {
 #pragma omp for schedule(static)

@@ -585,6 +585,8 @@ static void rows_q8_0_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
 }
 #endif
 
+#include "kquant.c"
+
 /* Whether rows_fast takes groups of ROWS weight rows of an N-row product. */
 static inline int rows_fast_fits(int64_t N) {
 #ifdef __AVX2__
@@ -622,6 +624,13 @@ void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t
     int64_t nb = K / QK;
     int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
     int parallel = N * K * M >= (1 << 17);
+    if (is_kquant(fmt)) {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t n = 0; n < N; n += 4) {
+            kq_rows(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xd, M, y, ldy);
+        }
+        return;
+    }
 #ifdef __AVX2__
     if (M == 1 && N % ROWS == 0) {
 #pragma omp parallel for schedule(static) if (parallel)
@@ -771,6 +780,17 @@ static void batch_row_q16(const uint8_t *w, int fmt, int64_t K, const int16_t *x
 void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                         const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
     int64_t nb = K / QK, tiles = M / 8;
+    if (is_kquant(fmt) && M == 1) {
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
+        for (int64_t n = 0; n < N; n += 4) {
+            kq_rows_one(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xd, xs, y);
+        }
+        return;
+    }
+    if (is_kquant(fmt)) {
+        gemm_quant16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
+        return;
+    }
 #ifdef __AVX2__
     if (M == 1 && rows_fast_fits(N)) {
         int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
@@ -1367,6 +1387,10 @@ void gemm_quant(const uint8_t *W, int fmt, int64_t N, int64_t K, const int8_t *x
 }
 
 static void dequant_row(const uint8_t *w, int fmt, int64_t K, float *out) {
+    if (is_kquant(fmt)) {
+        kq_dequant_row(w, fmt, K, out);
+        return;
+    }
     int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
     for (int64_t b = 0; b < nb; b++) dequant_block(w + b * bytes, fmt, out + b * QK);
 }
@@ -1377,7 +1401,7 @@ static void dequant_row(const uint8_t *w, int fmt, int64_t K, float *out) {
  */
 void dequantize(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64_t first,
                 int64_t n, float *out) {
-    int64_t row_bytes = K / QK * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t row_bytes = fmt_row_bytes(fmt, K);
     int parallel = n * K >= (1 << 16);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t i = 0; i < n; i++) {
@@ -1430,13 +1454,21 @@ static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o) {
  */
 void dequantize_bf16(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64_t first,
                      int64_t n, uint16_t *out) {
-    int64_t row_bytes = K / QK * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t row_bytes = fmt_row_bytes(fmt, K);
     int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
     int parallel = n * K >= (1 << 16);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *w = W + (rows ? rows[i] : first + i) * row_bytes;
         uint16_t *o = out + i * K;
+        if (is_kquant(fmt)) {
+            float super[QK_K];
+            for (int64_t s = 0; s < K / QK_K; s++) {
+                kq_dequant_super(w + s * row_bytes / (K / QK_K), fmt, super);
+                for (int j = 0; j < QK_K; j++) o[s * QK_K + j] = round_bf16(super[j]);
+            }
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) dequant_block_bf16(w + b * bytes, fmt, o + b * QK);
     }
 }

@@ -20,10 +20,13 @@ Q/K/V and gate/up weights are fused at load (see :mod:`prefixserve.model.arch.ll
 from __future__ import annotations
 
 import glob
+import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,6 +53,8 @@ from prefixserve.model.weights.quant import (
 )
 
 __all__ = ["WEIGHT_MODES", "default_model_path", "load_model"]
+
+logger = logging.getLogger("prefixserve.model")
 
 _TARGETS = {"auto": None, "int8": FMT_Q8_0, "int4": FMT_Q4_1}
 
@@ -331,12 +336,21 @@ def _gguf_state(
 
     get, used = _tracking_source(available, read, dtype, device)
 
+    requantized: Counter[str] = Counter()
+
     def get_weight(name: str) -> Weight:
         info = gguf.tensors.get(name)
         if packing is None or info is None or len(info.shape) != 2:
             return get(name)
-        packed = pack_gguf(gguf.read_raw(name), info.ggml_type, info.shape[1],
-                           lambda: gguf.read_tensor(name), _TARGETS[packing])
+
+        def values() -> np.ndarray:
+            from gguf.constants import GGMLQuantizationType
+
+            requantized[GGMLQuantizationType(info.ggml_type).name] += 1
+            return gguf.read_tensor(name)
+
+        packed = pack_gguf(gguf.read_raw(name), info.ggml_type, info.shape[1], values,
+                           _TARGETS[packing])
         if packed is None:
             return get(name)
         used.add(name)
@@ -344,6 +358,9 @@ def _gguf_state(
 
     names = _names(config, _GGUF_NAMES, _GEMMA3_GGUF_NAMES)
     state = _assemble(config, get, names, config.architecture == "llama", get_weight)
+    why = "no kernel for the type" if packing in (None, "auto") else f"--weights {packing}"
+    for type_name, count in sorted(requantized.items()):
+        logger.info("%d %s tensors requantized (%s)", count, type_name, why)
     freq_factors = read("rope_freqs.weight") if "rope_freqs.weight" in available else None
     _check_all_used(available, used, {"rope_freqs.weight"}, path)
     return config, state, freq_factors

@@ -1,14 +1,21 @@
 """Weights kept block-quantized in memory, and the layers that multiply with them.
 
-Two packed formats (byte layouts of GGUF's blocks of 32 weights along a row, see
-``kernels/quant.c``): **Q4_1** (4-bit, a scale and an offset per block: 5 bits per weight) and
-**Q8_0** (8-bit, a scale per block: 8.5 bits per weight). A GGUF tensor maps to them as follows
+Four packed formats, each GGUF's own byte layout: **Q4_1** (4-bit, a scale and an offset per
+block of 32: 5 bits per weight) and **Q8_0** (8-bit, a scale per block: 8.5 bits per weight),
+see ``kernels/quant.c``; **Q4_K** (super-blocks of 256: 4.5 bits per weight) and **Q6_K**
+(6.56 bits per weight), see ``kernels/kquant.c``. A GGUF tensor maps to them as follows
 (:func:`pack_gguf`):
 
-* Q4_1 and Q8_0 are kept byte for byte; Q4_0 becomes Q4_1 exactly (offset ``-8 * scale``);
-* the other 2-4-bit types (Q2_K, Q3_K, Q4_K, IQ4...) are dequantized and requantized to Q4_1;
-* the 5-8-bit types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_1, Q8_K) are requantized to Q8_0;
+* Q4_1, Q8_0, Q4_K and Q6_K are kept byte for byte (the model computes what the file holds);
+  Q4_0 becomes Q4_1 exactly (offset ``-8 * scale``);
+* the other 2-4-bit types (Q2_K, Q3_K, IQ4...) are dequantized and requantized to Q4_1;
+* the 5-8-bit types (Q5_0, Q5_1, Q5_K, Q8_1, Q8_K) are requantized to Q8_0 (the loader's log
+  names every requantized tensor type);
 * float tensors (F32, F16, BF16) stay dense (:data:`DENSE_TYPES`).
+
+The K-quant formats take the 16-bit integer kernels only (``kernels/kquant.c``: a 512-bit
+one-row kernel, and a row-invariant one that expands each super-block to floats for more
+rows) and expand-and-GEMM for prefill; the bfloat16 batch and AMX kernels take Q4_1 and Q8_0.
 
 ``--weights int8|int4`` requantizes every matmul weight to Q8_0 or Q4_1 (:func:`pack_float`).
 
@@ -42,13 +49,24 @@ from torch import nn
 
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_native_bfloat16
-from prefixserve.model.weights.quant_kernels import FMT_Q4_1, FMT_Q8_0
+from prefixserve.model.weights.quant_kernels import FMT_Q4_1, FMT_Q4_K, FMT_Q6_K, FMT_Q8_0
 
 #: Weights per quantization block.
 BLOCK = 32
 #: Bytes per block of each packed format.
 BLOCK_BYTES = {FMT_Q4_1: 20, FMT_Q8_0: 34}
-FORMAT_NAMES = {FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0"}
+FORMAT_NAMES = {FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q6_K: "Q6_K"}
+#: The K-quant formats: super-blocks of SUPER_BLOCK weights, of SUPER_BLOCK_BYTES bytes.
+K_FORMATS = frozenset({FMT_Q4_K, FMT_Q6_K})
+SUPER_BLOCK = 256
+SUPER_BLOCK_BYTES = {FMT_Q4_K: 144, FMT_Q6_K: 210}
+
+
+def row_bytes(fmt: int, cols: int) -> int:
+    """Bytes of one packed row of ``cols`` weights in ``fmt``."""
+    if fmt in K_FORMATS:
+        return cols // SUPER_BLOCK * SUPER_BLOCK_BYTES[fmt]
+    return cols // BLOCK * BLOCK_BYTES[fmt]
 
 #: Products with at most this many input rows use the integer kernel: on AVX2 (Zen 3) it beat
 #: expand-and-GEMM up to 16 rows for every weight shape of the default model, and lost at 64
@@ -86,7 +104,9 @@ ACTIVATION_BITS = 16
 _SLICE_ELEMENTS = 1 << 21
 
 # GGML type ids (gguf.constants.GGMLQuantizationType) by how they are kept.
-_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8
+_Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q6_K = 2, 3, 8, 12, 14
+#: GGUF K-quant types kept as they are, and their packed format.
+_KEPT_K = {_Q4_K: FMT_Q4_K, _Q6_K: FMT_Q6_K}
 DENSE_TYPES = frozenset({0, 1, 24, 25, 26, 27, 28, 30})  # floats and plain integers
 _FOUR_BIT_OR_LESS = frozenset({10, 11, 12, 16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35, 39, 40, 41})
 
@@ -171,6 +191,8 @@ def pack_gguf(raw: np.ndarray, ggml_type: int, cols: int,
     """
     if cols % BLOCK or (target is None and ggml_type in DENSE_TYPES):
         return None
+    if target is None and ggml_type in _KEPT_K and cols % SUPER_BLOCK == 0:
+        return PackedWeight(_KEPT_K[ggml_type], torch.from_numpy(np.array(raw)), cols)
     if ggml_type == _Q4_1 and target in (None, FMT_Q4_1):
         return PackedWeight(FMT_Q4_1, torch.from_numpy(np.array(raw)), cols)
     if ggml_type == _Q8_0 and target in (None, FMT_Q8_0):
@@ -215,11 +237,12 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
         self._lib = _library()
         self.activation_bits = ACTIVATION_BITS
-        self.bf16_batch_from = self._lib.bf16_batch_rows()
+        kquant = self.fmt in K_FORMATS  # 16-bit integer kernels and expand-and-GEMM only
+        self.bf16_batch_from = 0 if kquant else self._lib.bf16_batch_rows()
         """Rows from which a bfloat16 input of at most BF16_BATCH_MAX rows takes the bfloat16
         batch kernel: the library's threshold (8; 0 where it has no such kernel, no
         AVX512-BF16), the one the fused decode step uses too."""
-        self.amx_from = self._lib.amx_rows()
+        self.amx_from = 0 if kquant else self._lib.amx_rows()
         """Rows from which a bfloat16 input of at most AMX_MAX rows takes the AMX kernel (0
         where the library has none: no AMX, or the OS refused the tile state)."""
         self.native_bf16 = cpu_has_native_bfloat16()
@@ -262,7 +285,7 @@ class QuantLinear(nn.Module):
         """The integer kernel: activations rounded per block to 16 (or 8) bits, then products."""
         rows, cols = x.shape
         blocks = rows * cols // BLOCK
-        wide = self.activation_bits == 16
+        wide = self.activation_bits == 16 or self.fmt in K_FORMATS
         xq = torch.empty(rows * cols, dtype=torch.int16 if wide else torch.int8)
         scales = torch.empty(2 * blocks, dtype=torch.float32)
         sums_ptr = scales.data_ptr() + 4 * blocks

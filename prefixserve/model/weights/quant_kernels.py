@@ -30,6 +30,8 @@ _SOURCE = Path(__file__).parent.parent / "kernels" / "quant.c"
 #: Format codes shared with the C file.
 FMT_Q4_1 = 0
 FMT_Q8_0 = 1
+FMT_Q4_K = 2
+FMT_Q6_K = 3
 
 
 @dataclass

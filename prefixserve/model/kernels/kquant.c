@@ -1,0 +1,372 @@
+/*
+ * K-quant weights multiplied in their GGUF layout: super-blocks of 256 weights along a row.
+ *
+ *   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_j and mins m_j of the 8
+ *         sub-blocks of 32 (kq4_scales unpacks them), 128 bytes of nibbles. Weight i of
+ *         sub-block j is d * sc_j * q - dmin * m_j, with q the low (j even) or high (j odd)
+ *         nibble of nibble byte 32 * (j / 2) + i.
+ *   Q6_K (210 bytes): 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), fp16 d.
+ *         Weight e = 128 h + 32 t + l (h < 2, t < 4, l < 32) is d * scale[e / 16] * (q - 32),
+ *         q = the nibble t / 2 of ql[64 h + 32 (t % 2) + l], plus bits 2 t and 2 t + 1 of
+ *         qh[32 h + l] as bits 4 and 5.
+ *
+ * Included by quant.c. Each 32 weights of a super-block meet one 16-bit activation block
+ * (quantize_q16: scale xd, sum xs = xd * sum(q)). The products here are the one-row kernels of
+ * decode steps (kq4_row_wide, kq6_row_wide: AVX-512 or AVX2), and kq_rows for every other case
+ * and the portable build: a
+ * weight row expanded to floats one super-block at a time, then its dot products with the
+ * activation rows, each row in the same order whatever their number (row-invariant, as the
+ * deterministic mode needs). Prefill expands whole rows (kq_dequant_row) for a float GEMM.
+ */
+#define FMT_Q4_K 2
+#define FMT_Q6_K 3
+#define QK_K 256
+#define Q4_K_BYTES 144
+#define Q6_K_BYTES 210
+
+static inline int is_kquant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
+
+/* Bytes of one row of K weights in format fmt. */
+static inline int64_t fmt_row_bytes(int fmt, int64_t K) {
+    switch (fmt) {
+    case FMT_Q4_1: return K / QK * Q4_1_BYTES;
+    case FMT_Q8_0: return K / QK * Q8_0_BYTES;
+    case FMT_Q4_K: return K / QK_K * Q4_K_BYTES;
+    default: return K / QK_K * Q6_K_BYTES;
+    }
+}
+
+/* The 6-bit scales and mins of a Q4_K super-block's 8 sub-blocks, from its 12 packed bytes:
+ * sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 in
+ * the nibbles of bytes 8-11 (scales low, mins high) with their top two bits in the top bits of
+ * bytes 0-3 (scales) and 4-7 (mins). */
+static inline void kq4_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+#ifdef __AVX2__
+/* kq4_scales' 8 scales (low 64 bits) and 8 mins (high 64 bits) as bytes of a register, computed
+ * in general registers: stored byte by byte and loaded as one vector, they stalled store
+ * forwarding twice per super-block. */
+static inline __m128i kq4_scales_vec(const uint8_t *s) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    uint32_t sc_lo = a & 0x3f3f3f3fu, mn_lo = b & 0x3f3f3f3fu;
+    uint32_t sc_hi = (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4);
+    uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
+    return _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo);
+}
+#endif
+
+/* The 256 float32 weights of one super-block: d * sc * q - dmin * m (Q4_K), d * scale * (q - 32)
+ * (Q6_K), in that order of operations (gguf-py's dequantization rounds the same way). */
+static void kq_dequant_super(const uint8_t *blk, int fmt, float *o) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (fmt == FMT_Q4_K) { /* the same products and differences, 16 at a time */
+        float d = fp16_to_float(blk), dmin = fp16_to_float(blk + 2);
+        uint8_t sc[8], mn[8];
+        kq4_scales(blk + 4, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            __m512 a = _mm512_set1_ps(d * (float)sc[j]), b = _mm512_set1_ps(dmin * (float)mn[j]);
+            for (int h = 0; h < 2; h++) {
+                __m512i q = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(blk + 16 + 32 * (j / 2) + 16 * h)));
+                q = _mm512_and_si512(_mm512_srli_epi32(q, 4 * (j % 2)), _mm512_set1_epi32(15));
+                _mm512_storeu_ps(o + 32 * j + 16 * h,
+                                 _mm512_sub_ps(_mm512_mul_ps(a, _mm512_cvtepi32_ps(q)), b));
+            }
+        }
+        return;
+    }
+    { /* Q6_K: 16 weights (one scale) at a time */
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *scale = (const int8_t *)(blk + 192);
+        float d = fp16_to_float(blk + 208);
+        for (int h = 0; h < 2; h++) {
+            for (int t = 0; t < 4; t++) {
+                for (int half = 0; half < 2; half++) {
+                    int e = 128 * h + 32 * t + 16 * half;
+                    __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        (const __m128i *)(ql + 64 * h + 32 * (t % 2) + 16 * half)));
+                    __m512i hi = _mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(qh + 32 * h + 16 * half)));
+                    lo = _mm512_and_si512(_mm512_srli_epi32(lo, 4 * (t / 2)), _mm512_set1_epi32(15));
+                    hi = _mm512_and_si512(_mm512_srli_epi32(hi, 2 * t), _mm512_set1_epi32(3));
+                    __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)),
+                                                 _mm512_set1_epi32(32));
+                    _mm512_storeu_ps(o + e, _mm512_mul_ps(_mm512_set1_ps(d * (float)scale[e / 16]),
+                                                          _mm512_cvtepi32_ps(q)));
+                }
+            }
+        }
+        return;
+    }
+#endif
+    if (fmt == FMT_Q4_K) {
+        float d = fp16_to_float(blk), dmin = fp16_to_float(blk + 2);
+        uint8_t sc[8], mn[8];
+        kq4_scales(blk + 4, sc, mn);
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *q = blk + 16 + 32 * (j / 2);
+            int shift = 4 * (j % 2);
+            float a = d * (float)sc[j], b = dmin * (float)mn[j];
+            for (int i = 0; i < 32; i++) o[32 * j + i] = a * (float)((q[i] >> shift) & 15) - b;
+        }
+        return;
+    }
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *scale = (const int8_t *)(blk + 192);
+    float d = fp16_to_float(blk + 208);
+    for (int h = 0; h < 2; h++) {
+        for (int t = 0; t < 4; t++) {
+            for (int l = 0; l < 32; l++) {
+                int e = 128 * h + 32 * t + l;
+                int low = (ql[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 15;
+                int high = (qh[32 * h + l] >> (2 * t)) & 3;
+                o[e] = d * (float)scale[e / 16] * (float)((low | (high << 4)) - 32);
+            }
+        }
+    }
+}
+
+static void kq_dequant_row(const uint8_t *w, int fmt, int64_t K, float *out) {
+    int64_t bytes = fmt == FMT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+    for (int64_t s = 0; s < K / QK_K; s++) kq_dequant_super(w + s * bytes, fmt, out + s * QK_K);
+}
+
+/* sum over j < 32 of w[j] * a[j], float weights and 16-bit activations (in 16 or 8 lanes, then
+ * across them: the same order for every row) */
+static inline float dot_f32_i16(const float *w, const int16_t *a) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(w), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                                  _mm256_loadu_si256((const __m256i *)a))));
+    __m512 hi = _mm512_fmadd_ps(_mm512_loadu_ps(w + 16), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                                    _mm256_loadu_si256((const __m256i *)(a + 16)))), lo);
+    return _mm512_reduce_add_ps(hi);
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int j = 0; j < QK; j += 8) {
+        __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(a + j))));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), x, acc);
+    }
+    return hsum(acc);
+#else
+    float total = 0.0f;
+    for (int j = 0; j < QK; j++) total += w[j] * (float)a[j];
+    return total;
+#endif
+}
+
+/* sum over the 8 blocks u of a super-block of xd[u] * (w . a) over the block's 32 weights, in
+ * the same order for every row: at 512 bits, the blocks' scaled products summed in 16 lanes,
+ * then across them once */
+static inline float dot_super(const float *w, const int16_t *a, const float *xd) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int u = 0; u < QK_K / QK; u++) {
+        const int16_t *x = a + u * QK;
+        __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(w + u * QK), _mm512_cvtepi32_ps(
+                                      _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)x))));
+        __m512 both = _mm512_fmadd_ps(_mm512_loadu_ps(w + u * QK + 16), _mm512_cvtepi32_ps(
+                                          _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16)))),
+                                      lo);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(xd[u]), both, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
+    float total = 0.0f;
+    for (int u = 0; u < QK_K / QK; u++) total += xd[u] * dot_f32_i16(w + u * QK, a + u * QK);
+    return total;
+#endif
+}
+
+/* Outputs y[m * ldy + n] of weight rows n0 <= n < n1 (row W + n * row_bytes) for the M
+ * activation rows (xq, xd: K / 32 blocks each): each row's sum in one order, block by block. */
+static void kq_rows(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
+                    const int16_t *xq, const float *xd, int64_t M, float *y, int64_t ldy) {
+    int64_t nb = K / QK, row_bytes = fmt_row_bytes(fmt, K), bytes = row_bytes / (K / QK_K);
+    float wf[QK_K];
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m = 0; m < M; m++) y[m * ldy + n] = 0.0f;
+        for (int64_t s = 0; s < K / QK_K; s++) {
+            kq_dequant_super(W + n * row_bytes + s * bytes, fmt, wf);
+            for (int64_t m = 0; m < M; m++) {
+                y[m * ldy + n] += dot_super(wf, xq + m * K + s * QK_K, xd + m * nb + s * 8);
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* One output of a Q4_K row for one activation row: per sub-block a multiply-add of the nibbles
+ * (16-bit) with the activations, converted and scaled by d * sc_j * xd; the mins' term
+ * dmin * m_j * xs added per super-block, 8 sub-blocks at once. */
+static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    /* one accumulator per sub-block: a single one made each super-block a chain of 8
+     * dependent multiply-adds, and the kernel half as fast */
+    __m512 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
+    __m256 mins = _mm256_setzero_ps();
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    for (int64_t s = 0; s < supers; s++, w += Q4_K_BYTES) {
+        _mm_prefetch((const char *)(w + ROW_PREFETCH), ROW_PREFETCH_HINT);
+        _mm_prefetch((const char *)(w + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
+        __m128i scales = kq4_scales_vec(w + 4);
+        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales));
+        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales, scales)));
+        float unit[8];
+        _mm256_storeu_ps(unit, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), scf),
+                                             _mm256_loadu_ps(xd + s * 8)));
+        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w + 2)), mnf),
+                               _mm256_loadu_ps(xs + s * 8), mins);
+        const int16_t *a = xq + s * QK_K;
+        for (int i = 0; i < 4; i++) {
+            __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * i)));
+            __m512i p0 = DPWSSD(_mm512_setzero_si512(), _mm512_and_si512(both, low),
+                                _mm512_loadu_si512(a + 64 * i));
+            __m512i p1 = DPWSSD(_mm512_setzero_si512(), _mm512_srli_epi16(both, 4),
+                                _mm512_loadu_si512(a + 64 * i + 32));
+            acc[2 * i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_set1_ps(unit[2 * i]),
+                                         acc[2 * i]);
+            acc[2 * i + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1),
+                                             _mm512_set1_ps(unit[2 * i + 1]), acc[2 * i + 1]);
+        }
+    }
+    for (int j = 1; j < 8; j++) acc[0] = _mm512_add_ps(acc[0], acc[j]);
+    return _mm512_reduce_add_ps(acc[0]) - hsum(mins);
+}
+
+/* One output of a Q6_K row for one activation row: per 32 weights, q - 32 (16-bit) times the
+ * activations, whose lanes 0-7 hold the first 16 weights' sums and lanes 8-15 the next 16's,
+ * so the 16 scales of a super-block (d * scale * xd, computed at once) apply by one permute. */
+static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, int64_t supers) {
+    __m512 acc[4]; /* one per t: independent chains, as in kq4_row_wide */
+    for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi16(0x0f), two = _mm512_set1_epi16(3);
+    const __m512i bias = _mm512_set1_epi16(32);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
+        for (int k = 0; k < 4; k++) {
+            _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
+        }
+        __m512 scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192))));
+        __m512 xdv = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s * 8)));
+        __m512 units = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(fp16_to_float(w + 208)), scale), xdv);
+        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const int16_t *a = xq + s * QK_K;
+        for (int h = 0; h < 2; h++) {
+            __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+            for (int t = 0; t < 4; t++, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2))) {
+                __m512i ql = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (t % 2))));
+                __m512i lo = _mm512_and_si512(_mm512_srli_epi16(ql, 4 * (t / 2)), low);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * t), two);
+                __m512i q = _mm512_sub_epi16(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), bias);
+                __m512i p = DPWSSD(_mm512_setzero_si512(), q,
+                                   _mm512_loadu_si512(a + 128 * h + 32 * t));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, units),
+                                         acc[t]);
+            }
+        }
+    }
+    acc[0] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    return _mm512_reduce_add_ps(acc[0]);
+}
+#elif defined(__AVX2__)
+/* As kq4_row_wide at 256 bits: per sub-block, two 16-element halves of 16-bit products. */
+static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    __m256 acc[4], mins = _mm256_setzero_ps(); /* independent chains, as in the 512-bit form */
+    for (int k = 0; k < 4; k++) acc[k] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t s = 0; s < supers; s++, w += Q4_K_BYTES) {
+        _mm_prefetch((const char *)(w + ROW_PREFETCH), ROW_PREFETCH_HINT);
+        _mm_prefetch((const char *)(w + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
+        __m128i scales = kq4_scales_vec(w + 4);
+        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales));
+        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales, scales)));
+        float unit[8];
+        _mm256_storeu_ps(unit, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), scf),
+                                             _mm256_loadu_ps(xd + s * 8)));
+        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w + 2)), mnf),
+                               _mm256_loadu_ps(xs + s * 8), mins);
+        const int16_t *a = xq + s * QK_K;
+        for (int j = 0; j < 8; j++) {
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (j / 2)));
+            __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
+            const int16_t *x = a + 32 * j;
+            __m256i p = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)),
+                                  _mm256_loadu_si256((const __m256i *)x)),
+                _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)),
+                                  _mm256_loadu_si256((const __m256i *)(x + 16))));
+            acc[j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(unit[j]),
+                                         acc[j % 4]);
+        }
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
+           - hsum(mins);
+}
+
+/* As kq6_row_wide at 256 bits: each 16 weights of a scale in one multiply-add. */
+static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, int64_t supers) {
+    __m256 acc[4]; /* one per t, independent chains */
+    for (int k = 0; k < 4; k++) acc[k] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
+    const __m256i bias = _mm256_set1_epi8(32);
+    for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
+        for (int k = 0; k < 4; k++) {
+            _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
+        }
+        float d = fp16_to_float(w + 208), units[16];
+        const int8_t *scale = (const int8_t *)(w + 192);
+        for (int g = 0; g < 16; g++) units[g] = d * (float)scale[g] * xd[s * 8 + g / 2];
+        const int16_t *a = xq + s * QK_K;
+        for (int h = 0; h < 2; h++) {
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                __m256i ql = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (t % 2)));
+                __m256i lo = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(ql, 4) : ql, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two);
+                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+                const int16_t *x = a + 128 * h + 32 * t;
+                int g = 8 * h + 2 * t;
+                __m256i p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                                               _mm256_loadu_si256((const __m256i *)x));
+                __m256i p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
+                                               _mm256_loadu_si256((const __m256i *)(x + 16)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(units[g]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(units[g + 1]),
+                                         acc[t]);
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+#endif
+
+/* Outputs y[n0 .. n1) of a one-row product (y indexed by output), the fastest way the build
+ * has: kq4_row_wide / kq6_row_wide at 512 or 256 bits (sums in another order than kq_rows),
+ * else kq_rows. */
+static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
+                        const int16_t *xq, const float *xd, const float *xs, float *y) {
+#ifdef __AVX2__
+    int64_t row_bytes = fmt_row_bytes(fmt, K);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = W + n * row_bytes;
+        y[n] = fmt == FMT_Q4_K ? kq4_row_wide(w, xq, xd, xs, K / QK_K)
+                               : kq6_row_wide(w, xq, xd, K / QK_K);
+    }
+#else
+    (void)xs;
+    kq_rows(W, fmt, K, n0, n1, xq, xd, 1, y, 1);
+#endif
+}
