@@ -216,18 +216,20 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
                         const Quantized *q, int64_t B, float *y) {
     int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
     if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
+        float *xf = B > 1 ? kq_float_rows(q->xq, q->xd, B, K) : NULL; /* each thread's own */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += 4) {
             int64_t end = n + 4 < N ? n + 4 : N;
             if (B == 1) {
                 kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->xd, q->xs, y);
             } else {
-                kq_rows(W, (int)fmt, K, n, end, q->xq, q->xd, B, y, N);
+                kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, N);
             }
             for (int64_t r = n; bias && r < end; r++) {
                 for (int64_t b = 0; b < B; b++) y[b * N + r] += bias[r];
             }
         }
+        free(xf); /* after the loop's barrier */
         return;
     }
 #ifdef __AVX2__

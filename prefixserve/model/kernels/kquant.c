@@ -141,66 +141,75 @@ static void kq_dequant_row(const uint8_t *w, int fmt, int64_t K, float *out) {
     for (int64_t s = 0; s < K / QK_K; s++) kq_dequant_super(w + s * bytes, fmt, out + s * QK_K);
 }
 
-/* sum over j < 32 of w[j] * a[j], float weights and 16-bit activations (in 16 or 8 lanes, then
- * across them: the same order for every row) */
-static inline float dot_f32_i16(const float *w, const int16_t *a) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(w), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-                                  _mm256_loadu_si256((const __m256i *)a))));
-    __m512 hi = _mm512_fmadd_ps(_mm512_loadu_ps(w + 16), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-                                    _mm256_loadu_si256((const __m256i *)(a + 16)))), lo);
-    return _mm512_reduce_add_ps(hi);
+/* The M activation rows as floats, each 16-bit value times its block's scale (NULL where the
+ * memory is lacking; the caller frees it). */
+static float *kq_float_rows(const int16_t *xq, const float *xd, int64_t M, int64_t K) {
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    if (xf) {
+        for (int64_t i = 0; i < M * K; i++) xf[i] = (float)xq[i] * xd[i / QK];
+    }
+    return xf;
+}
+
+/* sum over a super-block of w[j] * x[j], in the same order for every call */
+static inline float dot256(const float *w, const float *x) {
+#if defined(__AVX512F__)
+    __m512 acc[4];
+    for (int k = 0; k < 4; k++) acc[k] = _mm512_setzero_ps();
+    for (int j = 0; j < QK_K; j += 64) {
+        for (int k = 0; k < 4; k++) {
+            acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16 * k), _mm512_loadu_ps(x + j + 16 * k),
+                                     acc[k]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]),
+                                              _mm512_add_ps(acc[2], acc[3])));
 #elif defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    for (int j = 0; j < QK; j += 8) {
-        __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(a + j))));
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), x, acc);
+    __m256 acc[4];
+    for (int k = 0; k < 4; k++) acc[k] = _mm256_setzero_ps();
+    for (int j = 0; j < QK_K; j += 32) {
+        for (int k = 0; k < 4; k++) {
+            acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8 * k), _mm256_loadu_ps(x + j + 8 * k),
+                                     acc[k]);
+        }
     }
-    return hsum(acc);
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #else
     float total = 0.0f;
-    for (int j = 0; j < QK; j++) total += w[j] * (float)a[j];
+    for (int j = 0; j < QK_K; j++) total += w[j] * x[j];
     return total;
 #endif
 }
 
-/* sum over the 8 blocks u of a super-block of xd[u] * (w . a) over the block's 32 weights, in
- * the same order for every row: at 512 bits, the blocks' scaled products summed in 16 lanes,
- * then across them once */
-static inline float dot_super(const float *w, const int16_t *a, const float *xd) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512 acc = _mm512_setzero_ps();
-    for (int u = 0; u < QK_K / QK; u++) {
-        const int16_t *x = a + u * QK;
-        __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(w + u * QK), _mm512_cvtepi32_ps(
-                                      _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)x))));
-        __m512 both = _mm512_fmadd_ps(_mm512_loadu_ps(w + u * QK + 16), _mm512_cvtepi32_ps(
-                                          _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16)))),
-                                      lo);
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(xd[u]), both, acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-#else
-    float total = 0.0f;
-    for (int u = 0; u < QK_K / QK; u++) total += xd[u] * dot_f32_i16(w + u * QK, a + u * QK);
-    return total;
-#endif
-}
-
-/* Outputs y[m * ldy + n] of weight rows n0 <= n < n1 (row W + n * row_bytes) for the M
- * activation rows (xq, xd: K / 32 blocks each): each row's sum in one order, block by block. */
+/* Outputs y[m * ldy + n] of weight rows n0 <= n < n1 (row W + n * row_bytes) for the M float
+ * activation rows xf (kq_float_rows): each weight super-block expanded once, then its dot
+ * product with every row, each row's sum in one order whatever M is. */
 static void kq_rows(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
-                    const int16_t *xq, const float *xd, int64_t M, float *y, int64_t ldy) {
-    int64_t nb = K / QK, row_bytes = fmt_row_bytes(fmt, K), bytes = row_bytes / (K / QK_K);
+                    const float *xf, int64_t M, float *y, int64_t ldy) {
+    int64_t row_bytes = fmt_row_bytes(fmt, K), bytes = row_bytes / (K / QK_K);
     float wf[QK_K];
     for (int64_t n = n0; n < n1; n++) {
         for (int64_t m = 0; m < M; m++) y[m * ldy + n] = 0.0f;
         for (int64_t s = 0; s < K / QK_K; s++) {
             kq_dequant_super(W + n * row_bytes + s * bytes, fmt, wf);
-            for (int64_t m = 0; m < M; m++) {
-                y[m * ldy + n] += dot_super(wf, xq + m * K + s * QK_K, xd + m * nb + s * 8);
-            }
+            for (int64_t m = 0; m < M; m++) y[m * ldy + n] += dot256(wf, xf + m * K + s * QK_K);
         }
+    }
+}
+
+/* As kq_rows from the 16-bit rows (xq, xd): through xf when given (kq_float_rows), else one
+ * row at a time converted on the stack (where the memory for xf was lacking). */
+static void kq_rows_any(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
+                        const int16_t *xq, const float *xd, const float *xf, int64_t M,
+                        float *y, int64_t ldy) {
+    if (xf) {
+        kq_rows(W, fmt, K, n0, n1, xf, M, y, ldy);
+        return;
+    }
+    float row[K];
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t i = 0; i < K; i++) row[i] = (float)xq[m * K + i] * xd[m * (K / QK) + i / QK];
+        kq_rows(W, fmt, K, n0, n1, row, 1, y + m * ldy, ldy);
     }
 }
 
@@ -367,6 +376,6 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
     }
 #else
     (void)xs;
-    kq_rows(W, fmt, K, n0, n1, xq, xd, 1, y, 1);
+    kq_rows_any(W, fmt, K, n0, n1, xq, xd, NULL, 1, y, 1);
 #endif
 }

@@ -625,10 +625,12 @@ void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t
     int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
     int parallel = N * K * M >= (1 << 17);
     if (is_kquant(fmt)) {
+        float *xf = kq_float_rows(xq, xd, M, K);
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t n = 0; n < N; n += 4) {
-            kq_rows(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xd, M, y, ldy);
+            kq_rows_any(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xd, xf, M, y, ldy);
         }
+        free(xf);
         return;
     }
 #ifdef __AVX2__
