@@ -63,6 +63,21 @@ static inline __m128i kq4_scales_vec(const uint8_t *s) {
     uint32_t mn_hi = ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4);
     return _mm_set_epi32((int)mn_hi, (int)mn_lo, (int)sc_hi, (int)sc_lo);
 }
+
+/* One Q4_K super-block of a one-row product (after prefetching ahead of it): its 8 sub-blocks'
+ * factors d * sc_j * xd_j into unit, and mins plus dmin * m_j * xs_j returned. */
+static inline __m256 kq4_factors(const uint8_t *w, const float *xd, const float *xs, float *unit,
+                                 __m256 mins) {
+    _mm_prefetch((const char *)(w + ROW_PREFETCH), ROW_PREFETCH_HINT);
+    _mm_prefetch((const char *)(w + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
+    __m128i scales = kq4_scales_vec(w + 4);
+    __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales));
+    __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales, scales)));
+    _mm256_storeu_ps(unit, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), scf),
+                                         _mm256_loadu_ps(xd)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w + 2)), mnf),
+                           _mm256_loadu_ps(xs), mins);
+}
 #endif
 
 /* The 256 float32 weights of one super-block: d * sc * q - dmin * m (Q4_K), d * scale * (q - 32)
@@ -181,18 +196,24 @@ static inline float dot256(const float *w, const float *x) {
 #endif
 }
 
-/* Outputs y[m * ldy + n] of weight rows n0 <= n < n1 (row W + n * row_bytes) for the M float
- * activation rows xf (kq_float_rows): each weight super-block expanded once, then its dot
- * product with every row, each row's sum in one order whatever M is. */
+/* Outputs y[m * ldy + n] of weight rows n0 <= n < n1 (a few: row W + n * row_bytes) for the M
+ * float activation rows xf (kq_float_rows): the weight rows expanded once, then every
+ * activation row read once for all of them (for a prompt's thousands of rows that stream from
+ * memory, once per weight row was twice the old 16-bit kernel's time); each output the sum of
+ * its super-blocks' dot products in order, whatever M is. */
 static void kq_rows(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
                     const float *xf, int64_t M, float *y, int64_t ldy) {
-    int64_t row_bytes = fmt_row_bytes(fmt, K), bytes = row_bytes / (K / QK_K);
-    float wf[QK_K];
-    for (int64_t n = n0; n < n1; n++) {
-        for (int64_t m = 0; m < M; m++) y[m * ldy + n] = 0.0f;
-        for (int64_t s = 0; s < K / QK_K; s++) {
-            kq_dequant_super(W + n * row_bytes + s * bytes, fmt, wf);
-            for (int64_t m = 0; m < M; m++) y[m * ldy + n] += dot256(wf, xf + m * K + s * QK_K);
+    int64_t row_bytes = fmt_row_bytes(fmt, K), supers = K / QK_K;
+    if (n1 <= n0) return;
+    float wf[(n1 - n0) * K];
+    for (int64_t n = n0; n < n1; n++) kq_dequant_row(W + n * row_bytes, fmt, K, wf + (n - n0) * K);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t n = n0; n < n1; n++) {
+            float total = 0.0f;
+            for (int64_t s = 0; s < supers; s++) {
+                total += dot256(wf + (n - n0) * K + s * QK_K, xf + m * K + s * QK_K);
+            }
+            y[m * ldy + n] = total;
         }
     }
 }
@@ -226,16 +247,8 @@ static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
     __m256 mins = _mm256_setzero_ps();
     const __m512i low = _mm512_set1_epi16(0x0f);
     for (int64_t s = 0; s < supers; s++, w += Q4_K_BYTES) {
-        _mm_prefetch((const char *)(w + ROW_PREFETCH), ROW_PREFETCH_HINT);
-        _mm_prefetch((const char *)(w + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
-        __m128i scales = kq4_scales_vec(w + 4);
-        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales));
-        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales, scales)));
         float unit[8];
-        _mm256_storeu_ps(unit, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), scf),
-                                             _mm256_loadu_ps(xd + s * 8)));
-        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w + 2)), mnf),
-                               _mm256_loadu_ps(xs + s * 8), mins);
+        mins = kq4_factors(w, xd + s * 8, xs + s * 8, unit, mins);
         const int16_t *a = xq + s * QK_K;
         for (int i = 0; i < 4; i++) {
             __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * i)));
@@ -297,16 +310,8 @@ static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
     for (int k = 0; k < 4; k++) acc[k] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int64_t s = 0; s < supers; s++, w += Q4_K_BYTES) {
-        _mm_prefetch((const char *)(w + ROW_PREFETCH), ROW_PREFETCH_HINT);
-        _mm_prefetch((const char *)(w + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
-        __m128i scales = kq4_scales_vec(w + 4);
-        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales));
-        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales, scales)));
         float unit[8];
-        _mm256_storeu_ps(unit, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), scf),
-                                             _mm256_loadu_ps(xd + s * 8)));
-        mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w + 2)), mnf),
-                               _mm256_loadu_ps(xs + s * 8), mins);
+        mins = kq4_factors(w, xd + s * 8, xs + s * 8, unit, mins);
         const int16_t *a = xq + s * QK_K;
         for (int j = 0; j < 8; j++) {
             __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (j / 2)));
