@@ -14,8 +14,9 @@ see ``kernels/quant.c``; **Q4_K** (super-blocks of 256: 4.5 bits per weight) and
 * float tensors (F32, F16, BF16) stay dense (:data:`DENSE_TYPES`).
 
 The K-quant formats take the 16-bit integer kernels only (``kernels/kquant.c``: a 512-bit
-one-row kernel, and a row-invariant one that expands each super-block to floats for more
-rows) and expand-and-GEMM for prefill; the bfloat16 batch and AMX kernels take Q4_1 and Q8_0.
+one-row kernel, and for more rows a row-invariant one that expands a few weight rows to floats
+and reads each activation row once for them) and expand-and-GEMM for prefill; the bfloat16
+batch and AMX kernels take Q4_1 and Q8_0.
 
 ``--weights int8|int4`` requantizes every matmul weight to Q8_0 or Q4_1 (:func:`pack_float`).
 
