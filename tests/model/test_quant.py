@@ -77,7 +77,7 @@ TARGET = {
     Q.Q2_K: FMT_Q4_1, Q.Q3_K: FMT_Q4_1, Q.Q4_K: FMT_Q4_K,
     Q.Q5_K: FMT_Q8_0, Q.Q6_K: FMT_Q6_K,
 }
-KEPT = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+KEPT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 #: Byte offsets of the fp16 super-block scales of the K-quants (gguf-py's ``quants.py``).
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                    Q.Q6_K: (208,)}
@@ -183,6 +183,9 @@ def test_pack_gguf_format_and_kept_bytes(qtype: Q, lib) -> None:
     np.testing.assert_array_equal(ours, dequantize(data, GGUF_OF[packed.fmt]))
     if qtype in (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         np.testing.assert_array_equal(data, raw)
+    elif qtype == Q.Q5_0:  # exactly, as Q8_0 with the same scales
+        np.testing.assert_array_equal(ours, ref)
+        np.testing.assert_array_equal(data[:, :2], raw[:, :2])
     elif qtype == Q.Q4_0:
         np.testing.assert_array_equal(ours, ref)
         q4_0, q4_1 = raw.reshape(ROWS, -1, 18), data.reshape(ROWS, -1, 20)

@@ -7,9 +7,9 @@ see ``kernels/quant.c``; **Q4_K** (super-blocks of 256: 4.5 bits per weight) and
 (:func:`pack_gguf`):
 
 * Q4_1, Q8_0, Q4_K and Q6_K are kept byte for byte (the model computes what the file holds);
-  Q4_0 becomes Q4_1 exactly (offset ``-8 * scale``);
+  Q4_0 becomes Q4_1 exactly (offset ``-8 * scale``), Q5_0 becomes Q8_0 exactly (bytes q - 16);
 * the other 2-4-bit types (Q2_K, Q3_K, IQ4...) are dequantized and requantized to Q4_1;
-* the 5-8-bit types (Q5_0, Q5_1, Q5_K, Q8_1, Q8_K) are requantized to Q8_0 (the loader's log
+* the other 5-8-bit types (Q5_1, Q5_K, Q8_1, Q8_K) are requantized to Q8_0 (the loader's log
   names every requantized tensor type);
 * float tensors (F32, F16, BF16) stay dense (:data:`DENSE_TYPES`).
 
@@ -105,7 +105,7 @@ ACTIVATION_BITS = 16
 _SLICE_ELEMENTS = 1 << 21
 
 # GGML type ids (gguf.constants.GGMLQuantizationType) by how they are kept.
-_Q4_0, _Q4_1, _Q8_0, _Q4_K, _Q6_K = 2, 3, 8, 12, 14
+_Q4_0, _Q4_1, _Q5_0, _Q8_0, _Q4_K, _Q6_K = 2, 3, 6, 8, 12, 14
 #: GGUF K-quant types kept as they are, and their packed format.
 _KEPT_K = {_Q4_K: FMT_Q4_K, _Q6_K: FMT_Q6_K}
 DENSE_TYPES = frozenset({0, 1, 24, 25, 26, 27, 28, 30})  # floats and plain integers
@@ -181,6 +181,21 @@ def _q4_0_to_q4_1(raw: np.ndarray, cols: int) -> PackedWeight:
                         cols)
 
 
+def _q5_0_to_q8_0(raw: np.ndarray, cols: int) -> PackedWeight:
+    """Q5_0 blocks (fp16 d, 32 high bits, 16 nibble bytes; w = d * (q - 16), q < 32) as Q8_0
+    (the same d, the bytes q - 16), exactly."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, cols // BLOCK, 22)
+    high = blocks[..., 2:6].copy().view(np.uint32)  # [rows, blocks, 1]
+    bits = (high >> np.arange(32, dtype=np.uint32)) & 1
+    nibbles = blocks[..., 6:]
+    low = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)
+    q = (low | (bits.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    out = np.concatenate((blocks[..., :2], q.view(np.uint8)), axis=-1)
+    return PackedWeight(FMT_Q8_0, torch.from_numpy(np.ascontiguousarray(out).reshape(rows, -1)),
+                        cols)
+
+
 def pack_gguf(raw: np.ndarray, ggml_type: int, cols: int,
               values: Callable[[], np.ndarray], target: int | None = None) -> PackedWeight | None:
     """A GGUF tensor's packed form, or None when it stays dense (float types, odd widths).
@@ -200,6 +215,8 @@ def pack_gguf(raw: np.ndarray, ggml_type: int, cols: int,
         return PackedWeight(FMT_Q8_0, torch.from_numpy(np.array(raw)), cols)
     if ggml_type == _Q4_0 and target in (None, FMT_Q4_1):
         return _q4_0_to_q4_1(raw, cols)
+    if ggml_type == _Q5_0 and target in (None, FMT_Q8_0):
+        return _q5_0_to_q8_0(raw, cols)
     if target is None:
         target = FMT_Q4_1 if ggml_type in _FOUR_BIT_OR_LESS else FMT_Q8_0
     return pack_float(values(), target)
