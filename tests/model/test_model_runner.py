@@ -13,13 +13,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen3Config,
-)
+from model_helpers import COMMON, HF_CONFIGS
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from prefixserve.model.arch.config import ModelConfig
 from prefixserve.model.arch.llama import CausalLM
@@ -27,33 +22,7 @@ from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.weights.loader import load_model
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
-VOCAB = 256
-COMMON = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 256,
-}
-HF_CONFIGS = {
-    # Llama 3 rope scaling with a short original context so that every band is used.
-    "llama": lambda: LlamaConfig(
-        **COMMON,
-        num_key_value_heads=2,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    ),
-    "qwen2": lambda: Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
-    # head_dim differs from hidden_size / heads, as in real Qwen3 models.
-    "qwen3": lambda: Qwen3Config(**COMMON, num_key_value_heads=1, head_dim=24),
-}
+VOCAB = COMMON["vocab_size"]
 
 
 def randomize(model: PreTrainedModel, seed: int) -> None:
