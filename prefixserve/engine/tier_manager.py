@@ -53,6 +53,7 @@ from prefixserve.core.tiers import (
 )
 from prefixserve.engine.config import EngineConfig, parse_memory
 from prefixserve.engine.request import Request, RequestStatus
+from prefixserve.model.cache_paths import cache_root
 from prefixserve.model.kv_transfer import (
     block_payload_size,
     gather_blocks,
@@ -121,9 +122,7 @@ def file_digest(path: str) -> str:
     st = os.stat(path)
     stamp = "\x00".join(map(str, (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size,
                                   st.st_mtime_ns)))
-    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "prefixserve")
-    entry = os.path.join(root, "digests", hashlib.sha256(stamp.encode()).hexdigest()[:32])
+    entry = os.path.join(cache_root(), "digests", hashlib.sha256(stamp.encode()).hexdigest()[:32])
     try:
         with open(entry, encoding="ascii") as f:
             cached = f.read().strip()

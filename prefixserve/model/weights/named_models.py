@@ -16,6 +16,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from prefixserve.model.cache_paths import cache_root
+
 
 @dataclass(frozen=True)
 class NamedModel:
@@ -36,9 +38,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
 
 def cache_dir() -> str:
     """The folder prefixserve assembles model files into."""
-    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "prefixserve")
-    return os.path.join(root, "models")
+    return os.path.join(cache_root(), "models")
 
 
 def is_available(name: str) -> bool:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixserve.model.cache_paths import cache_root
+
 _SOURCE = Path(__file__).parent.parent / "kernels" / "quant.c"
 
 #: Format codes shared with the C file.
@@ -64,10 +66,7 @@ class KernelLibrary:
 
 def cache_dir() -> Path:
     """Where built kernels are kept (``$PREFIXSERVE_CACHE_DIR/kernels``)."""
-    root = os.environ.get("PREFIXSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "prefixserve"
-    )
-    return Path(root) / "kernels"
+    return Path(cache_root()) / "kernels"
 
 
 def _cpu_signature() -> str:
