@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -80,19 +81,19 @@ def measure_file(path: str, threads: int, repeats: int) -> dict[str, float | lis
     llm = LLM(path, num_threads=threads, max_model_len=2048, kv_cache_memory="64MiB")
     load = time.perf_counter() - start
     growth = rss_bytes() - before
-    vocab = llm.get_tokenizer().vocab_size if hasattr(llm.get_tokenizer(), "vocab_size") else 40000
-    rng = __import__("random").Random(0)
+    top = min(llm.get_tokenizer().vocab_size, 40000)
+    rng = random.Random(0)
     decode, prefill = [], []
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for i in range(repeats + 1):
         llm.reset_prefix_cache()
-        prompt = [rng.randrange(1000, min(vocab, 40000)) for _ in range(PROMPT_TOKENS)]
+        prompt = [rng.randrange(1000, top) for _ in range(PROMPT_TOKENS)]
         llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
         start = time.perf_counter()
         llm.generate(prompt + [7], params)
         spent = time.perf_counter() - start
-        long = [rng.randrange(1000, min(vocab, 40000)) for _ in range(PREFILL_TOKENS)]
+        long = [rng.randrange(1000, top) for _ in range(PREFILL_TOKENS)]
         start = time.perf_counter()
         llm.generate(long, one)
         if i:  # the first round warms up
