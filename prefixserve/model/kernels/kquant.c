@@ -13,10 +13,10 @@
  * Included by quant.c. Each 32 weights of a super-block meet one 16-bit activation block
  * (quantize_q16: scale xd, sum xs = xd * sum(q)). The products here are the one-row kernels of
  * decode steps (kq4_row_wide, kq6_row_wide: AVX-512 or AVX2), and kq_rows for every other case
- * and the portable build: a
- * weight row expanded to floats one super-block at a time, then its dot products with the
- * activation rows, each row in the same order whatever their number (row-invariant, as the
- * deterministic mode needs). Prefill expands whole rows (kq_dequant_row) for a float GEMM.
+ * and the portable build: a few weight rows expanded to floats (on the stack), then their dot
+ * products with the activation rows (converted to floats once per product), each row's sums
+ * in the same order whatever their number (row-invariant, as the deterministic mode needs).
+ * Prefill expands whole rows (kq_dequant_row) for a float GEMM.
  */
 #define FMT_Q4_K 2
 #define FMT_Q6_K 3
