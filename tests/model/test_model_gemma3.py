@@ -283,12 +283,13 @@ PLACES = ["rivers", "mountains", "deserts", "forests", "islands", "cities", "val
 @pytest.mark.slow
 def test_sixteen_sequences_through_the_fused_layers_decode_as_the_eager_ones() -> None:
     """The default packed weights in float32, 16 prompts at once on a shared 600-token
-    prefix (longer than the 512-token window): every decode step runs all 18 layers (five
-    window groups and a full one, head size 256) through the fused C step, and the greedy
-    tokens are the eager layers' (``enforce_eager``), 48 of each. Kills a fused Gemma layer
-    that drifts from the eager one by more than float rounding (SiLU for GELU, say). A window
-    one position too long moves no greedy token here: the windows' edges are checked on tiny
-    models (``test_fused_decode.py::test_sliding_window_models_take_the_fused_layers``)."""
+    prefix (longer than the 512-token window, computed once and hit): every decode step runs
+    all 18 layers (five window groups and a full one, head size 256) through the fused C
+    step, and the greedy tokens are the eager layers' (``enforce_eager``), 48 of each. Kills
+    a fused Gemma layer that drifts from the eager one by more than float rounding (SiLU for
+    GELU, say). A window one position too long moves no greedy token here: the windows' edges
+    are checked on tiny models
+    (``test_fused_decode.py::test_sliding_window_models_take_the_fused_layers``)."""
     from prefixserve import LLM
     from prefixserve.model.weights.quant_kernels import kernels
 
@@ -300,10 +301,16 @@ def test_sixteen_sequences_through_the_fused_layers_decode_as_the_eager_ones() -
         llm = LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="256MiB",
                   enforce_eager=eager)
         tokenizer = llm.get_tokenizer()
-        prompts = [_prompt(llm, 600) + tokenizer.encode(
+        prefix = _prompt(llm, 600)
+        prompts = [prefix + tokenizer.encode(
             f" Story {i}: once upon a time, in a land of {place},", add_special_tokens=False)
             for i, place in enumerate(PLACES)]
-        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        # the prefix computed once and cached, so that the 16 prompts prefill their own
+        # sentences only (decode steps are what the test compares)
+        llm.generate([prefix], SamplingParams(temperature=0, max_tokens=1))
+        generated = llm.generate(prompts, params)
+        assert all(o.num_cached_tokens == 592 for o in generated)
+        outputs.append([o.outputs[0].token_ids for o in generated])
         runner = llm.engine.runner
         assert (runner._fused is None) == eager, runner.fused_decode_reason
         del llm

@@ -73,6 +73,20 @@ class _Cursor:
         self.pos += length
         return raw.decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary: 262,144 for Gemma 3), read in one tight
+        loop: what :meth:`string` does, without a call per string."""
+        buf, pos, out = self.buf, self.pos, []
+        length_at = struct.Struct("<Q").unpack_from
+        append = out.append
+        for _ in range(count):
+            (length,) = length_at(buf, pos)
+            pos += 8
+            append(buf[pos:pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self.string()
@@ -80,7 +94,7 @@ class _Cursor:
             item_type = self.unpack("I")
             count = self.unpack("Q")
             if item_type == _STRING:
-                return [self.string() for _ in range(count)]
+                return self._strings(count)
             if item_type in _SCALAR_FORMATS:
                 fmt = f"<{count}{_SCALAR_FORMATS[item_type]}"
                 items = list(struct.unpack_from(fmt, self.buf, self.pos))
