@@ -76,7 +76,8 @@ class _Cursor:
     def _strings(self, count: int) -> list[str]:
         """``count`` strings in a row (a vocabulary: 262,144 for Gemma 3), read in one tight
         loop: what :meth:`string` does, without a call per string."""
-        buf, pos, out = self.buf, self.pos, []
+        buf, pos = self.buf, self.pos
+        out: list[str] = []
         length_at = struct.Struct("<Q").unpack_from
         append = out.append
         for _ in range(count):
