@@ -32,6 +32,7 @@ from prefixserve.engine.llm_engine import (
 )
 from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.stat_logger import StatLogger
+from prefixserve.engine.step_hooks import StepHook
 from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
@@ -43,6 +44,19 @@ T = TypeVar("T")
 _IDLE_WAIT_S = 1.0
 """A pin's prefill keeps its blocks at the top priority until the pin takes them."""
 """Longest sleep of the engine thread while no work can run (it wakes at once on a command)."""
+
+
+class _PublishStats(StepHook):
+    """Publishes the engine's stats once a step's requests are scheduled, before the model
+    runs them: a step can take seconds (a long prefill), and the gauges read from the stats
+    (running, waiting, KV usage) show the work it computes while it computes, not the state
+    before it was admitted."""
+
+    def __init__(self, owner: AsyncLLM) -> None:
+        self.owner = owner
+
+    def before_execute(self) -> None:
+        self.owner._stats = self.owner.engine.get_stats()
 
 
 class AsyncLLM:
@@ -78,6 +92,7 @@ class AsyncLLM:
         loading thread and 23-31 ms from another one (``benchmarks/bench_quant.py --parts 5``)."""
         try:
             self.engine = LLMEngine(config)
+            self.engine.hooks.append(_PublishStats(self))
         except BaseException as exc:  # handed to the constructor, which raises it
             self._build_error = exc
             return
@@ -250,7 +265,9 @@ class AsyncLLM:
         return await self._call(self.engine.kv_snapshot)
 
     def stats(self) -> EngineStats:
-        """The latest snapshot, taken by the engine thread after each step."""
+        """The latest snapshot, taken by the engine thread after the commands it ran (a
+        request queued shows as waiting at once), when a step's requests are scheduled and
+        after each step."""
         return self._stats
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -301,19 +318,26 @@ class AsyncLLM:
         self._wakeup.wait(_IDLE_WAIT_S)
         self._wakeup.clear()
 
+    def _run_commands(self) -> int:
+        """Runs the commands queued so far; returns how many ran."""
+        ran = 0
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return ran
+            command()
+            ran += 1
+
     def _loop(self) -> None:
         """Drains the commands, then steps the engine. It never spins: with nothing unfinished,
         or after a step that scheduled nothing (no work can run until a request arrives or is
         aborted), it waits for a command instead of stepping again."""
         engine = self.engine
         while not self._stopping:
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
+            if self._run_commands() or not engine.has_unfinished_requests():
+                self._stats = engine.get_stats()  # a request just queued shows as waiting
             if not engine.has_unfinished_requests():
-                self._stats = engine.get_stats()
                 self._wait_for_work()
                 continue
             try:

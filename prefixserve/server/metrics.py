@@ -2,6 +2,9 @@
 
 Engine figures are read from ``AsyncLLM.stats()`` at each scrape (``EngineCollector``): they are
 the engine's own cumulative counters and current gauges, so the export never drifts from them.
+The engine thread refreshes them when it queues work, once a step's requests are scheduled and
+after each step, so a long step (a prompt of thousands of tokens prefilling for seconds) counts
+as running while it computes.
 Latencies, per-request sizes and finish reasons are observed by the serving code
 (``RequestTracker``).
 

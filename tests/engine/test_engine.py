@@ -4,6 +4,7 @@ design's rules; blocks always come back."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -13,6 +14,7 @@ from engine_helpers import prompts
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine import async_llm
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.scheduler import SchedulerOutput
 
@@ -269,6 +271,39 @@ def test_async_loop_waits_instead_of_spinning_when_nothing_can_be_scheduled(
         llm.shutdown()
     monkeypatch.undo()
     assert_idle(cached)
+
+
+def test_the_stats_show_a_long_prefill_as_running_while_it_computes() -> None:
+    """The gauges of ``/metrics`` read ``AsyncLLM.stats()``. A 1,500-token prompt prefills in
+    one step (a second or more here); sampled every 5 ms from when it is sent to its first
+    token, the stats show it running during that step, not the idle engine of before it was
+    admitted. Kills stats taken only between steps (the gauges showed 0 running and 0 waiting
+    while a 6,000-token prompt computed for seconds)."""
+    llm = AsyncLLM(EngineConfig(num_blocks=256, block_size=16), log_stats_interval=None)
+    prompt = [100 + (i * 7919) % 20000 for i in range(1500)]
+
+    async def sample() -> tuple[list[tuple[float, int, int]], float]:
+        async def first_token() -> float:
+            params = SamplingParams(temperature=0, max_tokens=1)
+            async for _ in llm.generate(prompt, params, "long"):
+                break
+            return time.monotonic()
+
+        task = asyncio.ensure_future(first_token())
+        samples = []
+        while not task.done():
+            stats = llm.stats()
+            samples.append((time.monotonic(), stats.num_running, stats.num_waiting))
+            await asyncio.sleep(0.005)
+        return samples, task.result()
+
+    try:
+        samples, first = asyncio.run(sample())
+    finally:
+        llm.shutdown()
+    before = [(running, waiting) for when, running, waiting in samples if when < first]
+    assert before.count((1, 0)) >= 10, before
+    assert samples[0][1:] == (0, 0)  # the request had not reached the engine yet
 
 
 def test_async_llm_builds_its_engine_in_the_engine_thread(
