@@ -9,6 +9,7 @@ request, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -29,6 +30,7 @@ from prefixserve.engine.llm_engine import (
     PIN_WARMUP_RETENTION,
     EngineStats,
     LLMEngine,
+    QueueReservation,
 )
 from prefixserve.engine.lora_registry import LoRAInfo
 from prefixserve.engine.stat_logger import StatLogger
@@ -157,10 +159,12 @@ class AsyncLLM:
         add_special_tokens: bool = True,
         retention: Retention | None = None,
         lora: str | None = None,
+        reservation: QueueReservation | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (deltas) until it finishes. Raises the engine's
-        ``RequestError``/``QueueFullError`` before the first output if it cannot be queued.
-        Leaving the iteration early aborts the request."""
+        ``RequestError``/``QueueFullError`` before the first output if it cannot be queued
+        (room held by ``reservation`` is taken first: :meth:`reserve_queue_room`). Leaving
+        the iteration early aborts the request."""
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[Any] = asyncio.Queue()
         arrival = time.time()
@@ -168,7 +172,7 @@ class AsyncLLM:
         def add() -> None:
             self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt,
                                     add_special_tokens=add_special_tokens, arrival_time=arrival,
-                                    retention=retention, lora=lora)
+                                    retention=retention, lora=lora, reservation=reservation)
             self._streams[request_id] = (loop, stream)
 
         await self._call(add)
@@ -185,6 +189,18 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def reserve_queue_room(self, n: int) -> QueueReservation:
+        """``LLMEngine.reserve_queue_room`` in the engine thread: room in the waiting queue for
+        the ``n`` sequences of several prompts, or the ``QueueFullError`` that refuses them
+        all. Pass it to their :meth:`generate` calls, then :meth:`release_queue_room`."""
+        return await self._call(lambda: self.engine.reserve_queue_room(n))
+
+    def release_queue_room(self, reservation: QueueReservation) -> None:
+        """Returns the room ``reservation`` holds that no prompt took (after the commands
+        queued before this one: the prompts' own). A no-op once the engine has stopped."""
+        with contextlib.suppress(EngineDeadError):  # no queue left to return room to
+            self._submit(lambda: self.engine.release_queue_room(reservation))
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (no-op if it already finished); its blocks are freed."""

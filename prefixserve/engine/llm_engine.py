@@ -74,6 +74,14 @@ logger = logging.getLogger("prefixserve.engine")
 
 
 @dataclass
+class QueueReservation:
+    """Room in the waiting queue held for one API request's sequences
+    (``LLMEngine.reserve_queue_room``): ``remaining`` is what its prompts have not taken."""
+
+    remaining: int
+
+
+@dataclass
 class EngineStats:
     """A snapshot for logs and metrics: gauges now, counters since start."""
 
@@ -147,6 +155,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.prefill_threshold)
+        self.reserved_sequences = 0
+        """Room in the waiting queue held by ``reserve_queue_room`` and not taken yet."""
         self.tiers: KVTierManager | None = None
         self.hooks: list[StepHook] = []
         """What runs around each step's schedule, model and outputs (``step_hooks.py``)."""
@@ -245,13 +255,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         retention: Retention | None = None,
         lora: str | None = None,
+        reservation: QueueReservation | None = None,
     ) -> str:
         """Queues a prompt (text, or token ids used as given) and returns its request id.
 
         Raises ``RequestError`` for a request that could never run (empty, longer than the
         context, token ids out of the vocabulary, longer than one step without chunked prefill,
         more sequences than the queue holds) and ``QueueFullError`` when the queue has no room
-        for its ``n`` sequences now. Nothing is queued unless it can be scheduled."""
+        for its ``n`` sequences now. Nothing is queued unless it can be scheduled. With a
+        ``reservation`` (``reserve_queue_room``) that still holds ``n`` sequences, the room is
+        taken from it instead."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
@@ -263,7 +276,9 @@ class LLMEngine:
             text = None
             token_ids = list(prompt)
         self._check_prompt(token_ids)  # before the queue: a request that can never run is
-        self._check_queue_room(params.n)  # a RequestError, never a retryable QueueFullError
+        reserved = reservation is not None and reservation.remaining >= params.n
+        if not reserved:  # a RequestError, never a retryable QueueFullError
+            self._check_queue_room(params.n)
         self.check_token_controls(params)
         grammar, params = self._compile_grammar(params)
         arrival = arrival_time or time.time()
@@ -290,7 +305,26 @@ class LLMEngine:
             children.append(request)
         self.output_processor.add_request(request_id, text, children)
         self._queue(children, grammar, params)
+        if reserved:
+            assert reservation is not None
+            reservation.remaining -= params.n
+            self.reserved_sequences -= params.n
         return request_id
+
+    def reserve_queue_room(self, n: int) -> QueueReservation:
+        """Holds room in the waiting queue for ``n`` sequences that several ``add_request``
+        calls will queue (the prompts of one API request), so that they are queued whole or
+        refused whole: raises as ``add_request`` does when the ``n`` do not fit now, and while
+        held the room is not given to other requests. ``release_queue_room`` returns what the
+        calls did not take."""
+        self._check_queue_room(n)
+        self.reserved_sequences += n
+        return QueueReservation(n)
+
+    def release_queue_room(self, reservation: QueueReservation) -> None:
+        """Returns the room ``reservation`` still holds (its prompts are queued, or refused)."""
+        self.reserved_sequences -= reservation.remaining
+        reservation.remaining = 0
 
     def _queue(self, children: list[Request], grammar: str | None,
                params: SamplingParams) -> None:
@@ -381,7 +415,8 @@ class LLMEngine:
 
     def _check_queue_room(self, n: int) -> None:
         """The waiting queue holds at most ``max_waiting_requests`` sequences (each of the ``n``
-        sequences of a request waits on its own): a request is queued whole or refused."""
+        sequences of a request waits on its own, and reserved room counts as taken): a request
+        is queued whole or refused."""
         limit = self.config.max_waiting_requests
         if limit is None:
             return
@@ -389,7 +424,7 @@ class LLMEngine:
             raise RequestError(
                 f"the request asks for {n} sequences, but the waiting queue holds at most "
                 f"{limit} (--max-waiting-requests)")
-        waiting = len(self.scheduler.waiting)
+        waiting = len(self.scheduler.waiting) + self.reserved_sequences
         if waiting + n > limit:
             raise QueueFullError(f"the waiting queue is full ({waiting} of {limit} sequences "
                                  f"waiting, {n} more asked for)")

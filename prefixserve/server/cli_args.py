@@ -103,7 +103,8 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
     limits.add_argument("--max-waiting-requests", type=int, metavar="N",
                         default=config.DEFAULT_MAX_WAITING_REQUESTS,
                         help="sequences that may wait to be scheduled; beyond, requests get 503 "
-                        "with Retry-After, and one larger than this alone gets 400 (default "
+                        "with Retry-After (all prompts and n of a request are admitted or "
+                        "refused together), and one larger than this alone gets 400 (default "
                         f"{config.DEFAULT_MAX_WAITING_REQUESTS})")
     limits.add_argument("--max-request-body-size", metavar="SIZE", default="32MiB",
                         help="largest request body, e.g. 1MiB (default 32MiB); larger bodies "

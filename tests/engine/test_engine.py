@@ -231,6 +231,35 @@ def test_the_waiting_queue_bound_counts_sequences_not_requests(
     assert_idle(cached)
 
 
+def test_reserved_queue_room_admits_several_prompts_whole_or_refuses_them_whole(
+        cached: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server reserves the room of a request's prompts before it queues any: a reservation
+    that does not fit is refused and holds nothing, one that fits is not given to other
+    requests, its prompts take it, and what they did not take comes back on release. Kills a
+    reservation that is not counted (the plain request then fits), one checked for part of the
+    sequences, and a release that returns nothing (the queue stays full)."""
+    engine = cached.engine
+    monkeypatch.setattr(engine.config, "max_waiting_requests", 3)
+    prompt, one = prompts(cached)[0], SamplingParams(temperature=0, max_tokens=4)
+    ids = [engine.add_request(prompt, one)]
+    with pytest.raises(QueueFullError):
+        engine.reserve_queue_room(3)  # 1 waiting + 3 > 3
+    assert engine.reserved_sequences == 0 and len(engine.scheduler.waiting) == 1
+    reservation = engine.reserve_queue_room(2)
+    with pytest.raises(QueueFullError):
+        engine.add_request(prompt, one)  # the 2 free places are held
+    ids.append(engine.add_request(prompt, one, reservation=reservation))
+    assert reservation.remaining == 1 and engine.reserved_sequences == 1
+    engine.release_queue_room(reservation)  # the second prompt was refused (say): room back
+    assert reservation.remaining == 0 and engine.reserved_sequences == 0
+    ids.append(engine.add_request(prompt, one))
+    with pytest.raises(QueueFullError):  # a spent reservation does not lift the bound
+        engine.add_request(prompt, one, reservation=reservation)
+    for request_id in ids:
+        assert engine.abort_request(request_id)
+    assert_idle(cached)
+
+
 def test_reset_under_traffic_then_an_identical_request_hits_nothing(cached: LLM) -> None:
     engine = cached.engine
     prompt = prompts(cached)[0]

@@ -147,6 +147,42 @@ def test_the_queue_bound_counts_sequences(guarded: ServerProcess) -> None:
     assert complete(guarded, KEY_B).status_code == 200
 
 
+def test_several_prompts_are_queued_whole_or_refused_whole(guarded: ServerProcess) -> None:
+    """Two slots run and one sequence waits: a request of two prompts (two sequences) does not
+    fit the one free place of the queue and is refused whole (503, Retry-After) with the place
+    left free, so a request of one prompt waits in it; once the slots free, two prompts run.
+    (The engine's reservation that makes the refusal whole is tested in
+    ``tests/engine/test_engine.py``.)"""
+    waiters: list[httpx.Response] = []
+    two = {"prompt": [PROMPT[:5], PROMPT[5:10]]}
+    with httpx.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+                      json={"prompt": PROMPT[:3], "n": 2, "max_tokens": 60,
+                            "ignore_eos": True, "stream": True}) as big:
+        assert big.status_code == 200
+        lines = big.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # both slots taken
+        threads = [threading.Thread(target=lambda: waiters.append(complete(guarded, KEY_B)))
+                   for _ in range(2)]
+        threads[0].start()
+        guarded.wait_for_metrics(lambda s: s["prefixserve:num_requests_waiting"] == 1,
+                                 timeout=30)
+        refused = complete(guarded, KEY_B, **two)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+        threads[1].start()
+        guarded.wait_for_metrics(lambda s: s["prefixserve:num_requests_waiting"] == 2,
+                                 timeout=30)
+        assert [line for line in lines if line.startswith("data:")][-1] == "data: [DONE]"
+    for thread in threads:
+        thread.join(120)
+    assert [r.status_code for r in waiters] == [200, 200], [r.text for r in waiters]
+    guarded.wait_for_metrics(idle)
+    both = complete(guarded, KEY_B, **two)
+    assert both.status_code == 200 and len(both.json()["choices"]) == 2, both.text
+    guarded.wait_for_metrics(idle)
+
+
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error(guarded: ServerProcess, tmp_path: Path) -> None:
     """Every check but positive_data_acceptance (valid-looking prompts are rightly refused when

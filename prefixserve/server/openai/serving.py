@@ -39,6 +39,7 @@ from starlette.responses import Response
 from prefixserve.core import Retention
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
+from prefixserve.engine.llm_engine import QueueReservation
 from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from prefixserve.sampling_params import (
@@ -451,14 +452,15 @@ class OpenAIServing:
     # ------------------------------------------------------------------ running requests
     async def _source(self, ids: list[int], params: SamplingParams, request_id: str,
                       salt: str | None, retention: Retention | None = None,
-                      lora: str | None = None,
+                      lora: str | None = None, reservation: QueueReservation | None = None,
                       ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of one engine request, observed for the metrics; closing it aborts the
         request."""
         tracker = self.metrics.track(params.n)
         try:
             generated = self.engine.generate(ids, params, request_id, cache_salt=salt,
-                                             retention=retention, lora=lora)
+                                             retention=retention, lora=lora,
+                                             reservation=reservation)
             async with aclosing(generated) as outputs:
                 async for output in outputs:
                     tracker.observe(output)
@@ -468,15 +470,24 @@ class OpenAIServing:
 
     async def _start(self, run: _Run) -> MultiStream:
         """Queues one engine request per prompt of ``run`` and waits for their first outputs;
-        a 400 (naming ``run.param``) or 503 when the engine refuses them."""
+        a 400 (naming ``run.param``) or 503 when the engine refuses them. The queue room of
+        several prompts is reserved first, for all their sequences at once: they are queued
+        whole or refused whole, never some queued (and run) and then aborted."""
         ids_list = run.prompts.ids
-        stream = MultiStream([
-            self._source(ids, run.params, run.id if len(ids_list) == 1 else f"{run.id}-{i}",
-                         run.salt, run.retention, run.lora)
-            for i, ids in enumerate(ids_list)
-        ])
+        reservation = None
         try:
-            await stream.start()
+            if len(ids_list) > 1 and self.max_waiting is not None:
+                reservation = await self.engine.reserve_queue_room(len(ids_list) * run.params.n)
+            stream = MultiStream([
+                self._source(ids, run.params, run.id if len(ids_list) == 1 else f"{run.id}-{i}",
+                             run.salt, run.retention, run.lora, reservation)
+                for i, ids in enumerate(ids_list)
+            ])
+            try:
+                await stream.start()
+            finally:
+                if reservation is not None:
+                    self.engine.release_queue_room(reservation)
         except RequestError as exc:
             raise _bad_request(exc, run.param, run.grammar_param) from exc
         except QueueFullError as exc:
