@@ -6,9 +6,12 @@ process, once per prefix, plus ``ServerMetrics`` and the bench report on their o
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -39,6 +42,7 @@ HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "request_prefill_time_seconds", "request_decode_time_seconds",
               "request_inference_time_seconds", "request_prompt_tokens",
               "request_generation_tokens")
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefixserve.json"
 GONE = ("prefix_cache_query_tokens_total", "prefix_cache_hit_tokens_total")
 """The old token counters' names: the token counts are ``prefix_cache_queries/hits`` now."""
 
@@ -121,6 +125,38 @@ def test_every_sample_has_the_model_name_and_the_prefix(served: tuple[ServerProc
     reasons = {s.labels["finished_reason"] for s in samples
                if s.name == f"{prefix}:request_success_total"}
     assert reasons == {"stop", "length", "abort"}
+
+
+def dashboard_metric_names(prefix: str) -> set[str]:
+    """The metric names the Grafana dashboard's queries (panels and variables) name, with its
+    ``prefix`` variable set to ``prefix``."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert [o["value"] for o in variables["prefix"]["options"]] == list(PREFIXES)
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    queries.append(variables["model"]["definition"])
+    text = "\n".join(queries)
+    assert not re.findall(r"\b(?:prefixserve|vllm):", text)  # every name through ${prefix}
+    text = text.replace("${prefix}", prefix)
+    return set(re.findall(rf"\b{prefix}:[a-z0-9_]+", text))
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(
+        served: tuple[ServerProcess, str]) -> None:
+    """``deploy/grafana/prefixserve.json`` parses, offers both name prefixes, and every metric
+    its queries name is exported: by the served process, or (the ``kv_tier_*`` families, which
+    exist only with cache tiers, and the evictions, which have samples once a block was
+    evicted) by the same collector given such stats. Kills a panel whose metric was renamed or
+    misspelt, and one written for a single prefix."""
+    server, prefix = served
+    complete(server, fresh_prompt())
+    exported = {s.name for s in server.samples()}
+    stats = engine_with(kv_tiers=(TierStats("disk"),), evictions_by_priority={35: 1})
+    tiered = ServerMetrics(stats, SERVED_NAME, prefix)
+    exported |= {s.name for family in tiered.registry.collect() for s in family.samples}
+    names = dashboard_metric_names(prefix)
+    assert len(names) >= 25, names
+    assert names <= exported, sorted(names - exported)
 
 
 # ----------------------------------------------------------------------- without a server
