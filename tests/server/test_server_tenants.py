@@ -26,13 +26,14 @@ KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key"
 BIG = "The quick brown fox jumps over the lazy dog. " * (5 * 2**20 // 45)
 """5 MiB of text: seconds of tokenizing on 2 cores."""
 
-HEALTH_LIMIT_S = 0.1
-"""The slowest ``/health`` allowed beside the large input (measured on 2 cores over 7 runs: at
-most 0.067 s; with the encoding on the event loop, 1.8-4.6 s)."""
-GAP_LIMIT_S = 0.2
-"""The longest wait for a chunk of the other stream allowed beside the large input (measured:
-at most 0.115 s, when the encoding ends: turning a million ids into a list holds the GIL for
-about 0.04 s)."""
+HEALTH_LIMIT_S = 0.5
+"""The slowest ``/health`` allowed beside the large input (measured on 2 quiet cores over 7
+runs: at most 0.067 s; 0.105-0.16 s while the rest of the suite loads both cores; with the
+encoding on the event loop, 1.8-4.6 s)."""
+GAP_LIMIT_S = 0.5
+"""The longest wait for a chunk of the other stream allowed beside the large input (measured on
+quiet cores: at most 0.115 s, when the encoding ends: turning a million ids into a list holds
+the GIL for about 0.04 s; with the encoding on the event loop, seconds)."""
 
 
 @pytest.fixture(scope="module")
