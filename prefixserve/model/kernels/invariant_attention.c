@@ -8,9 +8,10 @@
  * split that no cache hit or chunk boundary moves). For each block, in order from the first,
  * the kernel computes the row's scores, their maximum, the exponentials' sum and the weighted
  * sum of values, and merges that partial result into the running one by log-sum-exp (rescaling
- * both by their maxima). All sums run in a fixed order: dot products in 8 lanes summed in a
- * fixed tree, block sums key by key. So a row's output is a function of its query, its position
- * and its sequence's keys and values only: bitwise the same in any batch.
+ * both by their maxima). All sums run in a fixed order: dot products in 8 lanes (32 from a
+ * head size of 128) summed in a fixed tree, block sums key by key. So a row's output is a
+ * function of its query, its position and its sequence's keys and values only: bitwise the
+ * same in any batch.
  *
  * Layout: q and out are float32 [N, H, D] (contiguous); the cache's K and V are [slots, KVH, D]
  * of float32 (is_bf16 = 0) or bfloat16 bits (is_bf16 = 1); tables is int64 [*, table_stride]
@@ -30,6 +31,13 @@
 #include <string.h>
 
 #define LANES 8
+/* Partial sums of a dot product of WIDE_FROM or more elements: 32, so that the compiler keeps
+ * four (or, at 512 bits, two) independent vector accumulators: with 8 (one vector) every add
+ * waits for the one before it, and Gemma 3's dot products of 256 ran at a quarter of the adder's
+ * rate (2.5-4x slower). Shorter ones keep 8, whose smaller tree costs less (SmolLM2's 64). The
+ * choice is a function of the head size alone, the same for every row and batch. */
+#define WIDE_LANES 32
+#define WIDE_FROM 128
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -62,6 +70,19 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return (s01 + s23) + (s45 + s67);
 }
 
+/* As dot in WIDE_LANES partial sums, summed in a fixed tree (lane l + w into lane l, for
+ * w = WIDE_LANES / 2, ..., 1). */
+static inline float dot_wide(const float *a, const float *b, int64_t D) {
+    float acc[WIDE_LANES] = {0};
+    int64_t d = 0;
+    for (; d + WIDE_LANES <= D; d += WIDE_LANES)
+        for (int l = 0; l < WIDE_LANES; l++) acc[l] += a[d + l] * b[d + l];
+    for (int l = 0; d < D; d++, l++) acc[l] += a[d] * b[d];
+    for (int w = WIDE_LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
 /*
  * One (row, KV head) pair: P query heads q[P][D] over keys begin..last of the sequence whose block
  * table is `table`. Scratch: keys[block_size][D], vals[D], scores[P][block_size],
@@ -92,7 +113,8 @@ static void attend(const float *q, const void *kc, const void *vc, int is_bf16, 
         for (int64_t p = 0; p < P; p++) {
             float m = -INFINITY;
             for (int64_t j = 0; j < n; j++) {
-                float s = dot(q + p * D, keys + j * D, D) * scale;
+                float s = (D >= WIDE_FROM ? dot_wide(q + p * D, keys + j * D, D)
+                                          : dot(q + p * D, keys + j * D, D)) * scale;
                 scores[p * stride + j] = s;
                 m = s > m ? s : m;
             }
