@@ -26,6 +26,11 @@ probe in time, which the ingress logged ("Failed to get queue length") in 19 of 
 of the cluster tests. With one rank Ray asks the router again, after a backoff, and the router
 decides again with the loads of that moment.
 
+The index lives in the ingress process and is rebuilt from the replicas when that process is
+replaced (Ray Serve restarts a dead ingress): a new router knows no replica's epoch, so the
+first report that carries a snapshot (every ``SNAPSHOT_EVERY`` reports, about 4 s) fills the
+replica's entry, and until then a replica with a gap in its batches is stale.
+
 The index follows Ray Serve's replica set: ``update_replicas`` (every scale-up, scale-down or
 replacement) adds new replicas empty and forgets gone ones, ``on_replica_actor_died`` forgets a
 dead one at once; forgetting drops everything known of the replica, so no cache state of a
@@ -83,7 +88,10 @@ def known_loras() -> dict[str, str]:
 
 
 def routers_state() -> list[dict[str, Any]]:
-    """What each router of this process knows (``GET /router/replicas``)."""
+    """What each router of this process knows (``GET /router/replicas``), with the replicas'
+    latest routing stats applied first (a router otherwise applies them when it routes)."""
+    for router in _ROUTERS:
+        router.refresh()
     return [router.state() for router in _ROUTERS]
 
 
@@ -151,6 +159,11 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
                 "gaps": index.gaps, "restarts": index.restarts}
 
     # ----------------------------------------------------------------- events
+    def refresh(self) -> None:
+        """Applies every current replica's latest routing stats to the index."""
+        for replica in list(self.curr_replicas.values()):
+            self._absorb_stats(replica)
+
     def _absorb_stats(self, replica: RunningReplica) -> None:
         """Applies what the replica's latest routing stats add to the index."""
         stats = replica.routing_stats or {}

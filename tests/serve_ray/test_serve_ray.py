@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -436,6 +437,50 @@ def test_idle_replicas_are_removed_and_forgotten(cluster: ServerProcess, load: L
         return len(live) == 2 and state["indexed"] == live and gone <= set(state["removed"])
 
     _wait("scale-down to 2 replicas", back_to_two, 60, cluster)
+
+
+@slow
+def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
+        cluster: ServerProcess) -> None:
+    """The router's index lives in the ingress process. Four prefixes are cached two on each
+    replica (round-robin), then the ingress is killed (SIGKILL) and Ray Serve starts another:
+    its new router, with no memory of where it sent anything, fills the index from the
+    replicas' KV event snapshots (within ``SNAPSHOT_EVERY`` reports), and prefix-aware routing
+    sends each prefix back to its replica (a hit of the whole prefix). (Planted: a router that
+    ignores the snapshots keeps both replicas stale, routes by load, and misses.)"""
+    from prefixserve.serve_ray.replica import STATS_BATCHES
+
+    prefixes = [[400 + 113 * g + (i * 7919) % 20000 for i in range(48)] for g in range(4)]
+    for prefix in prefixes:
+        _complete(cluster.url + "/routing/round-robin", "smol", [*prefix, 11, 12])
+    # more event batches since than a report repeats: only a snapshot holds the prefixes now
+    def filler(n: int) -> None:
+        _complete(cluster.url + "/routing/round-robin", "smol",
+                  [900 + 37 * n + (i * 104729) % 20000 for i in range(20)])
+
+    with ThreadPoolExecutor(2) as pool:  # one request a replica: below the autoscaling target
+        for first in range(0, 400, 20):
+            if min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8:
+                break
+            list(pool.map(filler, range(first, first + 20)))
+    assert min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8, _live(cluster)
+    title = "ray::ServeReplica:prefixserve:PrefixserveIngress"
+    [ingress] = _processes_titled(title)
+    os.kill(int(ingress.name), signal.SIGKILL)
+
+    def rebuilt() -> bool:
+        try:
+            state = _state(cluster)
+        except (AssertionError, httpx.HTTPError):
+            return False  # the ingress is not back yet
+        live = state.get("replicas", [])
+        return len(live) == 2 and all(not r["stale"] and r["cached_blocks"] >= 6 for r in live)
+
+    _wait("a new ingress with the replicas' blocks", rebuilt, 120, cluster)
+    assert [p.name for p in _processes_titled(title)] != [ingress.name]
+    for prefix in prefixes:
+        usage = _complete(cluster.url, "smol", [*prefix, 13, 14])["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 48, usage
 
 
 # --------------------------------------------------------------------------- flags (fast)
