@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -117,18 +118,26 @@ def test_tenants_never_share_blocks(guarded: ServerProcess) -> None:
     assert cached(KEY_A, cache_salt="shared") == 16
 
 
+@contextmanager
+def both_slots_taken(server: ServerProcess) -> Iterator[Iterator[str]]:
+    """A streamed request of two sequences of 60 tokens, holding both running slots until it
+    ends; yields its remaining lines once its first event arrived."""
+    with httpx.stream("POST", server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+                      json={"prompt": PROMPT[:3], "n": 2, "max_tokens": 60,
+                            "ignore_eos": True, "stream": True}) as big:
+        assert big.status_code == 200
+        lines = big.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        yield lines
+
+
 def test_the_queue_bound_counts_sequences(guarded: ServerProcess) -> None:
     """Two slots run, at most two sequences wait; a request is refused (503) when its sequences
     would not fit in the queue, and with a 400 when they never could."""
     never = complete(guarded, KEY_A, n=3)
     assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text
     waiter: list[httpx.Response] = []
-    with httpx.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
-                      json={"prompt": PROMPT[:3], "n": 2, "max_tokens": 60,
-                            "ignore_eos": True, "stream": True}) as big:
-        assert big.status_code == 200
-        lines = big.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))  # both slots taken
+    with both_slots_taken(guarded) as lines:
         thread = threading.Thread(target=lambda: waiter.append(complete(guarded, KEY_B, n=2)))
         thread.start()
         guarded.wait_for_metrics(lambda s: s["prefixserve:num_requests_waiting"] == 2,
@@ -155,12 +164,7 @@ def test_several_prompts_are_queued_whole_or_refused_whole(guarded: ServerProces
     ``tests/engine/test_engine.py``.)"""
     waiters: list[httpx.Response] = []
     two = {"prompt": [PROMPT[:5], PROMPT[5:10]]}
-    with httpx.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
-                      json={"prompt": PROMPT[:3], "n": 2, "max_tokens": 60,
-                            "ignore_eos": True, "stream": True}) as big:
-        assert big.status_code == 200
-        lines = big.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))  # both slots taken
+    with both_slots_taken(guarded) as lines:
         threads = [threading.Thread(target=lambda: waiters.append(complete(guarded, KEY_B)))
                    for _ in range(2)]
         threads[0].start()
