@@ -88,10 +88,9 @@ def known_loras() -> dict[str, str]:
 
 
 def routers_state() -> list[dict[str, Any]]:
-    """What each router of this process knows (``GET /router/replicas``), with the replicas'
-    latest routing stats applied first (a router otherwise applies them when it routes)."""
-    for router in _ROUTERS:
-        router.refresh()
+    """What each router of this process knows (``GET /router/replicas``). It only reads: Ray
+    Serve runs the routers on an event loop of their own thread, and the index changes there
+    (replicas' stats are applied as requests are routed)."""
     return [router.state() for router in _ROUTERS]
 
 
@@ -159,11 +158,6 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
                 "gaps": index.gaps, "restarts": index.restarts}
 
     # ----------------------------------------------------------------- events
-    def refresh(self) -> None:
-        """Applies every current replica's latest routing stats to the index."""
-        for replica in list(self.curr_replicas.values()):
-            self._absorb_stats(replica)
-
     def _absorb_stats(self, replica: RunningReplica) -> None:
         """Applies what the replica's latest routing stats add to the index."""
         stats = replica.routing_stats or {}

@@ -469,7 +469,8 @@ def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
     os.kill(int(ingress.name), signal.SIGKILL)
 
     def rebuilt() -> bool:
-        try:
+        try:  # a routed request: the router applies the replicas' latest stats as it routes
+            _complete(cluster.url + "/routing/round-robin", "smol", [7, 8, 9])
             state = _state(cluster)
         except (AssertionError, httpx.HTTPError):
             return False  # the ingress is not back yet
