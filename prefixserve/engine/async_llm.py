@@ -23,6 +23,7 @@ import torch
 
 from prefixserve.core import Retention
 from prefixserve.core.kv_events import KVEventBatch, KVSnapshot
+from prefixserve.engine.cache_board import BoardView
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.errors import EngineDeadError
 from prefixserve.engine.llm_engine import (
@@ -279,6 +280,14 @@ class AsyncLLM:
     async def kv_snapshot(self) -> KVSnapshot:
         """``LLMEngine.kv_snapshot``, run in the engine thread."""
         return await self._call(self.engine.kv_snapshot)
+
+    async def cache_view(self, top: int = 20) -> BoardView:
+        """``LLMEngine.cache_view``, run in the engine thread (between steps)."""
+        return await self._call(lambda: self.engine.cache_view(top))
+
+    async def request_log(self) -> list[dict[str, Any]]:
+        """``LLMEngine.request_log``, run in the engine thread."""
+        return await self._call(self.engine.request_log)
 
     def stats(self) -> EngineStats:
         """The latest snapshot, taken by the engine thread after the commands it ran (a

@@ -71,6 +71,8 @@ class EngineConfig:
     ends (None: a quarter of ``max_num_batched_tokens``; 0: off; without chunked prefill, off).
     ``max_waiting_requests`` bounds the queue in sequences (a request of ``n`` takes ``n``;
     None: unbounded); a request that does not fit the room left is refused.
+    ``request_log_size``: the sequences the cache board remembers for the console's what-if
+    (block hash ids and lengths, no text; ``engine/cache_board.py``; 0: none).
     ``dtype`` defaults to ``"auto"``: bfloat16 where the CPU computes it natively (AVX512-BF16 or
     AMX), float32 elsewhere; float32 gives bit-stable results across batch shapes.
     ``kv_cache_dtype`` is the KV cache's (default ``"auto"``: ``dtype``'s); float16 or bfloat16
@@ -124,6 +126,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
     max_waiting_requests: int | None = None
+    request_log_size: int = 10_000
     num_threads: int | None = None
     max_pinned_fraction: float = 0.5
 
@@ -180,6 +183,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        if self.request_log_size < 0:
+            raise ValueError(f"request_log_size must be at least 0, got {self.request_log_size}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be positive, got "
                              f"{self.max_waiting_requests}")

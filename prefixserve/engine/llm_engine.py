@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from prefixserve.core import (
 )
 from prefixserve.core.kv_events import KVEventBatch, KVEventPublisher, KVSnapshot
 from prefixserve.core.tiers import TierStats
+from prefixserve.engine.cache_board import BoardView, CacheBoard
 from prefixserve.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_memory
 from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.host_allocator import keep_freed_memory
@@ -170,6 +172,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids,
                                                 self.max_model_len)
         self.metrics = PrefixCachingMetrics()
+        self.cache_board = CacheBoard(config.block_size, config.request_log_size)
         self.last_step_scheduled = False
         self.loras: LoRARegistry | None = None
         if config.enable_lora:
@@ -477,7 +480,7 @@ class LLMEngine:
             self.structured.remove(sequence.request.request_id)
             if self.proposer is not None:
                 self.proposer.forget(sequence.request.request_id)
-        return self.output_processor.abort_request(request_id, self.scheduler.finish_request)
+        return self.output_processor.abort_request(request_id, self._release)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or (
@@ -488,6 +491,24 @@ class LLMEngine:
         from the engine's thread, once nothing runs any more."""
         if self.tiers is not None:
             self.tiers.close()
+
+    def _release(self, request: Request) -> None:
+        """Notes a finished or aborted sequence on the cache board, then frees it."""
+        chain = self.kv_cache_manager.req_to_block_hashes.get(request.request_id)
+        self.cache_board.finished(request, chain, time.time())
+        self.scheduler.finish_request(request)
+
+    def cache_view(self, top: int = 20) -> BoardView:
+        """The cache board's snapshot: blocks by state, namespaces, the ``top`` hottest
+        prefixes (``engine/cache_board.py``)."""
+        manager = self.kv_cache_manager
+        running = [(r, manager.req_to_block_hashes.get(r.request_id) or ())
+                   for r in self.scheduler.running]
+        return self.cache_board.view(manager.block_pool, running, manager.num_pinned_blocks, top)
+
+    def request_log(self) -> list[dict[str, Any]]:
+        """The recent sequences as mooncake trace records (``CacheBoard.request_log``)."""
+        return self.cache_board.request_log()
 
     def reset_prefix_cache(self, keep_pins: bool = False) -> bool:
         """Empties the prefix cache, also while requests run; returns True.
@@ -606,7 +627,7 @@ class LLMEngine:
         executed = self._execute(scheduled)
         for hook in self.hooks:
             hook.after_execute(executed.requests)
-        outputs = self.output_processor.process(executed, finish=self.scheduler.finish_request)
+        outputs = self.output_processor.process(executed, finish=self._release)
         for hook in self.hooks:
             hook.after_step(executed.requests)
         return outputs

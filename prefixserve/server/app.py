@@ -39,6 +39,7 @@ from prefixserve.server.admin.pin_routes import add_pin_routes
 from prefixserve.server.anthropic.routes import add_anthropic_routes
 from prefixserve.server.anthropic.serving import AnthropicServing
 from prefixserve.server.config import ServerConfig
+from prefixserve.server.console.routes import add_console_routes
 from prefixserve.server.errors import ApiError, install_error_handlers
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openai.agent_routes import add_agent_routes
@@ -163,6 +164,7 @@ def create_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         metrics.registry.register(LoRACollector(engine, config.served_model_names[0],
                                                 config.metrics_prefix))
     add_kv_event_routes(app, engine, keys.admin, docs.admin)
+    add_console_routes(app, engine, config, page=config.console)
     if config.kv_events_zmq:
         install_kv_event_publisher(app, engine, config.kv_events_zmq)
     install_openapi(app, config)

@@ -63,6 +63,8 @@ def _add_http(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=[],
                       help="origins whose browser pages may call the API (CORS), e.g. "
                       "https://app.example.com, or * for any; default: none (CORS off)")
+    http.add_argument("--no-ui", action="store_true",
+                      help="do not serve the console page at / (its /v1/cache/* routes stay)")
     http.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
                       help="/v1/responses kept in memory for previous_response_id, oldest "
                       "dropped first (default 1024; 0 keeps none)")
@@ -124,6 +126,9 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
                         help="longest retention a request may ask for (`retention`, Anthropic "
                         "`cache_control` ttl); longer gets 400 (default "
                         f"{config.DEFAULT_MAX_RETENTION_DURATION:g})")
+    limits.add_argument("--request-log-size", type=int, metavar="N", default=10_000,
+                        help="recent requests the console's what-if replays (block hash ids "
+                        "and lengths only, no text; default 10000; 0 keeps none)")
     limits.add_argument("--max-pinned-fraction", type=float, metavar="F",
                         help="share of the KV pool that admin pins may hold (default 0.5, less "
                         "room for one request of the whole context); a pin beyond gets 400")

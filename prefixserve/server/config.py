@@ -60,6 +60,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     max_retention_duration: float = DEFAULT_MAX_RETENTION_DURATION
+    console: bool = True
     kv_events_zmq: str | None = None
     """A ZMQ endpoint the server publishes its KV events on (``kv_event_zmq``); None: off."""
 

@@ -38,7 +38,7 @@ _ENGINE_OPTIONS = ("device", "dtype", "kv_cache_dtype", "weights", "enable_prefi
                    "prefix_caching_hash_algo", "block_size", "kv_cache_memory", "num_blocks",
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "enable_chunked_prefill", "long_prefill_token_threshold",
-                   "max_waiting_requests", "num_threads",
+                   "max_waiting_requests", "request_log_size", "num_threads",
                    "max_pinned_fraction", "kv_disk_dir", "kv_disk_size", "kv_redis_url",
                    "kv_redis_ttl", "kv_redis_max_memory", "kv_tier_write_policy",
                    "kv_tier_min_prefix_tokens", "kv_tier_timeout", "kv_tier_retry_after",
@@ -113,6 +113,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()),
         max_stored_responses=getattr(args, "max_stored_responses", 1024),
         max_retention_duration=args.max_retention_duration,
+        console=not getattr(args, "no_ui", False),
         kv_events_zmq=getattr(args, "kv_events_zmq", None))
 
 

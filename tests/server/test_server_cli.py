@@ -119,6 +119,13 @@ def test_limit_flags_reach_the_server_config() -> None:
             server.metrics_prefix) == (4, 8, 16, 1024, 2.5, "vllm")
 
 
+def test_the_console_page_is_on_unless_no_ui_and_the_request_log_has_a_flag() -> None:
+    assert server_config(parse()).console is True
+    assert server_config(parse("--no-ui")).console is False
+    assert engine_config(parse()).request_log_size == 10_000
+    assert engine_config(parse("--request-log-size", "0")).request_log_size == 0
+
+
 def test_engine_flags_reach_the_engine_config() -> None:
     args = parse("model.gguf", "--no-enable-prefix-caching", "--prefix-caching-hash-algo",
                  "sha256", "--block-size", "32", "--num-blocks", "100", "--max-num-seqs", "4",

@@ -34,7 +34,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
                              "--admin-key", ADMIN_KEY, "--metrics-key", METRICS_KEY,
                              "--max-model-len", str(MAX_MODEL_LEN),
                              "--max-num-seqs", "2", "--max-waiting-requests", "2",
-                             "--num-blocks", "256", "--log-stats-interval", "0"],
+                             "--num-blocks", "256", "--log-stats-interval", "0", "--no-ui"],
                             directory / "server.log", metrics_key=METRICS_KEY).start()
     yield process
     process.stop()
@@ -62,6 +62,13 @@ def test_api_routes_need_a_key(guarded: ServerProcess, method: str, path: str) -
     wrong = httpx.request(method, guarded.url + path, headers=auth("key-gamma"))
     assert wrong.status_code == 401
     assert wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_no_ui_serves_no_console_page_but_keeps_its_routes(guarded: ServerProcess) -> None:
+    assert httpx.get(guarded.url + "/").status_code == 404
+    assert httpx.get(guarded.url + "/console/console.js").status_code == 404
+    view = httpx.get(guarded.url + "/v1/cache/view", headers=auth(METRICS_KEY))
+    assert view.status_code == 200 and view.json()["role"] == "operator"
 
 
 def test_keys_from_the_command_line_and_the_file_work(guarded: ServerProcess) -> None:
