@@ -35,7 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("console")
     yield from serve_for_module(
         ["--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN,
-         "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "4", "--log-stats-interval", "0"],
+         "--num-blocks", str(NUM_BLOCKS), "--max-model-len", "512", "--max-num-seqs", "4",
+         "--log-stats-interval", "0"],
         folder / "server.log")
 
 
@@ -272,11 +273,19 @@ def test_another_tenant_sees_nothing_of_the_first_and_an_admin_sees_both(
     other = {p["hash"] for p in view(server, KEY_B)["prefixes"]}
     assert other and not other & {row[0] for row in seen["prefixes"]}
     assert not browser.find_element(By.ID, "tier-table").is_displayed()
+    assert not browser.find_element(By.ID, "pin-table").is_displayed()
+    pinned = httpx.post(server.url + "/v1/pins", headers=auth(ADMIN), timeout=60, json={
+        "id": "handbook", "prompt_token_ids": list(range(4000, 4040)), "for_api_key": KEY_A})
+    assert pinned.status_code == 200, pinned.text
     open_with_key(browser, server, ADMIN)
     everything = wait_for(lambda: (lambda c: c if len(c["namespaces"]) >= 2 else None)(
         cache_tab(browser)))
+    pins = wait_for(lambda: [tr.text for tr in browser.find_elements(
+        By.CSS_SELECTOR, "#pin-table tbody tr")])
     browser.save_screenshot(str(shots / "console-cache-admin.png"))
     assert {"API key #1", "API key #2"} <= {row[0] for row in everything["namespaces"]}
+    assert pins == ["handbook 2 40"]
+    assert httpx.delete(server.url + "/v1/pins/handbook", headers=auth(ADMIN)).status_code == 200
 
 
 def test_an_admin_runs_the_what_if_on_the_page(server: ServerProcess, browser: Any,

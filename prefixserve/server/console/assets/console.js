@@ -226,6 +226,19 @@ function renderView(view) {
     new Date(p.last_use * 1000).toLocaleTimeString(), p.namespace, p.held_by]));
   fillTable("tier-table", (view.tiers || []).map((t) => [t.name, t.up ? "yes" : "down",
     t.writable ? "yes" : "no", t.hit_blocks, t.stored_blocks, t.errors]));
+  if (c.retained_hits !== undefined) {
+    $("retained").textContent = `(blocks hit thanks to a retention: ${c.retained_hits})`;
+  }
+  if (view.role === "admin") pollPins();
+}
+
+async function pollPins() {
+  try {
+    const pins = await (await api("/v1/pins")).json();
+    fillTable("pin-table", pins.data.map((p) => [p.id, p.num_blocks, p.num_tokens]));
+  } catch (e) {
+    fillTable("pin-table", []);
+  }
 }
 
 function fillTable(id, rows) {
