@@ -16,10 +16,11 @@ Rules (docs/tiers.md):
 * A tier that raises (down, timed out, broken) is **marked down** for ``retry_after`` seconds:
   while down, its lookups are misses and its writes are dropped (both counted); the first call
   after that time probes it again. A tier never makes a request fail.
-* A tier whose write raises ``TierFull`` (a full disk, a Redis out of memory) is not down: it
-  is marked **full** for ``retry_after`` seconds, during which its writes are dropped (counted)
-  and its lookups go on, since what it holds is still good; the first write after that time
-  tries again.
+* A tier whose write raises ``TierFull`` (a full disk, a Redis out of memory) or its subclass
+  ``TierReadOnly`` (a disk folder made read-only) is not down: it is marked **full** (not
+  writable) for ``retry_after`` seconds, during which its writes are dropped (counted) and its
+  lookups go on, since what it holds is still good; the first write after that time tries
+  again.
 
 Pure Python: keys, records and bookkeeping only; what a payload holds (KV tensor bytes) is the
 engine's business.
@@ -93,9 +94,18 @@ class TierFull(Exception):
     """Raised by ``KVTier.store_many`` when the tier has no room left (not a broken tier);
     ``stored`` of the records (the first ones) were stored before."""
 
+    reason = "full"
+
     def __init__(self, message: str, stored: int = 0) -> None:
         super().__init__(message)
         self.stored = stored
+
+
+class TierReadOnly(TierFull):
+    """Raised by ``KVTier.store_many`` when the tier may not be written (a read-only file
+    system or folder) but can still be read: handled as ``TierFull``."""
+
+    reason = "read-only"
 
 
 class KVTier(ABC):
@@ -231,8 +241,8 @@ class TierHandle:
                 self.stats.writable = False
                 self.stats.full_events += 1
                 logger.warning(
-                    "KV tier %s is full (%s); its writes stop for %.0f s, its lookups go on",
-                    self.name, exc, self.retry_after)
+                    "KV tier %s is %s (%s); its writes stop for %.0f s, its lookups go on",
+                    self.name, getattr(exc, "reason", "full"), exc, self.retry_after)
 
     def _mark_down(self, exc: Exception) -> None:
         with self._lock:

@@ -9,8 +9,10 @@ disk, a bad sector) fails the record's checksum and is a miss, counted and delet
 The index (key -> size, in LRU order) lives in memory and is rebuilt at start from the files,
 oldest modification time first; a load touches the file's time so that the order survives a
 restart. A write that finds the file system full (``ENOSPC``, ``EDQUOT``, or ``EFBIG`` past a
-file size limit) removes what it wrote and raises ``TierFull``: the chain stops the writes for a
-while and the lookups go on. A record larger than the whole budget is skipped.
+file size limit) removes what it wrote and raises ``TierFull``; one that may not write (a
+read-only file system or folder: ``EROFS``, ``EACCES``, ``EPERM``) raises ``TierReadOnly``:
+either way the chain stops the writes for a while and the lookups go on. A record larger than
+the whole budget is skipped.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from prefixserve.core.tiers import KVTier, TierFull
+from prefixserve.core.tiers import KVTier, TierFull, TierReadOnly
 
 _SUFFIX = ".kv"
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_NO_WRITE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 class DiskTier(KVTier):
@@ -80,11 +83,12 @@ class DiskTier(KVTier):
             try:
                 with open(path, "rb") as file:
                     record = file.read()
-                os.utime(path)
             except OSError:
                 self._forget(key)
                 out.append(None)
                 continue
+            with contextlib.suppress(OSError):  # a read-only folder still serves its records
+                os.utime(path)
             with self._lock:
                 if key in self._index:
                     self._index.move_to_end(key)
@@ -111,7 +115,8 @@ class DiskTier(KVTier):
 
     def _write(self, key: bytes, record: bytes) -> None:
         """Writes ``record`` whole or not at all (temporary file, then rename); raises
-        ``TierFull`` (no room) or OSError after removing what it wrote."""
+        ``TierFull`` (no room), ``TierReadOnly`` (no right to write) or OSError after removing
+        what it wrote."""
         path = self._path(key)
         temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -123,6 +128,8 @@ class DiskTier(KVTier):
             _unlink(temp)
             if exc.errno in _NO_ROOM:
                 raise TierFull(f"{errno.errorcode[exc.errno]}: {exc.strerror}") from exc
+            if exc.errno in _NO_WRITE:
+                raise TierReadOnly(f"{errno.errorcode[exc.errno]}: {exc.strerror}") from exc
             raise
 
     def _shrink(self, room: int) -> None:

@@ -120,6 +120,34 @@ def test_a_full_disk_stops_the_writes_and_the_lookups_go_on(tmp_path: Path) -> N
         subprocess.run(["umount", str(mount)], check=False)
 
 
+def test_a_read_only_disk_stops_the_writes_the_lookups_go_on_and_writes_come_back(
+        tmp_path: Path) -> None:
+    """A real file system remounted read-only under the tier (EROFS, which root meets as any
+    user does): the tier is not writable but up, what it holds still loads, and once the file
+    system is writable again the next write after ``retry_after`` goes through."""
+    mount = tmp_path / "ro"
+    if not _mount_tmpfs(mount, "4M"):
+        pytest.skip("cannot mount a tmpfs here (not root); test_kv_tiers_server.py's read-only "
+                    "test mounts one in a user namespace")
+    try:
+        disk = DiskTier(str(mount), NS.hex(), capacity=1 << 30)
+        chain = TierChain([disk], retry_after=0.0)
+        chain.store([(key(0), record(0))])
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        chain.store([(key(3), record(3))])
+        stats = chain.snapshot()[0]
+        assert stats.up and not stats.writable and stats.down_events == 0, stats
+        assert (stats.full_events, stats.stored_blocks, stats.dropped_writes) == (1, 1, 1)
+        runs = chain.fetch([key(0)], TOKENS[:1], PAYLOAD)
+        assert [bytes(p) for run in runs for p in run.payloads] == [bytes([0]) * PAYLOAD]
+        subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)
+        chain.store([(key(3), record(3))])
+        stats = chain.snapshot()[0]
+        assert stats.up and stats.writable and stats.stored_blocks == 2 and disk.contains(key(3))
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def test_a_redis_out_of_memory_is_full_not_down(tmp_path: Path) -> None:
     """A real Redis that refuses writes past its memory (``noeviction``, 3 MiB): the tier is
     marked full, not down, its lookups still hit; once ``retry_after`` has passed and room was

@@ -301,3 +301,58 @@ def test_a_full_disk_stops_the_writes_and_serving_goes_on(tmp_path: Path) -> Non
 def _seen_by(server: ServerProcess, path: Path) -> Path:
     """``path`` as the server's mount namespace sees it."""
     return Path(f"/proc/{server.process.pid}/root") / path.relative_to("/")
+
+
+def _remount(server: ServerProcess, path: Path, mode: str) -> None:
+    """Remounts the server's tmpfs on ``path`` (``ro`` or ``rw``) in its mount namespace."""
+    pid = str(server.process.pid)
+    for enter in (["nsenter", "-t", pid, "-m"],
+                  ["nsenter", "-t", pid, "-U", "-m", "--preserve-credentials"]):
+        done = subprocess.run([*enter, "mount", "-o", f"remount,{mode}", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+    raise AssertionError(f"could not remount {path} {mode}: {done.stderr}")
+
+
+def test_a_disk_tier_made_read_only_while_serving_keeps_its_hits_and_writes_again_after(
+        tmp_path: Path) -> None:
+    """The disk tier's file system is remounted read-only under a running server, then
+    writable again. While read-only: every request succeeds, the tier is up but not writable
+    (one write stop counted, no down event, a log line saying read-only), and the blocks it
+    holds still load (the first prompt, its pool blocks reset, is served from disk with the same
+    greedy text). Writable again: the next write after ``--kv-tier-retry-after`` goes through."""
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    wrapper = _small_filesystem(disk, "64m")
+    if wrapper is None or shutil.which("nsenter") is None:
+        pytest.skip("cannot mount a tmpfs in a namespace of its own here")
+    args = [*ARGS, "--kv-disk-dir", str(disk), "--kv-tier-min-prefix-tokens", "0"]
+    server = ServerProcess(args, tmp_path / "read-only.log", wrapper=wrapper).start()
+    writable, up = "prefixserve:kv_tier_writable{tier=disk}", "prefixserve:kv_tier_up{tier=disk}"
+    try:
+        prompts = [[_RNG.randrange(200, 40000) for _ in range(160)] for _ in range(3)]
+        first = complete(server, prompts[0], max_tokens=2)
+        stored = server.wait_for_metrics(lambda m: m[STORED % "disk"] >= 9)[STORED % "disk"]
+        _remount(server, disk, "ro")
+        complete(server, prompts[1], max_tokens=2)
+        refused = server.wait_for_metrics(lambda m: m[writable] == 0)
+        assert refused[up] == 1 and refused[STORED % "disk"] == stored
+        assert refused["prefixserve:kv_tier_down_events_total{tier=disk}"] == 0
+        assert refused["prefixserve:kv_tier_full_events_total{tier=disk}"] == 1
+        assert "KV tier disk is read-only (EROFS" in server.log
+        reset = httpx.post(server.url + "/reset_prefix_cache", timeout=30,
+                           headers={"Authorization": "Bearer admin"})
+        assert reset.status_code == 200
+        again = complete(server, prompts[0], max_tokens=2)
+        assert cached(again) == (9 * 16, {"pool": 0, "disk": 9 * 16})
+        assert text(again) == text(first)
+        _remount(server, disk, "rw")
+        time.sleep(1.2)  # --kv-tier-retry-after 1
+        complete(server, prompts[2], max_tokens=2)
+        back = server.wait_for_metrics(lambda m: m[writable] == 1
+                                       and m[STORED % "disk"] > stored)
+        assert back[up] == 1 and "KV tier disk takes writes again" in server.log
+        server.wait_for_metrics(idle)
+    finally:
+        assert server.stop() == 0
