@@ -70,8 +70,12 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5)
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM, or with ``kill`` SIGKILL (no goodbye to its clients)."""
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            if kill:
+                self.process.kill()
+            else:
+                self.process.terminate()
             self.process.wait(10)
         self.process = None

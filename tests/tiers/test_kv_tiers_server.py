@@ -199,11 +199,11 @@ class _Stream:
         return sum(1 for when, _, _ in self.replies if when > moment)
 
 
-def test_redis_stopped_mid_run_fails_no_request_and_its_hits_come_back(
+def test_redis_killed_mid_run_fails_no_request_and_its_hits_come_back(
         tmp_path: Path, redis_server: RedisServer) -> None:
     """Three clients send requests without pause to a server with a small pool and a Redis
-    tier; Redis stops while requests (and their tier reads and writes) are in flight, and starts
-    again (empty). No request fails, requests finish while Redis is down, ``kv_tier_up`` goes
+    tier; Redis is killed (SIGKILL) while requests (and their tier reads and writes) are in
+    flight, and starts again (empty). No request fails, requests finish while Redis is down, ``kv_tier_up`` goes
     to 0 and back to 1, blocks come from Redis again after the restart, each prompt's greedy
     output stays the same whether its blocks were computed or loaded (the deterministic mode),
     and no pool block is left held."""
@@ -216,7 +216,7 @@ def test_redis_stopped_mid_run_fails_no_request_and_its_hits_come_back(
             server.wait_for_metrics(lambda m: m[REDIS_HITS] > 0, timeout=300)
             server.wait_for_metrics(lambda m: m["prefixserve:num_requests_running"] > 0)
             stopped = time.monotonic()
-            redis_server.stop()
+            redis_server.stop(kill=True)
             down = server.wait_for_metrics(lambda m: m[UP] == 0)
             assert down["prefixserve:kv_tier_down_events_total{tier=redis}"] == 1
             _wait_for(lambda: stream.finished_since(stopped) >= 4 or bool(stream.errors))
