@@ -204,9 +204,9 @@ def test_redis_killed_mid_run_fails_no_request_and_its_hits_come_back(
     """Three clients send requests without pause to a server with a small pool and a Redis
     tier; Redis is killed (SIGKILL) while requests (and their tier reads and writes) are in
     flight, and starts again (empty). No request fails, requests finish while Redis is down,
-    ``kv_tier_up`` goes to 0 and back to 1, blocks come from Redis again after the restart, each prompt's greedy
-    output stays the same whether its blocks were computed or loaded (the deterministic mode),
-    and no pool block is left held."""
+    ``kv_tier_up`` goes to 0 and back to 1, blocks come from Redis again after the restart,
+    each prompt's greedy output stays the same whether its blocks were computed or loaded (the
+    deterministic mode), and no pool block is left held."""
     args = [*ARGS, "--kv-redis-url", redis_server.url, "--num-blocks", "20",
             "--kv-tier-min-prefix-tokens", "0", "--deterministic"]
     server = ServerProcess(args, tmp_path / "outage.log")
