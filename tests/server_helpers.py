@@ -4,6 +4,7 @@ its ``/metrics``."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,3 +145,29 @@ def serve_all(processes: dict[str, ServerProcess]) -> Iterator[dict[str, ServerP
     finally:
         for process in processes.values():
             process.stop()
+
+
+def small_filesystem(path: Path, size: str) -> list[str] | None:
+    """A command prefix that runs its arguments with a fresh tmpfs of ``size`` mounted on
+    ``path``, in a mount namespace of their own (an unprivileged user namespace where the kernel
+    allows one, else root's), so nothing stays mounted after; None where neither is allowed."""
+    if shutil.which("unshare") is None:
+        return None
+    script = f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"'
+    for unshare in (["unshare", "--user", "--map-root-user", "--mount"], ["unshare", "--mount"]):
+        command = [*unshare, "sh", "-c", script, str(path)]
+        if subprocess.run([*command, "true"], capture_output=True).returncode == 0:
+            return command
+    return None
+
+
+def remount(pid: int, path: Path, mode: str) -> None:
+    """Remounts the tmpfs on ``path`` (``ro`` or ``rw``) in process ``pid``'s mount namespace
+    (one ``small_filesystem`` made)."""
+    for enter in (["nsenter", "-t", str(pid), "-m"],
+                  ["nsenter", "-t", str(pid), "-U", "-m", "--preserve-credentials"]):
+        done = subprocess.run([*enter, "mount", "-o", f"remount,{mode}", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+    raise AssertionError(f"could not remount {path} {mode}: {done.stderr}")

@@ -45,6 +45,9 @@ policies on one deployment, e.g. ``prefixserve bench --base-url .../routing/roun
 ROUTER_STATE_PATH = "/router/replicas"
 """What the router knows of each replica (an admin action; see ``router_state``)."""
 LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+REPLICA_TRIES = 5
+"""Replicas a request is sent to when each dies before answering (``Ingress._forward``)."""
+REPLICA_RETRY_DELAY_S = 0.5
 
 logger = logging.getLogger(__name__)
 """Sent to every replica, so that each serves the same adapters."""
@@ -161,10 +164,35 @@ class Ingress:
             headers = {k.lower(): v for k, v in request.headers.items()}
             loras = await self.lora_ids(body)
             kwargs["route"] = {**self.route_for(path, body, headers, loras), "policy": policy}
-        stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded, **kwargs)
-        start = await stream.__anext__()
-        return StreamingResponse(_rest(stream), status_code=start["status"],
-                                 headers=_response_headers(start["headers"]))
+        return await self._forward(forwarded, kwargs, path)
+
+    async def _forward(self, forwarded: dict[str, Any], kwargs: dict[str, Any],
+                       path: str) -> Response:
+        """The replica's answer, streamed. A replica that dies before its answer starts (the
+        request waited in it, or it was gone when chosen) costs nothing the client saw: the
+        request goes to a replica again, up to ``REPLICA_TRIES`` times, a little later each
+        time (Ray Serve stops choosing a dead replica once its controller notices); then a 503
+        with ``Retry-After``. One that dies after its answer started ends the stream with an
+        error event (``_rest``)."""
+        from ray.exceptions import RayActorError
+
+        for attempt in range(REPLICA_TRIES):
+            stream: Any = self.engine.options(stream=True).handle_http.remote(forwarded,
+                                                                               **kwargs)
+            try:
+                start = await stream.__anext__()
+            except RayActorError as exc:
+                logger.warning("a replica died before answering %s (try %d of %d): %s", path,
+                               attempt + 1, REPLICA_TRIES, type(exc).__name__)
+                await asyncio.sleep(REPLICA_RETRY_DELAY_S * (attempt + 1))
+                continue
+            return StreamingResponse(_rest(stream, path), status_code=start["status"],
+                                     headers=_response_headers(start["headers"]))
+        return Response(json.dumps({"error": {
+            "message": "no replica could take the request: the replicas chosen stopped before "
+                       "answering; try again", "type": "server_error", "param": None,
+            "code": "replica_unavailable"}}), status_code=503, headers={"Retry-After": "2"},
+            media_type="application/json")
 
     async def metrics(self, request: Request, body: bytes, path: str) -> Response:
         """Every replica's ``/metrics``, merged with a ``replica`` label."""
@@ -319,10 +347,30 @@ def _response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
     return {k: v for k, v in headers if k.lower() != "content-length"}
 
 
-async def _rest(stream: Any) -> AsyncIterator[bytes]:
+async def _rest(stream: Any, path: str) -> AsyncIterator[bytes]:
+    """The rest of a replica's answer. When the replica dies after the answer started (its
+    status is sent), a stream ends with an error event in the API's own shape (Anthropic's
+    ``event: error`` under ``/v1/messages``, else ``data: {"error": ...}`` and
+    ``data: [DONE]``) instead of a cut connection."""
+    from ray.exceptions import RayActorError
+
     try:
         async for chunk in stream:
             yield chunk
     except asyncio.CancelledError:
         stream.cancel()
         raise
+    except RayActorError as exc:
+        logger.warning("the replica serving %s died while it answered: %s", path,
+                       type(exc).__name__)
+        yield _replica_died_event(path)
+
+
+def _replica_died_event(path: str) -> bytes:
+    message = "the replica serving this request stopped; the answer is incomplete"
+    if path.startswith("/v1/messages"):
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    error = {"error": {"message": message, "type": "server_error", "param": None,
+                       "code": "replica_died"}}
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()

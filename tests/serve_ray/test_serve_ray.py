@@ -364,10 +364,12 @@ def _all_hold(cluster: ServerProcess, adapter: str) -> bool:
 def test_a_killed_replica_fails_no_waiting_request_and_is_forgotten(cluster: ServerProcess,
                                                                     load: Load) -> None:
     """With every slot of the 2 replicas busy and requests waiting, one replica's process is
-    killed (SIGKILL): only requests it had taken may fail; every request still waiting then
+    killed (SIGKILL): only streams it had started may fail, each with an error event (code
+    ``replica_died``) and ``[DONE]``, never a cut connection; every request still waiting then
     completes on a live replica; the router drops the dead replica and its cache state.
     (Planted: a router whose ``_forget`` does nothing keeps the dead replica's index entry, and
-    this fails.)"""
+    this fails; an ingress that passes the replica's failure on cuts the streams, and this
+    fails.)"""
     live = _live(cluster)
     assert len(live) == 2 and all(r["pid"] for r in live)
     load.first = [r["id"] for r in live]
@@ -388,6 +390,8 @@ def test_a_killed_replica_fails_no_waiting_request_and_is_forgotten(cluster: Ser
     failed = [o for o in load.outcomes if o.finished and not o.complete]
     assert len(failed) <= MAX_NUM_SEQS, [o.error for o in failed]
     assert all(o.started is not None and o.started < killed_at for o in failed)
+    assert all('"code": "replica_died"' in (o.error or "") for o in failed), [
+        o.error for o in failed]
     assert victim["id"] not in {r["id"] for r in _live(cluster)}
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import random
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from redis_helpers import RedisServer
-from server_helpers import ServerProcess, idle
+from server_helpers import ServerProcess, idle, remount, small_filesystem
 
 pytestmark = pytest.mark.slow
 
@@ -242,20 +241,6 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-def _small_filesystem(path: Path, size: str) -> list[str] | None:
-    """A command prefix that runs its arguments with a fresh tmpfs of ``size`` mounted on
-    ``path``, in a mount namespace of their own (an unprivileged user namespace where the kernel
-    allows one, else root's), so nothing stays mounted after; None where neither is allowed."""
-    if shutil.which("unshare") is None:
-        return None
-    script = f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"'
-    for unshare in (["unshare", "--user", "--map-root-user", "--mount"], ["unshare", "--mount"]):
-        command = [*unshare, "sh", "-c", script, str(path)]
-        if subprocess.run([*command, "true"], capture_output=True).returncode == 0:
-            return command
-    return None
-
-
 def test_a_full_disk_stops_the_writes_and_serving_goes_on(tmp_path: Path) -> None:
     """The disk tier on a real 2 MiB file system (room for two float32 block records) with a
     budget of 1 GiB: the third write of the first prompt finds no room. The tier is marked full
@@ -263,7 +248,7 @@ def test_a_full_disk_stops_the_writes_and_serving_goes_on(tmp_path: Path) -> Non
     before still load; no temporary file is left and the file count is what was stored."""
     disk = tmp_path / "kv"
     disk.mkdir()
-    wrapper = _small_filesystem(disk, "2m")
+    wrapper = small_filesystem(disk, "2m")
     if wrapper is None:
         pytest.skip("cannot mount a small tmpfs: this kernel allows neither an unprivileged user "
                     "namespace nor (not root) a mount namespace")
@@ -303,18 +288,6 @@ def _seen_by(server: ServerProcess, path: Path) -> Path:
     return Path(f"/proc/{server.process.pid}/root") / path.relative_to("/")
 
 
-def _remount(server: ServerProcess, path: Path, mode: str) -> None:
-    """Remounts the server's tmpfs on ``path`` (``ro`` or ``rw``) in its mount namespace."""
-    pid = str(server.process.pid)
-    for enter in (["nsenter", "-t", pid, "-m"],
-                  ["nsenter", "-t", pid, "-U", "-m", "--preserve-credentials"]):
-        done = subprocess.run([*enter, "mount", "-o", f"remount,{mode}", str(path)],
-                              capture_output=True, text=True)
-        if done.returncode == 0:
-            return
-    raise AssertionError(f"could not remount {path} {mode}: {done.stderr}")
-
-
 def test_a_disk_tier_made_read_only_while_serving_keeps_its_hits_and_writes_again_after(
         tmp_path: Path) -> None:
     """The disk tier's file system is remounted read-only under a running server, then
@@ -324,7 +297,7 @@ def test_a_disk_tier_made_read_only_while_serving_keeps_its_hits_and_writes_agai
     greedy text). Writable again: the next write after ``--kv-tier-retry-after`` goes through."""
     disk = tmp_path / "kv"
     disk.mkdir()
-    wrapper = _small_filesystem(disk, "64m")
+    wrapper = small_filesystem(disk, "64m")
     if wrapper is None or shutil.which("nsenter") is None:
         pytest.skip("cannot mount a tmpfs in a namespace of its own here")
     args = [*ARGS, "--kv-disk-dir", str(disk), "--kv-tier-min-prefix-tokens", "0"]
@@ -334,7 +307,7 @@ def test_a_disk_tier_made_read_only_while_serving_keeps_its_hits_and_writes_agai
         prompts = [[_RNG.randrange(200, 40000) for _ in range(160)] for _ in range(3)]
         first = complete(server, prompts[0], max_tokens=2)
         stored = server.wait_for_metrics(lambda m: m[STORED % "disk"] >= 9)[STORED % "disk"]
-        _remount(server, disk, "ro")
+        remount(server.process.pid, disk, "ro")
         complete(server, prompts[1], max_tokens=2)
         refused = server.wait_for_metrics(lambda m: m[writable] == 0)
         assert refused[up] == 1 and refused[STORED % "disk"] == stored
@@ -347,7 +320,7 @@ def test_a_disk_tier_made_read_only_while_serving_keeps_its_hits_and_writes_agai
         again = complete(server, prompts[0], max_tokens=2)
         assert cached(again) == (9 * 16, {"pool": 0, "disk": 9 * 16})
         assert text(again) == text(first)
-        _remount(server, disk, "rw")
+        remount(server.process.pid, disk, "rw")
         time.sleep(1.2)  # --kv-tier-retry-after 1
         complete(server, prompts[2], max_tokens=2)
         back = server.wait_for_metrics(lambda m: m[writable] == 1
