@@ -103,7 +103,8 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def start(self) -> Server:
-        print("$ " + " ".join(self.command[1:]), flush=True)
+        print("$ " + " ".join(self.command[self.command.index(sys.executable) + 1:]),
+              flush=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             cwd=REPO)

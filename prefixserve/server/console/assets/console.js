@@ -230,6 +230,58 @@ function renderView(view) {
     $("retained").textContent = `(blocks hit thanks to a retention: ${c.retained_hits})`;
   }
   if (view.role === "admin") pollPins();
+  if (view.role !== "tenant") pollTtft();
+}
+
+// The TTFT histogram of /metrics as a distribution: the share of requests whose first token
+// came within each bucket's bound (either metric prefix).
+async function pollTtft() {
+  try {
+    const text = await (await api("/metrics")).text();
+    const points = [];
+    let total = 0;
+    for (const line of text.split("\n")) {
+      const m = line.match(/^\w+:time_to_first_token_seconds_bucket\{.*le="([^"]+)".*\} (\S+)$/);
+      if (!m) continue;
+      if (m[1] === "+Inf") total = Number(m[2]);
+      else points.push([Number(m[1]), Number(m[2])]);
+    }
+    const canvas = $("ttft-chart");
+    canvas.dataset.requests = String(total);
+    if (total > 0) cdfChart(canvas, points.map(([le, n]) => [le, n / total]));
+  } catch (e) {
+    $("ttft-chart").dataset.requests = "";
+  }
+}
+
+function cdfChart(canvas, points) {
+  const g = canvas.getContext("2d");
+  const w = canvas.width, h = canvas.height, pad = 30;
+  g.clearRect(0, 0, w, h);
+  g.font = "11px sans-serif";
+  const lx = (s) => Math.log10(Math.max(s, 1e-3));
+  const x0 = lx(points[0][0]), x1 = lx(points[points.length - 1][0]);
+  const x = (s) => pad + (lx(s) - x0) / Math.max(x1 - x0, 1e-9) * (w - pad - 20);
+  const y = (f) => h - pad / 2 - f * (h - pad);
+  g.strokeStyle = "#ccc";
+  g.fillStyle = "#555";
+  for (const f of [0, 0.5, 1]) {
+    g.beginPath(); g.moveTo(pad, y(f)); g.lineTo(w, y(f)); g.stroke();
+    g.fillText(percent(f).replace(".0", ""), 0, y(f) + 4);
+  }
+  g.strokeStyle = g.fillStyle = "#2a6fdb";
+  g.lineWidth = 2;
+  g.beginPath();
+  points.forEach(([s, f], i) => {
+    if (i) g.lineTo(x(s), y(f)); else g.moveTo(x(s), y(f));
+    g.fillRect(x(s) - 2, y(f) - 2, 4, 4);
+  });
+  g.stroke();
+  g.lineWidth = 1;
+  g.fillStyle = "#555";
+  for (const [s] of points.filter((_, i) => i % 3 === 0)) {
+    g.fillText(s < 1 ? `${Math.round(s * 1000)} ms` : `${s} s`, x(s) - 10, h - 2);
+  }
 }
 
 async function pollPins() {
