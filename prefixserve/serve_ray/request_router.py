@@ -34,7 +34,8 @@ replica's entry, and until then a replica with a gap in its batches is stale.
 The index follows Ray Serve's replica set: ``update_replicas`` (every scale-up, scale-down or
 replacement) adds new replicas empty and forgets gone ones, ``on_replica_actor_died`` forgets a
 dead one at once; forgetting drops everything known of the replica, so no cache state of a
-removed or crashed replica survives. ``state`` is the view ``GET /router/replicas`` shows.
+removed or crashed replica survives. ``state`` is the view ``GET /router/replicas`` shows, with
+how many requests went to the replica first chosen for them and how many to another.
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         self.pids: dict[str, int] = {}
         self.loras: dict[str, dict[str, str]] = {}
         self.removed: list[str] = []
+        self.first_choice: dict[str, str] = {}
+        """The replica first chosen for each request not routed yet (by request id)."""
+        self.choices = {"kept": 0, "changed": 0}
+        """Requests routed to their first choice, and to another (chosen again after a backoff,
+        the first having filled meanwhile)."""
         # Ray Serve pickles this class by value, with a copy of this module's globals: register
         # in the module itself, which the import system holds.
         importlib.import_module(__name__)._ROUTERS.append(self)
@@ -155,7 +161,8 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
                 "loras": sorted(self.loras.get(rid, {}))})
         return {"policy": self.router.policy, "replicas": replicas,
                 "indexed": sorted(index.replicas), "removed": list(self.removed),
-                "gaps": index.gaps, "restarts": index.restarts}
+                "gaps": index.gaps, "restarts": index.restarts,
+                "first_choice": dict(self.choices)}
 
     # ----------------------------------------------------------------- events
     def _absorb_stats(self, replica: RunningReplica) -> None:
@@ -222,13 +229,20 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
                 self.recent.clear()
         if pending_request is not None:  # retries of this one rank back off between attempts
             pending_request.routing_context.should_backoff = True
+            if len(self.first_choice) > 100_000:  # requests cancelled before routing
+                self.first_choice.clear()
+            self.first_choice.setdefault(pending_request.metadata.internal_request_id, chosen)
         return [[by_id[chosen]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        self.request_replica[pending_request.metadata.internal_request_id] = rid
+        request_id = pending_request.metadata.internal_request_id
+        self.request_replica[request_id] = rid
+        first = self.first_choice.pop(request_id, None)
+        if first is not None:
+            self.choices["kept" if first == rid else "changed"] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self.request_replica.pop(internal_request_id, replica_id.unique_id)

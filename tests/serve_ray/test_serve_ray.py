@@ -570,9 +570,13 @@ def test_the_router_offers_its_choice_alone_and_passes_over_replicas_it_filled()
                     for rid in ("r0", "r1")]
         route = {"hashes": [(bytes([i]) * 8).hex() for i in range(3)]}
 
-        def choose() -> tuple[list[list[str]], bool]:
-            pending = SimpleNamespace(kwargs={"route": route},
-                                      routing_context=SimpleNamespace(should_backoff=False))
+        def pending_request(request_id: str) -> SimpleNamespace:
+            return SimpleNamespace(kwargs={"route": route},
+                                   routing_context=SimpleNamespace(should_backoff=False),
+                                   metadata=SimpleNamespace(internal_request_id=request_id))
+
+        def choose(pending: SimpleNamespace | None = None) -> tuple[list[list[str]], bool]:
+            pending = pending or pending_request("any")
             ranks = asyncio.run(router.choose_replicas(replicas, pending))  # type: ignore[arg-type]
             return ([[r.replica_id.unique_id for r in rank] for rank in ranks],
                     pending.routing_context.should_backoff)
@@ -582,9 +586,16 @@ def test_the_router_offers_its_choice_alone_and_passes_over_replicas_it_filled()
         first = ranks[0]
         assert backoff, "retries of the one rank would not back off"
         assert choose()[0] == [first], "the prefix did not stay on its replica"
+        late = pending_request("late")  # chosen once, then again after its replica filled
+        assert choose(late)[0] == [first]
         router.in_flight[first[0]] = 4  # this router filled it
         other = "r1" if first[0] == "r0" else "r0"
-        assert choose()[0] == [[other]], "a full replica was chosen while another had room"
+        assert choose(late)[0] == [[other]], "a full replica was chosen while another had room"
+        kept = pending_request("kept")
+        choose(kept)
+        for pending, rid in ((late, other), (kept, other)):
+            router.on_request_routed(pending, SimpleNamespace(unique_id=rid), None)  # type: ignore[arg-type]
+        assert router.choices == {"kept": 1, "changed": 1}
     finally:
         request_router._ROUTERS.remove(router)
 

@@ -53,6 +53,7 @@ def add_console_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig,
                            if config.admin_protected else {})
     admin: ResponseDocs = ({**keyed, 403: error_doc("The key is not an admin key.")}
                            if config.admin_protected else {})
+    bad_query: ResponseDocs = {400: error_doc("A query parameter out of its range.")}
 
     async def viewer(credentials: Annotated[HTTPAuthorizationCredentials | None,
                                             Security(bearer)]) -> Viewer:
@@ -60,7 +61,7 @@ def add_console_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig,
 
     Who = Annotated[Viewer, Depends(viewer)]
 
-    @app.get("/v1/cache/view", tags=["Console"], responses=keyed)
+    @app.get("/v1/cache/view", tags=["Console"], responses={**keyed, **bad_query})
     async def cache_view(who: Who, top: Annotated[int, Query(ge=1, le=200)] = 20,
                          ) -> dict[str, Any]:
         """The prefix cache now: blocks by state, namespaces, the ``top`` hottest prefixes
@@ -80,7 +81,7 @@ def add_console_routes(app: FastAPI, engine: AsyncLLM, config: ServerConfig,
         return Response("".join(line + "\n" for line in lines), media_type="application/jsonl")
 
     @app.get("/v1/cache/what_if", tags=["Console"], responses={
-        **admin, 500: error_doc("The estimator failed."),
+        **admin, **bad_query, 500: error_doc("The estimator failed."),
         503: error_doc("The estimator took too long.")})
     async def cache_what_if(who: Who, replicas: Annotated[int, Query(ge=2, le=16)] = 4,
                             tier_blocks: Annotated[int | None, Query(ge=1)] = None,
