@@ -3,7 +3,8 @@
 Starts ``prefixserve serve --replicas N`` on a local Ray cluster (N engine replicas of the default
 model, each with ``--num-blocks B``), runs ``prefixserve bench --dataset shared-prefix`` against
 it with 16 clients (``--save-prompts`` keeps the prompts it sent, with their replies), and then
-``prefixserve estimate --replicas N --capacity B --concurrency 16`` on those prompts. For each
+``prefixserve estimate --replicas N --capacity B --concurrency 16 --in-flight 16`` on those
+prompts. For each
 run it prints the share of prompt tokens the replicas served from their caches, the estimate's
 prefix-aware, round-robin and pooled figures, and how many requests the ingress's router sent
 to the replica it first chose for them (``GET /router/replicas``, ``first_choice``: a request
@@ -62,7 +63,8 @@ def one_run(server: Server, folder: Path, seed: int, args: argparse.Namespace
                 str(log), "--json", str(run), "--no-progress")
     after = first_choices(server)
     prefixserve("estimate", str(log), "--replicas", str(args.replicas), "--capacity",
-                str(args.num_blocks), "--concurrency", str(CLIENTS), "--routing",
+                str(args.num_blocks), "--concurrency", str(CLIENTS), "--in-flight",
+                str(CLIENTS), "--routing",
                 "prefix-aware,round-robin,pooled", "--no-progress", "--json", str(est))
     served = json.loads(run.read_text())["summary"]
     figures = {r["routing"]: r["token_hit_rate"] for r in json.loads(est.read_text())["results"]}
@@ -80,6 +82,8 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=8,
                         help="system prompts of the dataset, 8 questions each (default 8)")
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--server-args", default="",
+                        help="more flags of the cluster, e.g. '--max-ongoing-requests 8'")
     args = parser.parse_args()
     print("$ " + " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
     rows = []
@@ -88,7 +92,8 @@ def main() -> int:
         server = Server(["--replicas", str(args.replicas), "--admin-key", ADMIN,
                          "--dtype", "float32", "--max-num-seqs", "4", "--num-threads", "1",
                          "--num-blocks", str(args.num_blocks), "--max-model-len", "2048",
-                         "--ray-num-cpus", "2", "--ray-replica-cpus", "0.4"],
+                         "--ray-num-cpus", "2", "--ray-replica-cpus", "0.4",
+                         *args.server_args.split()],
                         folder / "cluster.log").start()
         try:
             for seed in range(args.runs):

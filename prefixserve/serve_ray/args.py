@@ -44,9 +44,10 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                        "'{\"upscale_delay_s\": 10, \"downscale_delay_s\": 120}' (Ray's "
                        "defaults: 30 and 600 s); the flags above take precedence")
     group.add_argument("--max-ongoing-requests", type=int, metavar="N",
-                       help="requests a replica accepts at once; the rest wait in Ray's router, "
-                       "which sends them to a live replica if one crashes (default: "
-                       "--max-num-seqs, so nothing waits inside a replica)")
+                       help="requests a replica accepts at once (default 4 x --max-num-seqs): "
+                       "those past its sequence slots wait in its queue, beside their cached "
+                       "prefix; a request a replica dies with before answering is sent to "
+                       "another")
     group.add_argument("--ray-replica-cpus", type=float, default=1.0, metavar="N",
                        help="Ray CPUs reserved per engine replica (default 1)")
     group.add_argument("--ray-num-cpus", type=int, metavar="N",
