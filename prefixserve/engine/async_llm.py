@@ -165,7 +165,8 @@ class AsyncLLM:
         """Yields the request's outputs (deltas) until it finishes. Raises the engine's
         ``RequestError``/``QueueFullError`` before the first output if it cannot be queued
         (room held by ``reservation`` is taken first: :meth:`reserve_queue_room`). Leaving
-        the iteration early aborts the request."""
+        the iteration early aborts the request, also when it is cancelled while the engine
+        thread has not queued the request yet."""
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue[Any] = asyncio.Queue()
         arrival = time.time()
@@ -176,7 +177,11 @@ class AsyncLLM:
                                     retention=retention, lora=lora, reservation=reservation)
             self._streams[request_id] = (loop, stream)
 
-        await self._call(add)
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:  # the add may still run: abort after it (commands run
+            self.abort(request_id)      # in order), or the request would run with no reader
+            raise
         finished = False
         try:
             while True:
@@ -313,10 +318,14 @@ class AsyncLLM:
         self._wakeup.set()
 
     async def _call(self, function: Callable[[], T]) -> T:
-        """Runs ``function`` in the engine thread and returns (or raises) its result."""
+        """Runs ``function`` in the engine thread and returns (or raises) its result. A call
+        cancelled before the engine thread reached it does not run (the caller is gone; setting
+        the result of the cancelled future would raise in the engine thread and stop it)."""
         future: Future[T] = Future()
 
         def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
             try:
                 future.set_result(function())
             except BaseException as exc:  # handed back to the caller

@@ -335,6 +335,41 @@ def test_the_stats_show_a_long_prefill_as_running_while_it_computes() -> None:
     assert samples[0][1:] == (0, 0)  # the request had not reached the engine yet
 
 
+def test_a_request_cancelled_before_the_engine_thread_queued_it_never_runs() -> None:
+    """A client that goes away while its request waits for the engine thread (busy: here a
+    command that holds it) leaves nothing running and the engine alive: the cancelled call is
+    skipped. (Planted: before, the engine thread ran the queued call and died setting the
+    cancelled future's result: the next call never returned.)"""
+    llm = AsyncLLM(EngineConfig(num_blocks=64, block_size=16), log_stats_interval=None)
+    release = threading.Event()
+
+    async def cancelled_early() -> None:
+        async def read() -> None:
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+            async for _ in llm.generate(list(range(100, 140)), params, "gone"):
+                pass
+
+        llm._submit(release.wait)  # the engine thread runs nothing else until released
+        task = asyncio.ensure_future(read())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        await asyncio.wait_for(llm._call(lambda: None), 30)  # the commands before it ran
+
+    try:
+        asyncio.run(cancelled_early())
+        deadline = time.monotonic() + 30
+        while llm.stats().num_running or llm.stats().num_waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert llm.stats().generation_tokens == 0
+        assert not llm.engine.has_unfinished_requests() and not llm._streams
+    finally:
+        llm.shutdown()
+
+
 def test_async_llm_builds_its_engine_in_the_engine_thread(
         cached: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine (and so the model's first OpenMP work) is built by the thread that steps it:
