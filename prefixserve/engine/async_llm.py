@@ -200,7 +200,16 @@ class AsyncLLM:
         """``LLMEngine.reserve_queue_room`` in the engine thread: room in the waiting queue for
         the ``n`` sequences of several prompts, or the ``QueueFullError`` that refuses them
         all. Pass it to their :meth:`generate` calls, then :meth:`release_queue_room`."""
-        return await self._call(lambda: self.engine.reserve_queue_room(n))
+        call = asyncio.ensure_future(self._call(lambda: self.engine.reserve_queue_room(n)))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:  # the room is held all the same: give it back
+            call.add_done_callback(self._release_reserved)
+            raise
+
+    def _release_reserved(self, call: asyncio.Future[QueueReservation]) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self.release_queue_room(call.result())
 
     def release_queue_room(self, reservation: QueueReservation) -> None:
         """Returns the room ``reservation`` holds that no prompt took (after the commands

@@ -370,6 +370,33 @@ def test_a_request_cancelled_before_the_engine_thread_queued_it_never_runs() -> 
         llm.shutdown()
 
 
+def test_queue_room_reserved_for_a_caller_that_went_away_is_given_back() -> None:
+    """A reservation whose caller is cancelled while the engine thread takes it is released
+    once taken. (Planted: without the release the room stays held for good.)"""
+    llm = AsyncLLM(EngineConfig(num_blocks=64, block_size=16, max_waiting_requests=4),
+                   log_stats_interval=None)
+    release = threading.Event()
+
+    async def cancelled() -> None:
+        llm._submit(release.wait)
+        task = asyncio.ensure_future(llm.reserve_queue_room(3))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        for _ in range(100):  # the release is queued once the reservation is taken
+            if await asyncio.wait_for(llm._call(lambda: llm.engine.reserved_sequences), 30) == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the reserved room was never given back")
+
+    try:
+        asyncio.run(cancelled())
+    finally:
+        llm.shutdown()
+
+
 def test_async_llm_builds_its_engine_in_the_engine_thread(
         cached: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine (and so the model's first OpenMP work) is built by the thread that steps it:
