@@ -225,17 +225,23 @@ def chat(driver: Any, system: str, question: str) -> dict[str, Any]:
             "prompt": int(stats.get_attribute("data-prompt")), "figures": stats.text}
 
 
+#: The page's tables, read in one script: the page redraws them at every poll, and elements
+#: found one by one may be replaced in between (a stale element).
+READ_TABLES = """
+const rows = (id) => [...document.querySelectorAll(`#${id} tbody tr`)].map(
+    (tr) => [...tr.cells].map((td) => td.textContent));
+return {hit_rate: document.getElementById("hit-rate").textContent,
+        namespaces: rows("namespace-table"), prefixes: rows("prefix-table"),
+        pins: rows("pin-table")};
+"""
+
+
 def cache_tab(driver: Any) -> dict[str, Any]:
     from selenium.webdriver.common.by import By
 
     driver.find_element(By.ID, "tab-cache").click()
-
-    def rows(table: str) -> list[list[str]]:
-        return [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
-                for tr in driver.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")]
-
-    return {"hit_rate": driver.find_element(By.ID, "hit-rate").text,
-            "namespaces": rows("namespace-table"), "prefixes": rows("prefix-table")}
+    tables: dict[str, Any] = driver.execute_script(READ_TABLES)
+    return tables
 
 
 def test_a_tenant_chats_on_the_page_and_sees_the_second_turn_hit_the_cache(
@@ -280,13 +286,12 @@ def test_another_tenant_sees_nothing_of_the_first_and_an_admin_sees_both(
     open_with_key(browser, server, ADMIN)
     everything = wait_for(lambda: (lambda c: c if len(c["namespaces"]) >= 2 else None)(
         cache_tab(browser)))
-    pins = wait_for(lambda: [tr.text for tr in browser.find_elements(
-        By.CSS_SELECTOR, "#pin-table tbody tr")])
+    pins = wait_for(lambda: cache_tab(browser)["pins"])
     ttft = browser.find_element(By.ID, "ttft-chart")
     wait_for(lambda: int(ttft.get_attribute("data-requests") or 0) > 0)  # from /metrics
     browser.save_screenshot(str(shots / "console-cache-admin.png"))
     assert {"API key #1", "API key #2"} <= {row[0] for row in everything["namespaces"]}
-    assert pins == ["handbook 2 40"]
+    assert pins == [["handbook", "2", "40"]]
     assert httpx.delete(server.url + "/v1/pins/handbook", headers=auth(ADMIN)).status_code == 200
 
 
