@@ -19,7 +19,9 @@ bounded memory and without any token or text:
 ``view(pool, running)`` (on the engine's thread) adds the pool's blocks by state and each
 namespace's cached blocks; a block counts for the namespace of the last released or running
 sequence whose chain held it (a chain's hash values include the salt and the adapter, so one
-hash value belongs to one namespace).
+hash value belongs to one namespace). Labels of hash values the pool no longer caches are
+dropped whenever they outnumber twice the pool's blocks, so the board stays bounded whether or
+not anyone looks at it.
 """
 
 from __future__ import annotations
@@ -106,10 +108,14 @@ class CacheBoard:
     thread-safe: the engine's thread calls every method."""
 
     def __init__(self, block_size: int, log_size: int = DEFAULT_LOG_SIZE,
-                 max_prefixes: int = DEFAULT_MAX_PREFIXES) -> None:
+                 max_prefixes: int = DEFAULT_MAX_PREFIXES, pool: BlockPool | None = None
+                 ) -> None:
         if log_size < 0 or max_prefixes < 0:
             raise ValueError("log_size and max_prefixes must be at least 0")
         self.block_size = block_size
+        self.pool = pool
+        """The pool whose cached hash values bound the namespace labels (None: only ``view``
+        prunes them)."""
         self.max_prefixes = max_prefixes
         self.log: deque[LoggedRequest] = deque(maxlen=log_size)
         self.namespaces: dict[Namespace, NamespaceCounts] = {}
@@ -147,6 +153,15 @@ class CacheBoard:
         owner = self._owner
         for value in values:
             owner[value] = namespace
+        if self.pool is not None:
+            self._prune(self.pool)
+
+    def _prune(self, pool: BlockPool) -> None:
+        """Drops the labels of hash values no longer cached once they outnumber twice the
+        pool's blocks (a pass over the labels each time their number doubles)."""
+        if len(self._owner) > 2 * len(pool.blocks):
+            cached = pool.cached_block_hash_to_block
+            self._owner = {v: ns for v, ns in self._owner.items() if v in cached}
 
     def _hit(self, hash_id: int, num_tokens: int, namespace: Namespace, now: float,
              source: str) -> None:
@@ -189,8 +204,7 @@ class CacheBoard:
         return view
 
     def _count_blocks(self, pool: BlockPool, view: BoardView) -> None:
-        """Each namespace's cached blocks; labels of hash values no longer cached are dropped
-        once they outnumber the pool's blocks (the labels stay bounded)."""
+        """Each namespace's cached blocks."""
         cached_values = pool.cached_block_hash_to_block
         counts = {ns: replace(c, blocks=0) for ns, c in self.namespaces.items()}
         owner = self._owner
@@ -198,8 +212,7 @@ class CacheBoard:
             namespace = owner.get(value)
             if namespace is not None:
                 counts.setdefault(namespace, NamespaceCounts()).blocks += 1
-        if len(owner) > 2 * len(pool.blocks):
-            self._owner = {v: ns for v, ns in owner.items() if v in cached_values}
+        self._prune(pool)
         view.namespaces = counts
 
     def request_log(self) -> list[dict[str, Any]]:

@@ -172,7 +172,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids,
                                                 self.max_model_len)
         self.metrics = PrefixCachingMetrics()
-        self.cache_board = CacheBoard(config.block_size, config.request_log_size)
+        self.cache_board = CacheBoard(config.block_size, config.request_log_size,
+                                      pool=self.kv_cache_manager.block_pool)
         self.last_step_scheduled = False
         self.loras: LoRARegistry | None = None
         if config.enable_lora:
