@@ -77,6 +77,8 @@ class HotPrefix:
     """Where the last hit's blocks came from: ``pool`` or a tier's name."""
     in_pool: bool = False
     """Whether the prefix's last block is cached in the pool now (filled in by ``view``)."""
+    value: Hashable = None
+    """The last block's hash value, as the pool's map is keyed."""
 
 
 @dataclass(slots=True)
@@ -127,8 +129,7 @@ class CacheBoard:
         cached = request.num_cached_tokens
         if cached < 0:
             return
-        namespace: Namespace = (request.cache_salt, None if request.lora_id is None
-                                else str(request.lora_id))
+        namespace = namespace_of(request)
         counts = self.namespaces.get(namespace)
         if counts is None:
             counts = self.namespaces[namespace] = NamespaceCounts()
@@ -146,7 +147,7 @@ class CacheBoard:
                                           [trace_id(v) for v in prompt_blocks], namespace))
         hit_blocks = min(cached // self.block_size, len(prompt_blocks))
         if hit_blocks and self.max_prefixes:
-            self._hit(trace_id(prompt_blocks[hit_blocks - 1]), hit_blocks * self.block_size,
+            self._hit(prompt_blocks[hit_blocks - 1], hit_blocks * self.block_size,
                       namespace, now, _source(request))
 
     def _label(self, values: Sequence[Hashable], namespace: Namespace) -> None:
@@ -163,11 +164,12 @@ class CacheBoard:
             cached = pool.cached_block_hash_to_block
             self._owner = {v: ns for v, ns in self._owner.items() if v in cached}
 
-    def _hit(self, hash_id: int, num_tokens: int, namespace: Namespace, now: float,
+    def _hit(self, value: Hashable, num_tokens: int, namespace: Namespace, now: float,
              source: str) -> None:
+        hash_id = trace_id(value)
         prefix = self.prefixes.pop(hash_id, None)
         if prefix is None:
-            prefix = HotPrefix(hash_id, num_tokens, namespace)
+            prefix = HotPrefix(hash_id, num_tokens, namespace, value=value)
         prefix.hits += 1
         prefix.last_use = now
         prefix.source = source
@@ -179,9 +181,7 @@ class CacheBoard:
              num_pinned: int, top: int = 20) -> BoardView:
         """The snapshot: ``running`` pairs each running sequence with its chain."""
         for request, chain in running:
-            namespace = (request.cache_salt, None if request.lora_id is None
-                         else str(request.lora_id))
-            self._label([hash_value_of(h) for h in chain], namespace)
+            self._label([hash_value_of(h) for h in chain], namespace_of(request))
         in_use = cached = empty = 0
         for block in pool.blocks:
             if block.is_null:
@@ -195,12 +195,10 @@ class CacheBoard:
         view = BoardView(self.block_size, in_use + cached + empty, in_use, cached, empty,
                          num_pinned, logged_requests=len(self.log))
         self._count_blocks(pool, view)
-        ids = {trace_id(v) for v in pool.cached_block_hash_to_block}
+        cached_values = pool.cached_block_hash_to_block
         hottest = sorted(self.prefixes.values(), key=lambda p: (-p.hits, -p.last_use))[:top]
         for prefix in hottest:
-            view.prefixes.append(HotPrefix(prefix.hash_id, prefix.num_tokens, prefix.namespace,
-                                           prefix.hits, prefix.last_use, prefix.source,
-                                           prefix.hash_id in ids))
+            view.prefixes.append(replace(prefix, in_pool=prefix.value in cached_values))
         return view
 
     def _count_blocks(self, pool: BlockPool, view: BoardView) -> None:
@@ -222,6 +220,11 @@ class CacheBoard:
                  "input_length": entry.prompt_tokens, "output_length": entry.output_tokens,
                  "hash_ids": entry.hash_ids, "block_size": self.block_size}
                 for entry in sorted(self.log, key=lambda e: e.arrival)]
+
+
+def namespace_of(request: Request) -> Namespace:
+    """The namespace a request's blocks are cached in."""
+    return (request.cache_salt, None if request.lora_id is None else str(request.lora_id))
 
 
 def _source(request: Request) -> str:

@@ -76,15 +76,20 @@ def test_a_tenant_sees_only_its_own_namespace_and_an_admin_sees_both_by_name(
                                       {"role": "system", "content": f"{SYSTEM} ({key})"},
                                       {"role": "user", "content": question}]})
             assert response.status_code == 200, response.text
+    salted = httpx.post(server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+                        json={"prompt": "Hello there", "max_tokens": 1, "cache_salt": "team"})
+    assert salted.status_code == 200, salted.text
     mine = view(server, KEY_A)
     assert mine["role"] == "tenant" and "tiers" not in mine
-    assert [n["name"] for n in mine["namespaces"]] == ["yours"]
-    assert mine["namespaces"][0]["sequences"] == mine["counters"]["sequences"] >= 2
+    names = {n["name"]: n for n in mine["namespaces"]}
+    assert set(names) == {"yours", "yours, salt 'team'"}
+    assert names["yours"]["sequences"] + 1 == mine["counters"]["sequences"] >= 3
+    assert "salt 'team'" not in json.dumps(view(server, KEY_B))
     assert all(p["namespace"] == "yours" for p in mine["prefixes"]) and mine["prefixes"]
     admin = view(server, ADMIN)
-    names = {n["name"]: n for n in admin["namespaces"]}
-    assert {"API key #1", "API key #2"} <= set(names)
-    assert names["API key #1"]["sequences"] == mine["namespaces"][0]["sequences"]
+    by_name = {n["name"]: n for n in admin["namespaces"]}
+    assert {"API key #1", "API key #2", "API key #1, salt 'team'"} <= set(by_name)
+    assert by_name["API key #1"]["sequences"] == names["yours"]["sequences"]
     assert {p["hash"] for p in mine["prefixes"]} < {p["hash"] for p in admin["prefixes"]}
     assert KEY_A not in json.dumps(admin) and KEY_B not in json.dumps(admin)
 
@@ -274,7 +279,7 @@ def test_another_tenant_sees_nothing_of_the_first_and_an_admin_sees_both(
     mine = view(server, KEY_A)
     open_with_key(browser, server, KEY_A)
     seen = wait_for(lambda: (lambda c: c if c["namespaces"] else None)(cache_tab(browser)))
-    assert [row[0] for row in seen["namespaces"]] == ["yours"]
+    assert [row[0] for row in seen["namespaces"]] == ["yours", "yours, salt 'team'"]
     assert {row[0] for row in seen["prefixes"]} == {p["hash"] for p in mine["prefixes"]}
     other = {p["hash"] for p in view(server, KEY_B)["prefixes"]}
     assert other and not other & {row[0] for row in seen["prefixes"]}

@@ -7,9 +7,10 @@ Three kinds of viewer, from the caller's bearer key:
   pool, the tiers, pins, the request log and the what-if.
 * **operator**: a metrics key. Sees the pool-wide figures that ``/metrics`` shows, and the
   namespaces and prefixes without names.
-* **tenant**: an API key. Sees its own namespaces only (those its key's salt made, or the
-  shared ones when the server shares the cache across keys) and their prefixes, and the
-  pool's blocks by state, as ``/metrics`` does when open.
+* **tenant**: an API key. Sees its own namespaces only (those its key's salt made, named
+  ``yours`` with its own ``cache_salt`` and adapter; with ``--share-cache-across-keys`` the
+  namespaces of no salt, which every key shares) and their prefixes, and the pool's blocks by
+  state, as ``/metrics`` does when open.
 
 Names of namespaces never contain a key: a tenant's salt is the SHA-256 of its key, which the
 console maps back to the key's position on the command line.
@@ -77,15 +78,16 @@ class NamespaceNames:
         self._tenants = {hashlib.sha256(k.encode("utf-8")).hexdigest(): f"API key #{i + 1}"
                          for i, k in enumerate(config.api_keys)}
 
-    def name(self, namespace: Namespace) -> str:
+    def name(self, namespace: Namespace, owner: str | None = None) -> str:
+        """The namespace's name; ``owner`` replaces the key's position (a tenant's "yours")."""
         salt, adapter = namespace
         parts = []
         if salt is None:
-            parts.append("shared")
+            parts.append(owner or "shared")
         else:
             tenant, _, client = salt.partition(":")
             if tenant in self._tenants:
-                parts.append(self._tenants[tenant])
+                parts.append(owner or self._tenants[tenant])
                 if client:
                     parts.append(f"salt {client!r}")
             else:
@@ -99,8 +101,8 @@ def _visible(viewer: Viewer, namespace: Namespace) -> bool:
     if viewer.role != TENANT:
         return True
     salt = namespace[0]
-    if viewer.tenant_salt is None:  # the cache is shared across keys: so is its view
-        return True
+    if viewer.tenant_salt is None:  # keys share the cache: its shared namespaces, not the
+        return salt is None         # ones other clients' cache_salt made
     return salt is not None and (salt == viewer.tenant_salt
                                  or salt.startswith(viewer.tenant_salt + ":"))
 
@@ -110,7 +112,8 @@ def view_json(viewer: Viewer, view: BoardView, stats: EngineStats,
     """The cache view a viewer may see, as JSON data (the console's ``/v1/cache/view``)."""
     visible = {ns: c for ns, c in view.namespaces.items() if _visible(viewer, ns)}
     labels = {ns: (names.name(ns) if viewer.role == ADMIN else
-                   "yours" if viewer.role == TENANT else f"namespace {i + 1}")
+                   names.name(ns, owner="yours") if viewer.role == TENANT
+                   else f"namespace {i + 1}")
               for i, ns in enumerate(sorted(visible, key=repr))}
     out: dict[str, Any] = {
         "role": viewer.role, "time": time.time(), "block_size": view.block_size,
