@@ -45,12 +45,12 @@ policies on one deployment, e.g. ``prefixserve bench --base-url .../routing/roun
 ROUTER_STATE_PATH = "/router/replicas"
 """What the router knows of each replica (an admin action; see ``router_state``)."""
 LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""Sent to every replica, so that each serves the same adapters."""
 REPLICA_TRIES = 5
 """Replicas a request is sent to when each dies before answering (``Ingress._forward``)."""
 REPLICA_RETRY_DELAY_S = 0.5
 
 logger = logging.getLogger(__name__)
-"""Sent to every replica, so that each serves the same adapters."""
 SESSION_HEADER = "x-session-id"
 """Header naming a session for the ``session`` policy (else the body's ``user``)."""
 
@@ -184,10 +184,14 @@ class Ingress:
             except RayActorError as exc:
                 logger.warning("a replica died before answering %s (try %d of %d): %s", path,
                                attempt + 1, REPLICA_TRIES, type(exc).__name__)
-                await asyncio.sleep(REPLICA_RETRY_DELAY_S * (attempt + 1))
+                if attempt + 1 < REPLICA_TRIES:
+                    await asyncio.sleep(REPLICA_RETRY_DELAY_S * (attempt + 1))
                 continue
-            return StreamingResponse(_rest(stream, path), status_code=start["status"],
-                                     headers=_response_headers(start["headers"]))
+            headers = _response_headers(start["headers"])
+            events = any(k.lower() == "content-type" and v.startswith("text/event-stream")
+                         for k, v in headers.items())
+            return StreamingResponse(_rest(stream, path, events), status_code=start["status"],
+                                     headers=headers)
         return Response(json.dumps({"error": {
             "message": "no replica could take the request: the replicas chosen stopped before "
                        "answering; try again", "type": "server_error", "param": None,
@@ -347,11 +351,11 @@ def _response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
     return {k: v for k, v in headers if k.lower() != "content-length"}
 
 
-async def _rest(stream: Any, path: str) -> AsyncIterator[bytes]:
+async def _rest(stream: Any, path: str, events: bool) -> AsyncIterator[bytes]:
     """The rest of a replica's answer. When the replica dies after the answer started (its
-    status is sent), a stream ends with an error event in the API's own shape (Anthropic's
-    ``event: error`` under ``/v1/messages``, else ``data: {"error": ...}`` and
-    ``data: [DONE]``) instead of a cut connection."""
+    status is sent), an event stream (``events``) ends with an error event in the API's own
+    shape (Anthropic's ``event: error`` under ``/v1/messages``, else ``data: {"error": ...}``
+    and ``data: [DONE]``) instead of a cut connection; another body just ends, incomplete."""
     from ray.exceptions import RayActorError
 
     try:
@@ -363,7 +367,8 @@ async def _rest(stream: Any, path: str) -> AsyncIterator[bytes]:
     except RayActorError as exc:
         logger.warning("the replica serving %s died while it answered: %s", path,
                        type(exc).__name__)
-        yield _replica_died_event(path)
+        if events:
+            yield _replica_died_event(path)
 
 
 def _replica_died_event(path: str) -> bytes:

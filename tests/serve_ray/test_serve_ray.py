@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -460,11 +461,15 @@ def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
     # more event batches since than a report repeats: only a snapshot holds the prefixes now
     def filler(n: int) -> None:
         _complete(cluster.url + "/routing/round-robin", "smol",
-                  [900 + 37 * n + (i * 104729) % 20000 for i in range(20)])
+                  [900 + (37 * n + i * 104729) % 20000 for i in range(20)])
 
+    # a batch is a report with events (one per stats period): as many requests as the time it
+    # takes, not a count (400 requests made too few batches on a quiet machine)
+    deadline = time.monotonic() + 300
     with ThreadPoolExecutor(2) as pool:  # one request a replica: below the autoscaling target
-        for first in range(0, 400, 20):
-            if min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8:
+        for first in itertools.count(0, 20):
+            if (min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8
+                    or time.monotonic() > deadline):
                 break
             list(pool.map(filler, range(first, first + 20)))
     assert min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8, _live(cluster)
