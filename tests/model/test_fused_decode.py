@@ -27,7 +27,7 @@ from prefixserve.model.arch.lora import install_lora
 from prefixserve.model.attention import decode_kernel, fused_decode
 from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInput
 from prefixserve.model.weights import quant_kernels
-from prefixserve.model.weights.quant import FMT_Q4_1, FMT_Q8_0
+from prefixserve.model.weights.quant import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
 
 #: Logits of the fused step vs the eager one, as a fraction of the largest |logit|. Both run
 #: the same packed products; the norms, attention and exp sum in another order (~1e-7), and
@@ -87,6 +87,8 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
 CASES: dict[str, tuple[ModelConfig, int, int, torch.dtype, torch.dtype | None]] = {
     "q4_1-gqa2": (tiny_config(), FMT_Q4_1, 16, torch.float32, None),
     "q8_0-gqa2": (tiny_config(), FMT_Q8_0, 16, torch.float32, None),
+    "q4_0-gqa2": (tiny_config(), FMT_Q4_0, 16, torch.float32, None),
+    "q4_0-gqa2-bfloat16": (tiny_config(), FMT_Q4_0, 16, torch.bfloat16, None),
     "q4_1-gqa3-bias-block4": (tiny_config(heads=6, kv_heads=2, bias=True), FMT_Q4_1, 4,
                               torch.float32, None),
     "q4_1-gqa2-bfloat16": (tiny_config(), FMT_Q4_1, 16, torch.bfloat16, None),
@@ -166,8 +168,11 @@ def check_against_eager(case: str, extra: int = 0) -> None:
 
 
 @pytest.mark.parametrize(("fmt", "dtype"), [(FMT_Q4_1, torch.float32), (FMT_Q8_0, torch.float32),
-                                           (FMT_Q4_1, torch.bfloat16), (FMT_Q8_0, torch.bfloat16)],
-                         ids=["q4_1", "q8_0", "q4_1-bfloat16", "q8_0-bfloat16"])
+                                           (FMT_Q4_0, torch.float32),
+                                           (FMT_Q4_1, torch.bfloat16), (FMT_Q8_0, torch.bfloat16),
+                                           (FMT_Q4_0, torch.bfloat16)],
+                         ids=["q4_1", "q8_0", "q4_0", "q4_1-bfloat16", "q8_0-bfloat16",
+                              "q4_0-bfloat16"])
 def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
                                                                       dtype: torch.dtype) -> None:
     """Eleven rows: the products take eight rows at a time through another kernel (its

@@ -46,12 +46,14 @@ from prefixserve.model.arch.config import ModelConfig
 from prefixserve.model.arch.llama import CausalLM
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.weights import quant, quant_kernels
+from prefixserve.model.weights.gguf_file import GGUFFile
 from prefixserve.model.weights.loader import _cat, load_model
 from prefixserve.model.weights.quant import (
     AMX_LARGE_MAX_OUTPUTS,
     AMX_LARGE_MAX_ROWS,
     AMX_MAX,
     BF16_BATCH_MAX,
+    FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q4_K,
     FMT_Q6_K,
@@ -69,10 +71,10 @@ from prefixserve.model.weights.quant import (
 )
 
 Q = GGMLQuantizationType
-GGUF_OF = {FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0, FMT_Q4_K: Q.Q4_K, FMT_Q6_K: Q.Q6_K}
+GGUF_OF = {FMT_Q4_0: Q.Q4_0, FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0, FMT_Q4_K: Q.Q4_K, FMT_Q6_K: Q.Q6_K}
 #: Each GGUF type and the packed format ``pack_gguf`` gives it (KEPT: exactly, else requantized).
 TARGET = {
-    Q.Q4_0: FMT_Q4_1, Q.Q4_1: FMT_Q4_1, Q.Q8_0: FMT_Q8_0,
+    Q.Q4_0: FMT_Q4_0, Q.Q4_1: FMT_Q4_1, Q.Q8_0: FMT_Q8_0,
     Q.Q5_0: FMT_Q8_0, Q.Q5_1: FMT_Q8_0,
     Q.Q2_K: FMT_Q4_1, Q.Q3_K: FMT_Q4_1, Q.Q4_K: FMT_Q4_K,
     Q.Q5_K: FMT_Q8_0, Q.Q6_K: FMT_Q6_K,
@@ -134,10 +136,15 @@ def requant_error(ref: np.ndarray, fmt: int) -> np.ndarray:
     Q4_1: step s = (hi - lo) / 15 and offset lo, both stored as fp16; inside the grid the error
     is s'/2, a value clipped at 0 errs by at most |lo| 2^-11, one clipped at 15 by at most
     2^-11 (|lo| + hi - lo): E = s/2 (1 + 2^-10) + 2^-9 max(|lo|, |hi|).
+    Q4_0: step s = amax / 8 (the extreme value e at q = 0), stored as fp16; the grid reaches
+    -7 s' on e's other side, so a value there clipped at q = 15 errs by up to s' (one step),
+    inside the grid s'/2: E = s (1 + 2^-10).
     """
     b = blocks_of(ref.astype(np.float64))
     if fmt == FMT_Q8_0:
         err = np.abs(b).max(axis=-1) / 254 * (1 + 2**-10)
+    elif fmt == FMT_Q4_0:
+        err = np.abs(b).max(axis=-1) / 8 * (1 + 2**-10)
     else:
         lo, hi = b.min(axis=-1), b.max(axis=-1)
         err = (hi - lo) / 30 * (1 + 2**-10) + 2**-9 * np.maximum(np.abs(lo), np.abs(hi))
@@ -181,16 +188,11 @@ def test_pack_gguf_format_and_kept_bytes(qtype: Q, lib) -> None:
     # The packed bytes are GGUF blocks: gguf-py decodes them as the kernels' dequantize does.
     ours = dequantize_packed(packed).numpy()
     np.testing.assert_array_equal(ours, dequantize(data, GGUF_OF[packed.fmt]))
-    if qtype in (Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
         np.testing.assert_array_equal(data, raw)
     elif qtype == Q.Q5_0:  # exactly, as Q8_0 with the same scales
         np.testing.assert_array_equal(ours, ref)
         np.testing.assert_array_equal(data[:, :2], raw[:, :2])
-    elif qtype == Q.Q4_0:
-        np.testing.assert_array_equal(ours, ref)
-        q4_0, q4_1 = raw.reshape(ROWS, -1, 18), data.reshape(ROWS, -1, 20)
-        np.testing.assert_array_equal(q4_1[..., :2], q4_0[..., :2])  # the scale
-        np.testing.assert_array_equal(q4_1[..., 4:], q4_0[..., 2:])  # the nibbles
     else:
         err = np.abs(ours.astype(np.float64) - ref)
         assert (err <= requant_error(ref, packed.fmt)).all()
@@ -237,7 +239,7 @@ def test_quant_linear_matches_reference(qtype: Q, m: int, lib) -> None:
 
 
 @pytest.mark.parametrize("cols", (64, 96, 576, 1056, 2048))
-@pytest.mark.parametrize("fmt", (FMT_Q4_1, FMT_Q8_0), ids=("Q4_1", "Q8_0"))
+@pytest.mark.parametrize("fmt", (FMT_Q4_0, FMT_Q4_1, FMT_Q8_0), ids=("Q4_0", "Q4_1", "Q8_0"))
 def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
     """The one-row product (a decode step of one sequence) at widths with a whole number of
     16-block groups and with a remainder (576: 18 blocks), an odd block count (96: 3 blocks,
@@ -251,6 +253,44 @@ def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
         x64 = x.double().numpy()
         assert_within(QuantLinear(packed)(x), x64 @ w64.T, product_bound(x64, np.abs(w64)),
                       f"{FORMAT_NAMES[fmt]} rows={rows} cols={cols}")
+
+
+#: Row counts that reach each kernel of a product: one row (the 4-row one-row kernels), a few
+#: (tiles of 4), 8 and 9 (tiles of 8 and the bfloat16 batch kernel), above SMALL_M (expand and
+#: GEMM, or for bfloat16 the AMX kernels up to AMX_MAX and the large-row one beyond).
+PATH_ROWS = (1, 2, 3, 5, 8, 9, 16, 17, 40, 64, 100, 128, 160, 300)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+def test_q4_0_products_are_those_of_the_same_weight_as_q4_1(dtype: torch.dtype, lib) -> None:
+    """Q4_0 is kept in its own 18-byte blocks and read as Q4_1 with the offset -8 d: every
+    kernel (each row count above, 8-bit activations, the row-invariant mode, both expansions,
+    the embedding's row lookup) gives bit for bit what the same weight converted to Q4_1
+    gives, at widths of odd and even block counts (a misread nibble or scale offset would
+    not)."""
+    for cols in (96, 2048):
+        raw = gguf_raw(Q.Q4_0, 24, cols, seed=cols)
+        packed = pack_gguf(raw, int(Q.Q4_0), cols, np.zeros)
+        assert packed is not None and packed.fmt == FMT_Q4_0
+        ours, theirs = QuantLinear(packed), QuantLinear(quant.q4_0_to_q4_1(raw, cols))
+        for m in PATH_ROWS:
+            x = activations(m, cols).to(dtype)
+            assert torch.equal(ours(x), theirs(x)), f"cols={cols} M={m}"
+        ours.activation_bits = theirs.activation_bits = 8
+        assert torch.equal(ours(activations(5, cols)), theirs(activations(5, cols)))
+        ours.activation_bits = theirs.activation_bits = 16
+        ours.row_invariant = theirs.row_invariant = True
+        for m in (1, 9, 40):
+            x = activations(m, cols).to(dtype)
+            assert torch.equal(ours(x), theirs(x)), f"row-invariant cols={cols} M={m}"
+        for out in (torch.float32, torch.bfloat16):
+            assert torch.equal(ours._expand(0, 24, out), theirs._expand(0, 24, out))
+        ids = torch.tensor([[3, 0, 23]])
+        embed = QuantEmbedding(packed, torch.float32)
+        assert torch.equal(embed(ids), QuantEmbedding(quant.q4_0_to_q4_1(raw, cols),
+                                                      torch.float32)(ids))
+    forced = pack_gguf(raw, int(Q.Q4_0), cols, np.zeros, FMT_Q4_1)  # --weights int4
+    assert forced is not None and forced.fmt == FMT_Q4_1
 
 
 @pytest.mark.parametrize("cols", (256, 768))
@@ -614,7 +654,7 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
 # pack_float, cat_rows and the loader's fusing
 
 
-@pytest.mark.parametrize("fmt", (FMT_Q4_1, FMT_Q8_0), ids=("Q4_1", "Q8_0"))
+@pytest.mark.parametrize("fmt", (FMT_Q4_0, FMT_Q4_1, FMT_Q8_0), ids=("Q4_0", "Q4_1", "Q8_0"))
 def test_pack_float_round_trip(fmt: int, lib) -> None:
     """Decoded (by gguf-py) within half a step of each block's scale, plus fp16 rounding."""
     rng = np.random.default_rng(5)
@@ -930,6 +970,52 @@ def test_tiny_gguf_auto_matches_dense(tiny_gguf: Path, tiny_gguf_bf16, lib) -> N
     _, dense = tiny_gguf_bf16
     assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in dense.modules())
     assert_traces_close(trace(config, model), trace(config, dense))
+
+
+def file_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps ``path`` (from ``/proc/self/maps``)."""
+    target = os.path.realpath(path)
+    ranges = []
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                low, high = fields[0].split("-")
+                ranges.append((int(low, 16), int(high, 16)))
+    return ranges
+
+
+#: Modules of the tiny GGUF model under ``auto`` whose packed weight is one file tensor kept
+#: byte for byte (neither fused nor permuted), and that tensor.
+KEPT_VIEWS = {"layers.0.mlp.down_proj": "blk.0.ffn_down.weight",
+              "layers.1.attn.o_proj": "blk.1.attn_output.weight",
+              "layers.1.mlp.down_proj": "blk.1.ffn_down.weight",
+              "lm_head": "output.weight", "embed_tokens.head": "token_embd.weight"}
+FUSED = ("layers.0.attn.qkv_proj", "layers.0.mlp.gate_up_proj", "layers.1.mlp.gate_up_proj")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_tiny_gguf_kept_weights_view_the_file(tiny_gguf: Path, lib) -> None:
+    """Under ``auto`` a packed weight kept as the file holds it is a view of the file's pages:
+    its bytes lie inside this process's mapping of the file, and read as the file's bytes
+    after the loader has dropped its reader (the tensor holds the map). Fused (and permuted)
+    weights are copies, outside the mapping."""
+    _, model = load_model(str(tiny_gguf), torch.float32, weights="auto")
+    ranges = file_ranges(tiny_gguf)
+    assert ranges, "the loaded model holds no mapping of its file"
+
+    def inside(data: torch.Tensor) -> bool:
+        start = data.data_ptr()
+        return any(low <= start and start + data.nbytes <= high for low, high in ranges)
+
+    gguf = GGUFFile(str(tiny_gguf))
+    for module, tensor in KEPT_VIEWS.items():
+        data = model.get_submodule(module).qweight
+        assert inside(data), module
+        np.testing.assert_array_equal(data.numpy(), gguf.read_raw(tensor), err_msg=module)
+    for module in FUSED:
+        data = model.get_submodule(module).qweight
+        assert not any(low <= data.data_ptr() < high for low, high in ranges), module
 
 
 #: Largest relative (Frobenius) change of the tiny models' logits from requantizing every

@@ -214,7 +214,7 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
  * gemm_bf16_batch (q->bf16) or gemm_quant16_batch computes. */
 static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y) {
-    int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t nb = K / QK, row_bytes = nb * block_bytes((int)fmt);
     if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
         float *xf = B > 1 ? kq_float_rows(q->xq, q->xd, B, K) : NULL; /* each thread's own */
 #pragma omp for schedule(static)

@@ -30,6 +30,7 @@ static inline int is_kquant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K
 static inline int64_t fmt_row_bytes(int fmt, int64_t K) {
     switch (fmt) {
     case FMT_Q4_1: return K / QK * Q4_1_BYTES;
+    case FMT_Q4_0: return K / QK * Q4_0_BYTES;
     case FMT_Q8_0: return K / QK * Q8_0_BYTES;
     case FMT_Q4_K: return K / QK_K * Q4_K_BYTES;
     default: return K / QK_K * Q6_K_BYTES;
@@ -266,15 +267,60 @@ static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
     return _mm512_reduce_add_ps(acc[0]) - hsum(mins);
 }
 
+/* Outputs y[0 .. 4) of four Q4_K rows (row_bytes apart) for one activation row: the products of
+ * kq4_row_wide, each pair of sub-blocks' activations loaded once for the four rows, two
+ * accumulators a row (even and odd sub-blocks; the four rows' chains are independent). */
+static void kq4_rows4_wide(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
+                           const float *xd, const float *xs, int64_t supers, float *y) {
+    __m512 acc[4][2];
+    __m256 mins[4];
+    for (int r = 0; r < 4; r++) {
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        mins[r] = _mm256_setzero_ps();
+    }
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    for (int64_t s = 0; s < supers; s++) {
+        float unit[4][8];
+        const uint8_t *blk = w + s * Q4_K_BYTES;
+        for (int r = 0; r < 4; r++) {
+            mins[r] = kq4_factors(blk + r * row_bytes, xd + s * 8, xs + s * 8, unit[r], mins[r]);
+        }
+        const int16_t *a = xq + s * QK_K;
+        for (int i = 0; i < 4; i++) {
+            __m512i a_lo = _mm512_loadu_si512(a + 64 * i), a_hi = _mm512_loadu_si512(a + 64 * i + 32);
+            for (int r = 0; r < 4; r++) {
+                __m512i both = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(blk + r * row_bytes + 16 + 32 * i)));
+                __m512i p0 = DPWSSD(_mm512_setzero_si512(), _mm512_and_si512(both, low), a_lo);
+                __m512i p1 = DPWSSD(_mm512_setzero_si512(), _mm512_srli_epi16(both, 4), a_hi);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_set1_ps(unit[r][2 * i]),
+                                            acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1),
+                                            _mm512_set1_ps(unit[r][2 * i + 1]), acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - hsum(mins[r]);
+    }
+}
+
 /* One output of a Q6_K row for one activation row: per 32 weights, q - 32 (16-bit) times the
  * activations, whose lanes 0-7 hold the first 16 weights' sums and lanes 8-15 the next 16's,
- * so the 16 scales of a super-block (d * scale * xd, computed at once) apply by one permute. */
+ * so the 16 scales of a super-block (d * scale * xd, computed at once) apply by one permute.
+ * Each half's low bytes are widened once for the two t that share them; the high bits move
+ * into place with one shift and one mask. */
 static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, int64_t supers) {
     __m512 acc[4]; /* one per t: independent chains, as in kq4_row_wide */
     for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi16(0x0f), two = _mm512_set1_epi16(3);
+    const __m512i low = _mm512_set1_epi16(0x0f), top = _mm512_set1_epi16(0x30);
     const __m512i bias = _mm512_set1_epi16(32);
     const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512i pick[8]; /* scale pair g = 4 h + t: lanes 0-7 take unit 2 g, lanes 8-15 2 g + 1 */
+    for (int g = 0; g < 8; g++) {
+        pick[g] = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                   _mm512_set1_epi32(2 * g));
+    }
     for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
         for (int k = 0; k < 4; k++) {
             _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
@@ -282,20 +328,22 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
         __m512 scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192))));
         __m512 xdv = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s * 8)));
         __m512 units = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(fp16_to_float(w + 208)), scale), xdv);
-        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         const int16_t *a = xq + s * QK_K;
         for (int h = 0; h < 2; h++) {
             __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
-            for (int t = 0; t < 4; t++, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2))) {
-                __m512i ql = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (t % 2))));
-                __m512i lo = _mm512_and_si512(_mm512_srli_epi16(ql, 4 * (t / 2)), low);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * t), two);
-                __m512i q = _mm512_sub_epi16(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), bias);
+            __m512i ql[2] = {
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * h))),
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 64 * h + 32)))};
+            for (int t = 0; t < 4; t++) {
+                __m512i lo = t < 2 ? _mm512_and_si512(ql[t % 2], low) : _mm512_srli_epi16(ql[t % 2], 4);
+                /* bits 2 t and 2 t + 1 of qh as bits 4 and 5 */
+                __m512i hi = t < 2 ? _mm512_slli_epi16(qh, 4 - 2 * t)
+                                   : (t == 2 ? qh : _mm512_srli_epi16(qh, 2));
+                __m512i q = _mm512_sub_epi16(_mm512_or_si512(lo, _mm512_and_si512(hi, top)), bias);
                 __m512i p = DPWSSD(_mm512_setzero_si512(), q,
                                    _mm512_loadu_si512(a + 128 * h + 32 * t));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, units),
-                                         acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                         _mm512_permutexvar_ps(pick[4 * h + t], units), acc[t]);
             }
         }
     }
@@ -368,12 +416,18 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
 #endif
 
 /* Outputs y[n0 .. n1) of a one-row product (y indexed by output), the fastest way the build
- * has: kq4_row_wide / kq6_row_wide at 512 or 256 bits (sums in another order than kq_rows),
- * else kq_rows. */
+ * has: four Q4_K rows through kq4_rows4_wide (512 bits), else kq4_row_wide / kq6_row_wide at
+ * 512 or 256 bits (sums in another order than kq_rows), else kq_rows. */
 static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
                         const int16_t *xq, const float *xd, const float *xs, float *y) {
 #ifdef __AVX2__
     int64_t row_bytes = fmt_row_bytes(fmt, K);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (fmt == FMT_Q4_K && n1 - n0 == 4) {
+        kq4_rows4_wide(W + n0 * row_bytes, row_bytes, xq, xd, xs, K / QK_K, y + n0);
+        return;
+    }
+#endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = W + n * row_bytes;
         y[n] = fmt == FMT_Q4_K ? kq4_row_wide(w, xq, xd, xs, K / QK_K)

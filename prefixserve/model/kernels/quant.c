@@ -1,10 +1,13 @@
 /*
  * Matrix products with block-quantized weights, for the CPU decode path.
  *
- * Two weight formats, both in the byte layout of GGUF blocks of 32 weights along a row:
+ * Three weight formats, all in the byte layout of GGUF blocks of 32 weights along a row:
  *   Q4_1 (20 bytes): fp16 scale d, fp16 offset m, 16 bytes of nibbles; weight j of the block is
  *                    d * q_j + m, with q_j the low nibble of byte j (j < 16) or the high nibble
  *                    of byte j - 16 (j >= 16).
+ *   Q4_0 (18 bytes): fp16 scale d, 16 bytes of nibbles; weight j is d * (q_j - 8). The kernels
+ *                    read it as Q4_1 with the offset m = -8 d (exact in float32), so a Q4_0 row
+ *                    gives bit for bit what the same row converted to Q4_1 gives.
  *   Q8_0 (34 bytes): fp16 scale d, 32 signed bytes q_j; weight j is d * q_j.
  * A weight matrix is N rows of K / 32 blocks each (row-major, rows contiguous).
  *
@@ -35,9 +38,11 @@
 
 #define QK 32
 #define Q4_1_BYTES 20
+#define Q4_0_BYTES 18
 #define Q8_0_BYTES 34
 #define FMT_Q4_1 0
 #define FMT_Q8_0 1
+#define FMT_Q4_0 4
 
 static inline float fp16_to_float(const uint8_t *p) {
     uint16_t h;
@@ -63,6 +68,22 @@ static inline float fp16_to_float(const uint8_t *p) {
     memcpy(&out, &bits, 4);
     return out;
 #endif
+}
+
+/* Whether fmt is a 4-bit format of blocks of 32 (Q4_1 or Q4_0). */
+static inline int is_q4(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_Q4_0; }
+
+/* Bytes of one block of 32 weights of Q4_1, Q4_0 or Q8_0. */
+static inline int64_t block_bytes(int fmt) {
+    return fmt == FMT_Q4_1 ? Q4_1_BYTES : fmt == FMT_Q4_0 ? Q4_0_BYTES : Q8_0_BYTES;
+}
+
+/* Where a 4-bit block's 16 bytes of nibbles start. */
+static inline int nibbles_at(int fmt) { return fmt == FMT_Q4_1 ? 4 : 2; }
+
+/* A 4-bit block's offset m (weight j = d * q_j + m): stored by Q4_1, -8 d for Q4_0. */
+static inline float q4_offset(const uint8_t *blk, int fmt) {
+    return fmt == FMT_Q4_1 ? fp16_to_float(blk + 2) : -8.0f * fp16_to_float(blk);
 }
 
 /*
@@ -161,30 +182,33 @@ static inline __m256i dot_u8_i8(__m256i u, __m256i a) {
 }
 #endif
 
-/* One output: row w (K/32 Q4_1 blocks) times quantized activation row (xq, xd, xs). */
-static float dot_q4_1(const uint8_t *w, const int8_t *xq, const float *xd, const float *xs,
-                      int64_t nb) {
+/* One output: row w (K/32 blocks of 4-bit format fmt) times quantized activation row (xq, xd,
+ * xs). */
+static float dot_q4(const uint8_t *w, int fmt, const int8_t *xq, const float *xd,
+                    const float *xs, int64_t nb) {
     float offset_sum = 0.0f;
+    int64_t bytes = block_bytes(fmt);
+    int nib = nibbles_at(fmt);
 #ifdef __AVX2__
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += Q4_1_BYTES) {
-        __m256i u = unpack_nibbles(w + 4);
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        __m256i u = unpack_nibbles(w + nib);
         __m256i a = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
         __m256 p = _mm256_cvtepi32_ps(dot_u8_i8(u, a));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_float(w) * xd[b]), p, acc);
-        offset_sum += fp16_to_float(w + 2) * xs[b];
+        offset_sum += q4_offset(w, fmt) * xs[b];
     }
     return hsum(acc) + offset_sum;
 #else
     float total = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += Q4_1_BYTES) {
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
         const int8_t *a = xq + b * QK;
         int sum = 0;
         for (int j = 0; j < 16; j++) {
-            sum += (w[4 + j] & 0x0f) * a[j] + (w[4 + j] >> 4) * a[j + 16];
+            sum += (w[nib + j] & 0x0f) * a[j] + (w[nib + j] >> 4) * a[j + 16];
         }
         total += fp16_to_float(w) * xd[b] * (float)sum;
-        offset_sum += fp16_to_float(w + 2) * xs[b];
+        offset_sum += q4_offset(w, fmt) * xs[b];
     }
     return total + offset_sum;
 #endif
@@ -220,17 +244,17 @@ static float dot_q8_0(const uint8_t *w, const int8_t *xq, const float *xd, int64
 #ifdef __AVX2__
 /* Outputs y[m * ldy] for TILE activation rows m of one weight row w: each block of w is
  * unpacked once for all of them. */
-static void tile_q4_1(const uint8_t *w, const int8_t *xq, const float *xd, const float *xs,
-                      int64_t K, int64_t nb, float *y, int64_t ldy) {
+static void tile_q4(const uint8_t *w, int fmt, const int8_t *xq, const float *xd,
+                    const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {
     __m256 acc[TILE];
     float offset_sum[TILE];
     for (int t = 0; t < TILE; t++) {
         acc[t] = _mm256_setzero_ps();
         offset_sum[t] = 0.0f;
     }
-    for (int64_t b = 0; b < nb; b++, w += Q4_1_BYTES) {
-        __m256i u = unpack_nibbles(w + 4);
-        float d = fp16_to_float(w), m = fp16_to_float(w + 2);
+    for (int64_t b = 0; b < nb; b++, w += block_bytes(fmt)) {
+        __m256i u = unpack_nibbles(w + nibbles_at(fmt));
+        float d = fp16_to_float(w), m = q4_offset(w, fmt);
         for (int t = 0; t < TILE; t++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(xq + t * K + b * QK));
             __m256 p = _mm256_cvtepi32_ps(dot_u8_i8(u, a));
@@ -271,15 +295,15 @@ static inline void store8(float *o, __m128i bytes8, int is_unsigned, __m256 scal
 static void dequant_block(const uint8_t *blk, int fmt, float *o) {
     __m256i q;
     __m256 scale = _mm256_set1_ps(fp16_to_float(blk)), offset;
-    if (fmt == FMT_Q4_1) {
-        q = unpack_nibbles(blk + 4);
-        offset = _mm256_set1_ps(fp16_to_float(blk + 2));
+    if (is_q4(fmt)) {
+        q = unpack_nibbles(blk + nibbles_at(fmt));
+        offset = _mm256_set1_ps(q4_offset(blk, fmt));
     } else {
         q = _mm256_loadu_si256((const __m256i *)(blk + 2));
         offset = _mm256_setzero_ps();
     }
     __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    int is_unsigned = fmt == FMT_Q4_1;
+    int is_unsigned = is_q4(fmt);
     store8(o, lo, is_unsigned, scale, offset);
     store8(o + 8, _mm_srli_si128(lo, 8), is_unsigned, scale, offset);
     store8(o + 16, hi, is_unsigned, scale, offset);
@@ -288,11 +312,12 @@ static void dequant_block(const uint8_t *blk, int fmt, float *o) {
 #else
 static void dequant_block(const uint8_t *blk, int fmt, float *o) {
     float d = fp16_to_float(blk);
-    if (fmt == FMT_Q4_1) {
-        float m = fp16_to_float(blk + 2);
+    if (is_q4(fmt)) {
+        float m = q4_offset(blk, fmt);
+        const uint8_t *qs = blk + nibbles_at(fmt);
         for (int j = 0; j < 16; j++) {
-            o[j] = d * (float)(blk[4 + j] & 0x0f) + m;
-            o[j + 16] = d * (float)(blk[4 + j] >> 4) + m;
+            o[j] = d * (float)(qs[j] & 0x0f) + m;
+            o[j + 16] = d * (float)(qs[j] >> 4) + m;
         }
     } else {
         const int8_t *q = (const int8_t *)(blk + 2);
@@ -313,8 +338,8 @@ void quantize_q16(const float *x, int64_t M, int64_t K, int16_t *q, float *d, fl
 #ifdef __AVX2__
 /* The 32 weights of a block as two vectors of 16 int16 (unsigned nibbles or signed bytes). */
 static inline void block_int16(const uint8_t *blk, int fmt, __m256i *lo, __m256i *hi) {
-    if (fmt == FMT_Q4_1) {
-        __m256i u = unpack_nibbles(blk + 4);
+    if (is_q4(fmt)) {
+        __m256i u = unpack_nibbles(blk + nibbles_at(fmt));
         *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
         *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
     } else {
@@ -325,7 +350,7 @@ static inline void block_int16(const uint8_t *blk, int fmt, __m256i *lo, __m256i
 
 static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *xd,
                      const float *xs, int64_t K, int64_t nb, int rows, float *y, int64_t ldy) {
-    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t bytes = block_bytes(fmt);
     __m256 acc[TILE];
     float offset_sum[TILE];
     for (int t = 0; t < TILE; t++) {
@@ -335,7 +360,7 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         __m256i lo, hi;
         block_int16(w, fmt, &lo, &hi);
-        float d = fp16_to_float(w), m = fmt == FMT_Q4_1 ? fp16_to_float(w + 2) : 0.0f;
+        float d = fp16_to_float(w), m = is_q4(fmt) ? q4_offset(w, fmt) : 0.0f;
         for (int t = 0; t < rows; t++) {
             const int16_t *a = xq + t * K + b * QK;
             __m256i p = _mm256_add_epi32(
@@ -351,7 +376,8 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
 #else
 static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *xd,
                      const float *xs, int64_t K, int64_t nb, int rows, float *y, int64_t ldy) {
-    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t bytes = block_bytes(fmt);
+    int nib = nibbles_at(fmt);
     for (int t = 0; t < rows; t++) {
         float total = 0.0f;
         const uint8_t *blk = w;
@@ -359,12 +385,12 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
             const int16_t *a = xq + t * K + b * QK;
             int64_t sum = 0;
             for (int j = 0; j < QK; j++) {
-                int q = fmt == FMT_Q4_1 ? (j < 16 ? blk[4 + j] & 0x0f : blk[4 + j - 16] >> 4)
-                                        : ((const int8_t *)(blk + 2))[j];
+                int q = is_q4(fmt) ? (j < 16 ? blk[nib + j] & 0x0f : blk[nib + j - 16] >> 4)
+                                   : ((const int8_t *)(blk + 2))[j];
                 sum += (int64_t)q * a[j];
             }
             total += fp16_to_float(blk) * xd[t * nb + b] * (float)sum;
-            if (fmt == FMT_Q4_1) total += fp16_to_float(blk + 2) * xs[t * nb + b];
+            if (is_q4(fmt)) total += q4_offset(blk, fmt) * xs[t * nb + b];
         }
         y[t * ldy] = total;
     }
@@ -372,9 +398,10 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
 #endif
 
 #ifdef __AVX2__
-/* Products of one 16-bit activation row with a Q4_1 block of each of ROWS weight rows (row_bytes
- * apart): four independent accumulators, the activations loaded once for all of them. The
- * one-row kernel of decode steps, where tile_q16 would run a single dependent chain. */
+/* Products of one 16-bit activation row with a 4-bit block (Q4_1 or Q4_0: fmt, a constant where
+ * it is inlined) of each of ROWS weight rows (row_bytes apart): four independent accumulators,
+ * the activations loaded once for all of them. The one-row kernel of decode steps, where
+ * tile_q16 would run a single dependent chain. */
 #define ROWS 4
 /* Bytes ahead of a weight block that the batch kernels prefetch into L1 (tile8_q16, the
  * bfloat16 expansion). A decode step's products are short (0.2-1 MB each, split over the
@@ -404,24 +431,29 @@ static inline __m128i insert16(__m128i v, uint16_t x, int r) {
     }
 }
 
-static void rows_q4_1_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
-                          const float *xd, const float *xs, int64_t nb, float *y) {
+static inline __attribute__((always_inline)) void rows_q4_q16(const uint8_t *w, int fmt,
+                                                              int64_t row_bytes,
+                                                              const int16_t *xq, const float *xd,
+                                                              const float *xs, int64_t nb,
+                                                              float *y) {
     __m256 acc[ROWS], offsets = _mm256_setzero_ps();
+    int64_t bytes = block_bytes(fmt);
+    int nib = nibbles_at(fmt), stored = fmt == FMT_Q4_1 ? 2 : 0; /* Q4_0: the scale's bits */
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
         __m256i a1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
         __m256 xscale = _mm256_set1_ps(xd[b]);
-        const uint8_t *blk = w + b * Q4_1_BYTES;
-        /* the rows' offsets (float16) gathered in a register: through a stack array, four
-         * 2-byte stores read back by one 16-byte load stalled store forwarding, a third of
-         * this loop's time */
+        const uint8_t *blk = w + b * bytes;
+        /* the rows' offsets (float16; for Q4_0 the scales, times -8 below) gathered in a
+         * register: through a stack array, four 2-byte stores read back by one 16-byte load
+         * stalled store forwarding, a third of this loop's time */
         __m128i m = _mm_setzero_si128();
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *br = blk + r * row_bytes;
             _mm_prefetch((const char *)(br + ROW_PREFETCH), ROW_PREFETCH_HINT);
             /* bytes widened to 16 bits: the low nibble is element j, the high one j + 16 */
-            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(br + 4)));
+            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(br + nib)));
             __m256i lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
             __m256i hi = _mm256_srli_epi16(both, 4);
             __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, a0),
@@ -429,10 +461,11 @@ static void rows_q4_1_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq
             __m256 d = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(br)), xscale);
             acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
             uint16_t offset;
-            memcpy(&offset, br + 2, 2);
+            memcpy(&offset, br + stored, 2);
             m = insert16(m, offset, r);
         }
         __m256 mf = _mm256_cvtph_ps(m);
+        if (fmt == FMT_Q4_0) mf = _mm256_mul_ps(mf, _mm256_set1_ps(-8.0f));
         /* multiply, then add: the rounding of tile_q16's scalar sums, so that a row's result
          * does not depend on the number of rows (the deterministic mode relies on it) */
         offsets = _mm256_add_ps(offsets, _mm256_mul_ps(mf, _mm256_set1_ps(xs[b])));
@@ -442,7 +475,7 @@ static void rows_q4_1_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq
     for (int r = 0; r < ROWS; r++) y[r] = hsum(acc[r]) + off[r];
 }
 
-/* As rows_q4_1_q16 for Q8_0 weights (no offsets). */
+/* As rows_q4_q16 for Q8_0 weights (no offsets). */
 static void rows_q8_0_q16(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
                           const float *xd, int64_t nb, float *y) {
     __m256 acc[ROWS];
@@ -473,7 +506,9 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
                             const int16_t *xq, const float *xd, const float *xs, int64_t nb,
                             float *y) {
     if (fmt == FMT_Q4_1) {
-        rows_q4_1_q16(W + n * row_bytes, row_bytes, xq, xd, xs, nb, y + n);
+        rows_q4_q16(W + n * row_bytes, FMT_Q4_1, row_bytes, xq, xd, xs, nb, y + n);
+    } else if (fmt == FMT_Q4_0) {
+        rows_q4_q16(W + n * row_bytes, FMT_Q4_0, row_bytes, xq, xd, xs, nb, y + n);
     } else {
         rows_q8_0_q16(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
     }
@@ -506,10 +541,11 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
 #endif
 
 /* Scales (fp16 at the start of each block, bytes apart) of the blocks b0 .. b0 + n (n <= 16) of
- * one row, as floats times the activation scales xd; offsets (the fp16 after them) times xs
- * into *offsets when xs is given. */
+ * one row, as floats times the activation scales xd; offsets times xs added into *offsets when
+ * xs is given: the fp16 after each scale, or with `implied` (Q4_0) -8 times the scale. */
 static inline __m512 group_scales(const uint8_t *w, int64_t bytes, int64_t b0, int n,
-                                  const float *xd, const float *xs, __m512 *offsets) {
+                                  const float *xd, const float *xs, int implied,
+                                  __m512 *offsets) {
     __mmask16 mask = (__mmask16)((1u << n) - 1);
     __m512i index = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -518,14 +554,20 @@ static inline __m512 group_scales(const uint8_t *w, int64_t bytes, int64_t b0, i
                                               w + b0 * bytes, 1);
     __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
     if (xs) {
-        __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(raw, 16)));
+        __m512 m = implied ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
+                           : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(raw, 16)));
         *offsets = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(mask, xs + b0), *offsets);
     }
     return _mm512_mul_ps(d, _mm512_maskz_loadu_ps(mask, xd + b0));
 }
 
-static void rows_q4_1_wide(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
-                           const float *xd, const float *xs, int64_t nb, float *y) {
+static inline __attribute__((always_inline)) void rows_q4_wide(const uint8_t *w, int fmt,
+                                                               int64_t row_bytes,
+                                                               const int16_t *xq, const float *xd,
+                                                               const float *xs, int64_t nb,
+                                                               float *y) {
+    int64_t bytes = block_bytes(fmt);
+    int nib = nibbles_at(fmt);
     __m512 acc[WIDE_ROWS], off[WIDE_ROWS];
     for (int r = 0; r < WIDE_ROWS; r++) acc[r] = off[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi16(0x0f);
@@ -533,7 +575,8 @@ static void rows_q4_1_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
         int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         __m512 scales[WIDE_ROWS];
         for (int r = 0; r < WIDE_ROWS; r++) {
-            scales[r] = group_scales(w + r * row_bytes, Q4_1_BYTES, b0, n, xd, xs, &off[r]);
+            scales[r] = group_scales(w + r * row_bytes, bytes, b0, n, xd, xs, fmt == FMT_Q4_0,
+                                     &off[r]);
         }
         __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         for (int p = 0; p < n; p += 2, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2))) {
@@ -541,12 +584,12 @@ static void rows_q4_1_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
             __m512i x0 = _mm512_loadu_si512(xq + b * QK), x1 = _mm512_loadu_si512(xq + b * QK + QK);
             __m512i a_lo = _mm512_shuffle_i64x2(x0, x1, 0x44), a_hi = _mm512_shuffle_i64x2(x0, x1, 0xee);
             for (int r = 0; r < WIDE_ROWS; r++) {
-                const uint8_t *blk = w + r * row_bytes + b * Q4_1_BYTES;
+                const uint8_t *blk = w + r * row_bytes + b * bytes;
                 _mm_prefetch((const char *)(blk + ROW_PREFETCH), ROW_PREFETCH_HINT);
-                __m256i bytes = _mm256_inserti128_si256(
-                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 4))),
-                    _mm_loadu_si128((const __m128i *)(blk + Q4_1_BYTES + 4)), 1);
-                __m512i both = _mm512_cvtepu8_epi16(bytes);
+                __m256i pair = _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + nib))),
+                    _mm_loadu_si128((const __m128i *)(blk + bytes + nib)), 1);
+                __m512i both = _mm512_cvtepu8_epi16(pair);
                 __m512i sums = DPWSSD(_mm512_setzero_si512(), _mm512_and_si512(both, low), a_lo);
                 sums = DPWSSD(sums, _mm512_srli_epi16(both, 4), a_hi);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
@@ -565,7 +608,7 @@ static void rows_q8_0_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
         int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         __m512 scales[WIDE_ROWS];
         for (int r = 0; r < WIDE_ROWS; r++) {
-            scales[r] = group_scales(w + r * row_bytes, Q8_0_BYTES, b0, n, xd, NULL, NULL);
+            scales[r] = group_scales(w + r * row_bytes, Q8_0_BYTES, b0, n, xd, NULL, 0, NULL);
         }
         __m512i pick = _mm512_setzero_si512();
         for (int p = 0; p < n; p++, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(1))) {
@@ -606,7 +649,11 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
                              float *y) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (nb % 2 == 0 && fmt == FMT_Q4_1) {
-        rows_q4_1_wide(W + n * row_bytes, row_bytes, xq, xd, xs, nb, y + n);
+        rows_q4_wide(W + n * row_bytes, FMT_Q4_1, row_bytes, xq, xd, xs, nb, y + n);
+        return;
+    }
+    if (nb % 2 == 0 && fmt == FMT_Q4_0) {
+        rows_q4_wide(W + n * row_bytes, FMT_Q4_0, row_bytes, xq, xd, xs, nb, y + n);
         return;
     }
     if (fmt == FMT_Q8_0) {
@@ -622,7 +669,7 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
 void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                   const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
     int64_t nb = K / QK;
-    int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t row_bytes = nb * block_bytes(fmt);
     int parallel = N * K * M >= (1 << 17);
     if (is_kquant(fmt)) {
         float *xf = kq_float_rows(xq, xd, M, K);
@@ -671,7 +718,7 @@ static inline __m256i hsum8_epi32(const __m256i *v) {
  * interleaved (benchmarks/RESULTS.md). */
 static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *dT,
                       const float *sT, int64_t K, int64_t nb, float *y, int64_t ldy) {
-    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t bytes = block_bytes(fmt);
     __m512 acc[8];
     __m256 offsets = _mm256_setzero_ps();
     float scale[8];
@@ -681,12 +728,13 @@ static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float 
          * 1.3x faster at 8 and at 16 rows with it; a decode step's layers the same */
         _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
         __m512i wv;
-        if (fmt == FMT_Q4_1) {
-            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 4)));
+        if (is_q4(fmt)) {
+            __m256i both = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(w + nibbles_at(fmt))));
             wv = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_and_si256(both, _mm256_set1_epi16(0x0f))),
                 _mm256_srli_epi16(both, 4), 1);
-            offsets = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_float(w + 2)),
+            offsets = _mm256_fmadd_ps(_mm256_set1_ps(q4_offset(w, fmt)),
                                       _mm256_loadu_ps(sT + b * 8), offsets);
         } else {
             wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 2)));
@@ -709,12 +757,13 @@ static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float 
  * (dT[b * 8 + t]). */
 static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *dT,
                       const float *sT, int64_t K, int64_t nb, float *y, int64_t ldy) {
-    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t bytes = block_bytes(fmt);
     __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         __m256i lo, hi, p[8];
-        if (fmt == FMT_Q4_1) {
-            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 4)));
+        if (is_q4(fmt)) {
+            __m256i both = _mm256_cvtepu8_epi16(
+                _mm_loadu_si128((const __m128i *)(w + nibbles_at(fmt))));
             lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
             hi = _mm256_srli_epi16(both, 4);
         } else {
@@ -728,8 +777,8 @@ static void tile8_q16(const uint8_t *w, int fmt, const int16_t *xq, const float 
         }
         __m256 d = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), _mm256_loadu_ps(dT + b * 8));
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hsum8_epi32(p)), acc);
-        if (fmt == FMT_Q4_1) {
-            offsets = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_float(w + 2)),
+        if (is_q4(fmt)) {
+            offsets = _mm256_fmadd_ps(_mm256_set1_ps(q4_offset(w, fmt)),
                                       _mm256_loadu_ps(sT + b * 8), offsets);
         }
     }
@@ -795,7 +844,7 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
     }
 #ifdef __AVX2__
     if (M == 1 && rows_fast_fits(N)) {
-        int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+        int64_t row_bytes = nb * block_bytes(fmt);
         int parallel = N * K >= (1 << 17);
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t n = 0; n < N; n += ROWS) rows_fast(W, fmt, row_bytes, n, xq, xd, xs, nb, y);
@@ -809,7 +858,7 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
     }
     float *sT = dT + tiles * nb * 8;
     regroup8(xd, xs, M, nb, dT, sT);
-    int64_t row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t row_bytes = nb * block_bytes(fmt);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         batch_row_q16(W + n * row_bytes, fmt, K, xq, xd, xs, dT, sT, M, y + n, ldy);
@@ -839,13 +888,14 @@ static inline uint16_t round_bf16(float f) {
  * d * q (+ m), as dequantize_bf16 rounds them. */
 static inline __m512bh block_bf16(const uint8_t *blk, int fmt) {
     __m512 d = _mm512_set1_ps(fp16_to_float(blk)), lo, hi;
-    if (fmt == FMT_Q4_1) {
+    if (is_q4(fmt)) {
         /* the 16 values d * q + m a nibble can take, rounded once, and each nibble looked up */
-        __m512 m = _mm512_set1_ps(fp16_to_float(blk + 2));
+        __m512 m = _mm512_set1_ps(q4_offset(blk, fmt));
         __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(
             _mm512_fmadd_ps(d, nibbles, m)));
-        __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 4)));
+        __m256i q = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128((const __m128i *)(blk + nibbles_at(fmt))));
         __m512i index = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_and_si256(q, _mm256_set1_epi16(0x0f))),
             _mm256_srli_epi16(q, 4), 1);
@@ -911,7 +961,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint8_t *w, in
                                                             int fmt, const uint16_t *x,
                                                             int64_t K, int R, int W2, float *y,
                                                             int64_t ldy, const __m512bh *pre) {
-    int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t nb = K / QK, bytes = block_bytes(fmt);
     __m512 acc[BF16_W][BF16_R];
     for (int j = 0; j < W2; j++) {
         for (int t = 0; t < R; t++) acc[j][t] = _mm512_setzero_ps();
@@ -944,7 +994,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint8_t *w, in
 /* The W2 weight rows' blocks expanded to bfloat16 into pre[j * nb + b] (prefetching ahead). */
 static void expand_bf16(const uint8_t *w, int64_t row_bytes, int fmt, int64_t K, int W2,
                         __m512bh *pre) {
-    int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t nb = K / QK, bytes = block_bytes(fmt);
     for (int j = 0; j < W2; j++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + j * row_bytes + b * bytes;
@@ -1008,7 +1058,7 @@ static void round_rows_bf16(const float *x, int64_t n, uint16_t *out) {
 void bf16_rows_range(const uint8_t *W, int fmt, int64_t K, const uint16_t *x, int64_t M,
                      int64_t n0, int64_t n1, float *y, int64_t ldy) {
 #ifdef __AVX512BF16__
-    int64_t row_bytes = K / QK * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t row_bytes = K / QK * block_bytes(fmt);
     for (int64_t n = n0; n < n1; n += BF16_W) {
         int W2 = n1 - n < BF16_W ? (int)(n1 - n) : BF16_W;
         rows_bf16(W + n * row_bytes, row_bytes, fmt, x, K, M, W2, y + n, ldy);
@@ -1083,7 +1133,7 @@ static void amx_configure(void) {
  * [g0, g0 + G) (G <= 4), at most M. */
 static void amx_chunk(const uint8_t *w, int64_t row_bytes, int fmt, int64_t nb, int rows,
                       const uint32_t *xv, int64_t g0, int G, int64_t M, float *y, int64_t ldy) {
-    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t bytes = block_bytes(fmt);
     __m512i a[2][16];
     float c[4][16][16] __attribute__((aligned(64)));
     if (rows < 16) memset(a, 0, sizeof a);
@@ -1163,7 +1213,7 @@ void amx_pack_units(const uint16_t *x, int64_t M, int64_t K, int64_t u0, int64_t
 void amx_rows_range(const uint8_t *W, int fmt, int64_t K, const uint32_t *xv, int64_t M,
                     int64_t n0, int64_t n1, float *y, int64_t ldy) {
 #ifdef HAVE_AMX
-    int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t nb = K / QK, row_bytes = nb * block_bytes(fmt);
     int64_t groups = (M + 15) / 16;
     amx_configure();
     for (int64_t n = n0; n < n1; n += 16) {
@@ -1250,7 +1300,7 @@ static inline void transpose16_epi32(__m512i v[16]) {
  * tiles' B layout: block b at out + b * 256 words, pair p of weight row i at [p * 16 + i]. */
 static void amx_expand_pairs(const uint8_t *w, int64_t row_bytes, int fmt, int64_t nb, int rows,
                              uint32_t *out) {
-    int64_t bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t bytes = block_bytes(fmt);
     for (int64_t b = 0; b < nb; b++) {
         __m512i v[16];
         for (int i = 0; i < 16; i++)
@@ -1305,7 +1355,7 @@ static void amx_large_tile(const uint16_t *a0, const uint16_t *a1, int64_t lda,
 void gemm_bf16_amx_large(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
                          int64_t M, uint16_t *y, int64_t ldy) {
 #ifdef HAVE_AMX
-    int64_t nb = K / QK, row_bytes = nb * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t nb = K / QK, row_bytes = nb * block_bytes(fmt);
     int64_t wgroups = (N + 15) / 16, agroups = (M + 15) / 16;
 #pragma omp parallel
     {
@@ -1361,26 +1411,27 @@ static void row_products(const uint8_t *w, int fmt, int64_t K, const int8_t *xq,
     int64_t nb = K / QK, m = 0;
 #ifdef __AVX2__
     for (; m + TILE <= M; m += TILE) {
-        if (fmt == FMT_Q4_1) {
-            tile_q4_1(w, xq + m * K, xd + m * nb, xs + m * nb, K, nb, y + m * ldy, ldy);
+        if (is_q4(fmt)) {
+            tile_q4(w, fmt, xq + m * K, xd + m * nb, xs + m * nb, K, nb, y + m * ldy, ldy);
         } else {
             tile_q8_0(w, xq + m * K, xd + m * nb, K, nb, y + m * ldy, ldy);
         }
     }
 #endif
     for (; m < M; m++) {
-        y[m * ldy] = fmt == FMT_Q4_1 ? dot_q4_1(w, xq + m * K, xd + m * nb, xs + m * nb, nb)
-                                     : dot_q8_0(w, xq + m * K, xd + m * nb, nb);
+        y[m * ldy] = is_q4(fmt) ? dot_q4(w, fmt, xq + m * K, xd + m * nb, xs + m * nb, nb)
+                                : dot_q8_0(w, xq + m * K, xd + m * nb, nb);
     }
 }
 
 /*
  * y[m * ldy + n] = sum_k x[m, k] * W[n, k] for m < M, n < N, with x given quantized (see
- * quantize_q8). fmt is FMT_Q4_1 or FMT_Q8_0. Parallel over n when the product is large enough.
+ * quantize_q8). fmt is FMT_Q4_1, FMT_Q4_0 or FMT_Q8_0. Parallel over n when the product is
+ * large enough.
  */
 void gemm_quant(const uint8_t *W, int fmt, int64_t N, int64_t K, const int8_t *xq,
                 const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
-    int64_t row_bytes = K / QK * (fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    int64_t row_bytes = K / QK * block_bytes(fmt);
     int parallel = N * K * M >= (1 << 17);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t n = 0; n < N; n++) {
@@ -1393,7 +1444,7 @@ static void dequant_row(const uint8_t *w, int fmt, int64_t K, float *out) {
         kq_dequant_row(w, fmt, K, out);
         return;
     }
-    int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t nb = K / QK, bytes = block_bytes(fmt);
     for (int64_t b = 0; b < nb; b++) dequant_block(w + b * bytes, fmt, out + b * QK);
 }
 
@@ -1423,14 +1474,14 @@ static inline void store16_bf16(uint16_t *o, __m512 v) {
 
 static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o) {
 #ifdef __AVX512BF16__
-    /* the kernels' own expansion: one table lookup per block (Q4_1), the same roundings */
+    /* the kernels' own expansion: one table lookup per 4-bit block, the same roundings */
     _mm512_storeu_si512((void *)o, (__m512i)block_bf16(blk, fmt));
     return;
 #endif
     __m512 d = _mm512_set1_ps(fp16_to_float(blk));
-    if (fmt == FMT_Q4_1) {
-        __m512 m = _mm512_set1_ps(fp16_to_float(blk + 2));
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
+    if (is_q4(fmt)) {
+        __m512 m = _mm512_set1_ps(q4_offset(blk, fmt));
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + nibbles_at(fmt))));
         __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(0x0f)), hi = _mm512_srli_epi32(q, 4);
         store16_bf16(o, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lo), m));
         store16_bf16(o + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(hi), m));
@@ -1457,7 +1508,7 @@ static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o) {
 void dequantize_bf16(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64_t first,
                      int64_t n, uint16_t *out) {
     int64_t row_bytes = fmt_row_bytes(fmt, K);
-    int64_t nb = K / QK, bytes = fmt == FMT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    int64_t nb = K / QK, bytes = block_bytes(fmt);
     int parallel = n * K >= (1 << 16);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t i = 0; i < n; i++) {

@@ -1,13 +1,13 @@
 """Weights kept block-quantized in memory, and the layers that multiply with them.
 
-Four packed formats, each GGUF's own byte layout: **Q4_1** (4-bit, a scale and an offset per
-block of 32: 5 bits per weight) and **Q8_0** (8-bit, a scale per block: 8.5 bits per weight),
-see ``kernels/quant.c``; **Q4_K** (super-blocks of 256: 4.5 bits per weight) and **Q6_K**
-(6.56 bits per weight), see ``kernels/kquant.c``. A GGUF tensor maps to them as follows
-(:func:`pack_gguf`):
+Five packed formats, each GGUF's own byte layout: **Q4_0** (4-bit, a scale per block of 32:
+4.5 bits per weight), **Q4_1** (4-bit, a scale and an offset per block: 5 bits per weight) and
+**Q8_0** (8-bit, a scale per block: 8.5 bits per weight), see ``kernels/quant.c``; **Q4_K**
+(super-blocks of 256: 4.5 bits per weight) and **Q6_K** (6.56 bits per weight), see
+``kernels/kquant.c``. A GGUF tensor maps to them as follows (:func:`pack_gguf`):
 
-* Q4_1, Q8_0, Q4_K and Q6_K are kept byte for byte (the model computes what the file holds);
-  Q4_0 becomes Q4_1 exactly (offset ``-8 * scale``), Q5_0 becomes Q8_0 exactly (bytes q - 16);
+* Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are kept byte for byte (the model computes what the file
+  holds); Q5_0 becomes Q8_0 exactly (bytes q - 16);
 * the other 2-4-bit types (Q2_K, Q3_K, IQ4...) are dequantized and requantized to Q4_1;
 * the other 5-8-bit types (Q5_1, Q5_K, Q8_1, Q8_K) are requantized to Q8_0 (the loader's log
   names every requantized tensor type);
@@ -16,7 +16,8 @@ see ``kernels/quant.c``; **Q4_K** (super-blocks of 256: 4.5 bits per weight) and
 The K-quant formats take the 16-bit integer kernels only (``kernels/kquant.c``: a 512-bit
 one-row kernel, and for more rows a row-invariant one that expands a few weight rows to floats
 and reads each activation row once for them) and expand-and-GEMM for prefill; the bfloat16
-batch and AMX kernels take Q4_1 and Q8_0.
+batch and AMX kernels take Q4_0, Q4_1 and Q8_0 (Q4_0 read as Q4_1 with the offset ``-8 *
+scale``: its products are bit for bit those of the same weight converted to Q4_1).
 
 ``--weights int8|int4`` requantizes every matmul weight to Q8_0 or Q4_1 (:func:`pack_float`).
 
@@ -50,13 +51,20 @@ from torch import nn
 
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_native_bfloat16
-from prefixserve.model.weights.quant_kernels import FMT_Q4_1, FMT_Q4_K, FMT_Q6_K, FMT_Q8_0
+from prefixserve.model.weights.quant_kernels import (
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q6_K,
+    FMT_Q8_0,
+)
 
 #: Weights per quantization block.
 BLOCK = 32
 #: Bytes per block of each packed format.
-BLOCK_BYTES = {FMT_Q4_1: 20, FMT_Q8_0: 34}
-FORMAT_NAMES = {FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q6_K: "Q6_K"}
+BLOCK_BYTES = {FMT_Q4_0: 18, FMT_Q4_1: 20, FMT_Q8_0: 34}
+FORMAT_NAMES = {FMT_Q4_0: "Q4_0", FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K",
+                FMT_Q6_K: "Q6_K"}
 #: The K-quant formats: super-blocks of SUPER_BLOCK weights, of SUPER_BLOCK_BYTES bytes.
 K_FORMATS = frozenset({FMT_Q4_K, FMT_Q6_K})
 SUPER_BLOCK = 256
@@ -149,11 +157,15 @@ def pack_float(weight: np.ndarray, fmt: int) -> PackedWeight:
     """Quantize a float ``[rows, cols]`` array (cols a multiple of 32) to ``fmt``.
 
     Q8_0: scale = max |w| / 127 per block, q = round(w / scale). Q4_1: scale = (max - min) / 15,
-    offset = min, q = round((w - offset) / scale) in [0, 15]. Both round with the fp16 scale
-    that is stored, so the stored blocks decode to the nearest grid point.
+    offset = min, q = round((w - offset) / scale) in [0, 15]. Q4_0: scale = -e / 8 for the
+    block's value e of largest magnitude (so e is stored exactly as q = 0), q = round(w / scale)
+    + 8 in [0, 15]. Each rounds with the fp16 scale that is stored, so the stored blocks decode
+    to the nearest grid point.
     """
     rows, cols = weight.shape
     blocks = weight.astype(np.float32).reshape(rows, cols // BLOCK, BLOCK)
+    if fmt == FMT_Q4_0:
+        return _pack_q4_0(blocks, cols)
     if fmt == FMT_Q8_0:
         scale = (np.abs(blocks).max(axis=-1) / 127.0).astype(np.float16).astype(np.float32)
         inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
@@ -170,7 +182,20 @@ def pack_float(weight: np.ndarray, fmt: int) -> PackedWeight:
     return PackedWeight(fmt, torch.from_numpy(np.ascontiguousarray(out).reshape(rows, -1)), cols)
 
 
-def _q4_0_to_q4_1(raw: np.ndarray, cols: int) -> PackedWeight:
+def _pack_q4_0(blocks: np.ndarray, cols: int) -> PackedWeight:
+    """Float blocks ``[rows, cols / 32, 32]`` as Q4_0 (see :func:`pack_float`)."""
+    rows = blocks.shape[0]
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], -1)[..., 0]
+    scale = (extreme / -8.0).astype(np.float16).astype(np.float32)
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+    q = np.clip(np.rint(blocks * inv[..., None]) + 8, 0, 15).astype(np.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    out = np.concatenate((_fp16_bytes(scale), nibbles), axis=-1)
+    return PackedWeight(FMT_Q4_0, torch.from_numpy(np.ascontiguousarray(out).reshape(rows, -1)),
+                        cols)
+
+
+def q4_0_to_q4_1(raw: np.ndarray, cols: int) -> PackedWeight:
     """Q4_0 blocks (fp16 d, 16 nibble bytes; w = d * (q - 8)) as Q4_1 (offset -8 d), exactly."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, cols // BLOCK, 18)
@@ -208,13 +233,15 @@ def pack_gguf(raw: np.ndarray, ggml_type: int, cols: int,
     if cols % BLOCK or (target is None and ggml_type in DENSE_TYPES):
         return None
     if target is None and ggml_type in _KEPT_K and cols % SUPER_BLOCK == 0:
-        return PackedWeight(_KEPT_K[ggml_type], torch.from_numpy(np.array(raw)), cols)
+        return PackedWeight(_KEPT_K[ggml_type], torch.from_numpy(raw), cols)
     if ggml_type == _Q4_1 and target in (None, FMT_Q4_1):
-        return PackedWeight(FMT_Q4_1, torch.from_numpy(np.array(raw)), cols)
+        return PackedWeight(FMT_Q4_1, torch.from_numpy(raw), cols)
     if ggml_type == _Q8_0 and target in (None, FMT_Q8_0):
-        return PackedWeight(FMT_Q8_0, torch.from_numpy(np.array(raw)), cols)
-    if ggml_type == _Q4_0 and target in (None, FMT_Q4_1):
-        return _q4_0_to_q4_1(raw, cols)
+        return PackedWeight(FMT_Q8_0, torch.from_numpy(raw), cols)
+    if ggml_type == _Q4_0 and target is None:
+        return PackedWeight(FMT_Q4_0, torch.from_numpy(raw), cols)
+    if ggml_type == _Q4_0 and target == FMT_Q4_1:
+        return q4_0_to_q4_1(raw, cols)
     if ggml_type == _Q5_0 and target in (None, FMT_Q8_0):
         return _q5_0_to_q8_0(raw, cols)
     if target is None:
