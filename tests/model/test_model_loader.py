@@ -9,11 +9,15 @@ embedding.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from isa_helpers import kernels_or_skip
 from model_helpers import COMMON, HF_CONFIGS, build, write_gguf
 from transformers import (
     Qwen2Config,
@@ -22,6 +26,7 @@ from transformers import (
 from prefixserve.model.arch.config import ModelConfig, kv_cache_bytes_per_token
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.weights.loader import load_model
+from prefixserve.model.weights.quant import QuantEmbedding
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
@@ -114,3 +119,115 @@ def test_kv_cache_sizing() -> None:
     assert kv_cache_bytes_per_token(config, torch.bfloat16) == per_token * 2
     budget = 10 * 16 * per_token * 2 + 5
     assert ModelRunner.num_blocks_for_memory(config, torch.bfloat16, 16, budget) == 10
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF weights mapped, not copied
+
+#: A llama GGUF of Q8_0 weights with a large tied embedding (35.7 MB: an allocation that size
+#: always takes fresh pages from the OS, so a copy of it would show in RssAnon) and MLPs large
+#: enough (gate and up, fused at load: 2.2 MB a layer) that their pages are measurable.
+BIG = {"vocab": 131072, "hidden": 256, "inter": 4096, "heads": 4, "kv_heads": 2, "layers": 2}
+
+
+def q8_0_bytes(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Random Q8_0 blocks ``[rows, cols / 32 * 34]``: an fp16 scale of 0.01 and 32 int8."""
+    blocks = rng.integers(0, 256, (rows, cols // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_big_embedding_gguf(path: Path) -> dict[str, int]:
+    """A GGUF file of :data:`BIG`'s shapes; returns its weights' bytes by kind: ``embed`` and
+    ``kept`` (o_proj and down_proj), views of the file once loaded, and ``fused`` (Q/K/V and
+    gate/up), copied at load."""
+    hidden, inter, heads, kv_heads = BIG["hidden"], BIG["inter"], BIG["heads"], BIG["kv_heads"]
+    head_dim = hidden // heads
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(BIG["layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(BIG["vocab"])
+    sizes = {"embed": 0, "fused": 0, "kept": 0}
+
+    def add(name: str, rows: int, cols: int, kind: str) -> None:
+        data = q8_0_bytes(rng, rows, cols)
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType.Q8_0)
+        sizes[kind] += data.nbytes
+
+    add("token_embd.weight", BIG["vocab"], hidden, "embed")
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    shapes = {"attn_q": (hidden, hidden, "fused"), "attn_k": (kv_heads * head_dim, hidden, "fused"),
+              "attn_v": (kv_heads * head_dim, hidden, "fused"),
+              "attn_output": (hidden, hidden, "kept"), "ffn_gate": (inter, hidden, "fused"),
+              "ffn_up": (inter, hidden, "fused"), "ffn_down": (hidden, inter, "kept")}
+    for i in range(BIG["layers"]):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for part, (rows, cols, kind) in shapes.items():
+            add(f"blk.{i}.{part}.weight", rows, cols, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sizes
+
+
+def rss_anon() -> int:
+    """This process's anonymous resident bytes (``RssAnon`` of ``/proc/self/status``)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        line = next(line for line in f if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+def mapped_file(path: Path) -> dict[str, int]:
+    """Summed ``Rss`` and ``Anonymous`` bytes (``/proc/self/smaps``) of this process's mappings
+    of ``path``; ``maps`` counts them."""
+    target = os.path.realpath(path)
+    out = {"maps": 0, "Rss": 0, "Anonymous": 0}
+    current = False
+    with open("/proc/self/smaps", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):
+                current = len(fields) >= 6 and line.split(maxsplit=5)[5].rstrip("\n") == target
+                out["maps"] += current
+            elif current and fields[0].rstrip(":") in ("Rss", "Anonymous"):
+                out[fields[0].rstrip(":")] += int(fields[1]) * 1024
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_gguf_weights_map_the_file(tmp_path: Path) -> None:
+    """Loading a GGUF file copies only what it must. Packed weights kept as the file holds
+    them (here the 35.7 MB embedding and head, o_proj, down_proj) add no anonymous memory:
+    RssAnon grows by far less than the embedding alone. The pages read to build the fused
+    Q/K/V and gate/up weights leave the process once those are copied: the file's mapping
+    holds far fewer resident bytes than they span. A product with the head then reads the
+    embedding in place: its pages are the file's (resident in the mapping, none of them
+    private copies), and RssAnon still does not grow by them."""
+    kernels_or_skip()
+    path = tmp_path / "big.gguf"
+    sizes = write_big_embedding_gguf(path)
+    load_model(str(path), torch.float32, weights="auto")  # imports, kernels: warm
+    before = rss_anon()
+    config, model = load_model(str(path), torch.float32, weights="auto")
+    grown = rss_anon() - before
+    assert config.tie_word_embeddings and isinstance(model.embed_tokens, QuantEmbedding)
+    assert grown < sizes["embed"] / 4, f"RssAnon grew {grown / 2**20:.1f} MiB at load"
+    mapped = mapped_file(path)
+    assert mapped["maps"] >= 1 and mapped["Anonymous"] == 0
+    assert mapped["Rss"] < sizes["fused"] / 4, f"{mapped['Rss'] / 2**20:.1f} MiB still mapped"
+    logits = model.embed_tokens.logits(torch.ones(1, BIG["hidden"]))
+    assert logits.shape == (1, BIG["vocab"]) and torch.isfinite(logits).all()
+    mapped = mapped_file(path)
+    assert mapped["Anonymous"] == 0 and mapped["Rss"] >= sizes["embed"]
+    assert rss_anon() - before < sizes["embed"] / 4

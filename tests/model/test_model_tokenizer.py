@@ -220,9 +220,12 @@ def test_detokenizer_holds_back_partial_characters() -> None:
 
 
 def test_tokenizer_imports_without_torch() -> None:
+    """The tokenizer (and the GGUF reader it opens the file with) loads and runs in a process
+    that can import neither torch nor numpy."""
     code = (
         "import sys\n"
         "sys.modules['torch'] = None\n"
+        "sys.modules['numpy'] = None\n"
         "import prefixserve.model as pm\n"
         "from prefixserve.model.text.tokenizer import load_tokenizer\n"
         "tok = load_tokenizer()\n"

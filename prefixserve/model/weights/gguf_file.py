@@ -110,14 +110,19 @@ class _Cursor:
 class GGUFFile:
     """An opened GGUF file: ``metadata`` (key -> Python value) and ``tensors`` (name -> info).
 
-    The file stays memory-mapped while the object lives; :meth:`read_tensor` dequantises one
-    tensor into a float32 numpy array.
+    The file is mapped private and copy-on-write (``mmap.ACCESS_COPY``): :meth:`read_raw` gives
+    writable numpy views of its pages, which stay the page cache's pages, shared with every
+    process that maps the file, as long as nothing writes them (nothing does: a write would
+    give this process its own copy of the page). The map lives while this object or any view
+    of it does. :meth:`read_tensor` dequantises one tensor into a float32 numpy array;
+    :meth:`release` drops pages this process has read and no longer needs from its resident
+    set. Parsing the header needs neither numpy nor torch.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         cur = _Cursor(self._map)
         if self._map[:4] != _MAGIC:
             raise ValueError(f"{path} is not a GGUF file (bad magic)")
@@ -140,29 +145,62 @@ class GGUFFile:
             offset = cur.unpack("Q")
             infos.append((name, tuple(reversed(dims)), ggml_type, offset))
         alignment = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
-        data_start = -(-cur.pos // alignment) * alignment
+        self.data_start = -(-cur.pos // alignment) * alignment
+        """Where the tensor data begins: the bytes before it are the header (metadata, index)."""
         self.tensors: dict[str, GGUFTensorInfo] = {
-            name: GGUFTensorInfo(name, shape, ggml_type, data_start + offset)
+            name: GGUFTensorInfo(name, shape, ggml_type, self.data_start + offset)
             for name, shape, ggml_type, offset in infos
         }
 
-    def read_raw(self, name: str) -> np.ndarray:
-        """Tensor ``name``'s stored bytes as a read-only uint8 view ``[rows, row_bytes]``.
-
-        Rows run along the last (fastest-varying) dim; a quantized row is a whole number of
-        blocks. The view lives on the file's memory map: copy it to keep it past this object.
-        """
-        import numpy as np
+    def _rows(self, name: str) -> tuple[int, int]:
+        """Tensor ``name``'s stored rows and bytes per row (see :meth:`read_raw`)."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         info = self.tensors[name]
         block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
-        n_rows = 1
+        rows = 1
         for dim in info.shape[:-1]:
-            n_rows *= dim
-        row_bytes = info.shape[-1] // block_elems * block_bytes
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=n_rows * row_bytes, offset=info.offset)
-        return raw.reshape(n_rows, row_bytes)
+            rows *= dim
+        return rows, info.shape[-1] // block_elems * block_bytes
+
+    def span(self, name: str) -> tuple[int, int]:
+        """Bytes ``[start, stop)`` of the file that hold tensor ``name``."""
+        rows, row_bytes = self._rows(name)
+        start = self.tensors[name].offset
+        return start, start + rows * row_bytes
+
+    def release(self, start: int, stop: int) -> None:
+        """Drops the pages that lie wholly inside bytes ``[start, stop)`` of the file from this
+        process's resident set (``madvise(MADV_DONTNEED)``; pages that only partly overlap the
+        range stay).
+
+        No view sees a change: the pages are unwritten file pages, and a later read faults
+        them back in from the page cache (or the file). Does nothing where the platform has
+        no ``madvise``.
+        """
+        advise = getattr(self._map, "madvise", None)
+        if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = -(-max(start, 0) // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = min(stop, len(self._map)) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            advise(mmap.MADV_DONTNEED, first, last - first)
+
+    def read_raw(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s stored bytes as a uint8 view ``[rows, row_bytes]`` of the map.
+
+        Rows run along the last (fastest-varying) dim; a quantized row is a whole number of
+        blocks. The view holds the map (its numpy base is the ``mmap`` object), so it stays
+        valid after this object is gone, and so does a torch tensor made from it with
+        ``torch.from_numpy``. It is writable (a private map) but must not be written: see the
+        class docstring.
+        """
+        import numpy as np
+
+        rows, row_bytes = self._rows(name)
+        start = self.tensors[name].offset
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=rows * row_bytes, offset=start)
+        return raw.reshape(rows, row_bytes)
 
     def read_tensor(self, name: str) -> np.ndarray:
         """Dequantise tensor ``name`` to a new float32 array of shape ``info.shape``."""

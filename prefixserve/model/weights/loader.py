@@ -11,10 +11,19 @@ cannot be built, ``auto`` falls back to dense weights and ``int8`` / ``int4`` fa
 GGUF tensors are dequantised to float32 with ``gguf.quants.dequantize`` and then cast to the
 requested dtype. llama.cpp's converter reorders the rows of the Q and K projections of
 ``llama``-architecture models (it interleaves the two rotary halves of each head for its rope
-kernel); :func:`_unpermute_rows` undoes that so the model can use HF's "rotate half" rope.
+kernel); :func:`_unpermute_into` undoes that so the model can use HF's "rotate half" rope.
 Qwen2/Qwen3 GGUF files are not permuted.
 
 Q/K/V and gate/up weights are fused at load (see :mod:`prefixserve.model.arch.llama`).
+
+A GGUF file is memory-mapped (:class:`GGUFFile`), not read into memory. A packed weight kept as
+the file holds it, neither fused nor permuted (o_proj, down_proj, the embedding and the head,
+when their type is kept byte for byte) is a tensor viewing the file's pages: they count as
+mapped file pages, not anonymous memory, and the page cache shares them between processes that
+load the file. Fused and unpermuted weights are built from the map in one copy (a part that is
+converted or requantized first, in two); once such a weight, or a dequantized one, is built,
+the pages it was read from leave the process's resident set (:func:`_page_releaser`), and so
+do the header's once it is parsed.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import glob
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 import numpy as np
@@ -41,15 +50,16 @@ from prefixserve.model.arch.llama import CausalLM
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.gguf_file import GGUFFile
 from prefixserve.model.weights.quant import (
+    FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q8_0,
     PackedWeight,
     QuantEmbedding,
     QuantLinear,
-    cat_rows,
     dequantize_packed,
     pack_float,
     pack_gguf,
+    q4_0_to_q4_1,
 )
 
 __all__ = ["WEIGHT_MODES", "default_model_path", "load_model"]
@@ -130,38 +140,62 @@ def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype)
         setattr(parent, attr, new)
 
 
-def _cat(parts: list[Weight]) -> Weight:
-    """Fuse projections: dense parts with ``torch.cat``, packed ones row-wise.
+def _cat(parts: list[Weight], heads: Sequence[int | None] = ()) -> Weight:
+    """Fuse projections row-wise into one new weight, each part copied once (:func:`_stack`);
+    part ``j`` is unpermuted (:func:`_unpermute_into`) for ``heads[j]`` heads where that is
+    given and not None.
 
-    Packed parts of different formats are all requantized to Q8_0 (the finer one); a mix of
-    packed and dense parts becomes dense.
+    Q4_0 parts beside Q4_1 ones become Q4_1 (exactly); other packed parts of different formats
+    are all requantized to Q8_0 (the finer one); a mix of packed and dense parts becomes dense.
     """
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
+        return _stack([p for p in parts if isinstance(p, torch.Tensor)], heads)
     if any(isinstance(p, torch.Tensor) for p in parts):
         dense = [p if isinstance(p, torch.Tensor) else dequantize_packed(p) for p in parts]
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
-        return torch.cat([d.to(dtype) for d in dense])
+        return _stack(dense, heads, dtype)
     packed = [p for p in parts if isinstance(p, PackedWeight)]
+    if {p.fmt for p in packed} == {FMT_Q4_0, FMT_Q4_1}:  # Q4_0 is Q4_1 exactly
+        packed = [q4_0_to_q4_1(p.data.numpy(), p.cols) if p.fmt == FMT_Q4_0 else p
+                  for p in packed]
     if len({p.fmt for p in packed}) > 1:
         packed = [p if p.fmt == FMT_Q8_0 else pack_float(dequantize_packed(p).numpy(), FMT_Q8_0)
                   for p in packed]
-    return cat_rows(packed)
+    fmt, cols = packed[0].fmt, packed[0].cols
+    if any(p.fmt != fmt or p.cols != cols for p in packed):
+        raise ValueError("cannot fuse packed weights of different formats or widths")
+    return PackedWeight(fmt, _stack([p.data for p in packed], heads), cols)
 
 
-def _unpermute_rows(weight: Weight, num_heads: int) -> Weight:
-    """Undo llama.cpp's Q/K row permutation.
+def _stack(parts: list[torch.Tensor], heads: Sequence[int | None] = (),
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``parts`` (dense values, or packed rows) stacked along rows in a new tensor of ``dtype``
+    (default: the first part's), each copied once, straight from where it lies (a view of the
+    file's pages, say): part ``j`` unpermuted for ``heads[j]`` heads where given."""
+    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                      dtype=dtype or parts[0].dtype, device=parts[0].device)
+    first = 0
+    for j, part in enumerate(parts):
+        dest = out[first:first + part.shape[0]]
+        num_heads = heads[j] if j < len(heads) else None
+        if num_heads:
+            _unpermute_into(dest, part, num_heads)
+        else:
+            dest.copy_(part)
+        first += part.shape[0]
+    return out
+
+
+def _unpermute_into(dest: torch.Tensor, weight: torch.Tensor, num_heads: int) -> None:
+    """Copy ``weight`` (rows first) into ``dest`` undoing llama.cpp's Q/K row permutation.
 
     Within each head, HF row ``half * head_dim / 2 + j`` was stored at row ``2 * j + half``.
     Packed weights move whole packed rows.
     """
-    if isinstance(weight, PackedWeight):
-        order = _unpermute_rows(torch.arange(weight.rows), num_heads)
-        assert isinstance(order, torch.Tensor)
-        return PackedWeight(weight.fmt, weight.data.index_select(0, order), weight.cols)
-    head_dim = weight.shape[0] // num_heads
-    split = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
-    return split.transpose(1, 2).reshape(weight.shape)
+    half = weight.shape[0] // num_heads // 2
+    rest = weight.shape[1:]
+    stored = weight.reshape(num_heads, half, 2, *rest).transpose(1, 2)
+    dest.view(num_heads, 2, half, *rest).copy_(stored)
 
 
 def _assemble(
@@ -170,6 +204,7 @@ def _assemble(
     names: dict[str, str],
     unpermute: bool,
     get_weight: WeightSource | None = None,
+    settle: Callable[[dict[str, Weight]], None] | None = None,
 ) -> dict[str, Weight]:
     """Our state dict from a source of tensors, given the source's naming of each part.
 
@@ -177,7 +212,9 @@ def _assemble(
     ``v``, ``o``, ``q_bias``, ``k_bias``, ``v_bias``, ``o_bias``, ``q_norm``, ``k_norm``,
     ``input_norm``, ``post_norm``, ``gate``, ``up``, ``down`` with ``{i}`` for the layer, plus
     ``gate_bias``, ``up_bias``, ``down_bias``) to source tensor names. ``get_weight`` (default
-    ``get``) reads the matmul weights, which may come back packed.
+    ``get``) reads the matmul weights, which may come back packed. ``settle`` (if given) is
+    called with each group of entries once it is built: the embedding, norm and head, then
+    each layer's.
     """
     weight = get_weight or get
     state: dict[str, Weight] = {
@@ -186,8 +223,13 @@ def _assemble(
     }
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = weight(names["lm_head"])
+    if settle is not None:
+        settle(state)
     for i in range(config.num_hidden_layers):
-        state.update(_layer_state(config, i, names, get, weight, unpermute))
+        layer = _layer_state(config, i, names, get, weight, unpermute)
+        if settle is not None:
+            settle(layer)
+        state.update(layer)
     return state
 
 
@@ -204,10 +246,8 @@ def _layer_state(config: ModelConfig, i: int, names: dict[str, str], get: Tensor
 
     def qkv(suffix: str) -> Weight:
         read = matrix if suffix == "" else part
-        q, k, v = read("q" + suffix), read("k" + suffix), read("v" + suffix)
-        if unpermute:
-            q, k = _unpermute_rows(q, heads), _unpermute_rows(k, kv_heads)
-        return _cat([q, k, v])
+        parts = [read("q" + suffix), read("k" + suffix), read("v" + suffix)]
+        return _cat(parts, (heads, kv_heads) if unpermute else ())
 
     prefix = f"layers.{i}."
     state: dict[str, Weight] = {
@@ -324,12 +364,34 @@ def _check_all_used(available: set[str], used: set[str], ignorable: set[str], pa
         raise ValueError(f"{path}: {len(unexpected)} unexpected tensors, e.g. {shown}")
 
 
+def _page_releaser(gguf: GGUFFile, used: set[str]) -> Callable[[dict[str, Weight]], None]:
+    """A ``settle`` callback for :func:`_assemble`: given the entries built since its last
+    call, it releases (:meth:`GGUFFile.release`) the pages of every tensor read since then
+    that none of them views, i.e. that was copied (fused, unpermuted, converted, requantized
+    or dequantized), so that only the pages of weights kept as views of the file stay
+    mapped into this process once they are read."""
+    settled: set[str] = set()
+
+    def settle(entries: dict[str, Weight]) -> None:
+        starts = [(w.data if isinstance(w, PackedWeight) else w).data_ptr()
+                  for w in entries.values()]
+        for name in used - settled:
+            raw = gguf.read_raw(name)
+            low = raw.ctypes.data
+            if not any(low <= start < low + raw.nbytes for start in starts):
+                gguf.release(*gguf.span(name))
+        settled.update(used)
+
+    return settle
+
+
 def _gguf_state(
     path: str, dtype: torch.dtype, device: torch.device, packing: str | None
 ) -> tuple[ModelConfig, dict[str, Weight], torch.Tensor | None]:
     gguf = GGUFFile(path)
     available = set(gguf.tensors)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, available)
+    gguf.release(0, gguf.data_start)  # the header: parsed
 
     def read(name: str) -> torch.Tensor:
         return torch.from_numpy(gguf.read_tensor(name))
@@ -357,7 +419,8 @@ def _gguf_state(
         return packed
 
     names = _names(config, _GGUF_NAMES, _GEMMA3_GGUF_NAMES)
-    state = _assemble(config, get, names, config.architecture == "llama", get_weight)
+    state = _assemble(config, get, names, config.architecture == "llama", get_weight,
+                      _page_releaser(gguf, used))
     why = "no kernel for the type" if packing in (None, "auto") else f"--weights {packing}"
     for type_name, count in sorted(requantized.items()):
         logger.info("%d %s tensors requantized (%s)", count, type_name, why)
