@@ -15,10 +15,11 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
-from model_helpers import pack_projections, packed_model, tiny_config
+from model_helpers import dense_model, pack_projections, packed_model, tiny_config
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.arch.config import ModelConfig
@@ -26,8 +27,18 @@ from prefixserve.model.arch.llama import CausalLM
 from prefixserve.model.arch.lora import install_lora
 from prefixserve.model.attention import decode_kernel, fused_decode
 from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInput
-from prefixserve.model.weights import quant_kernels
-from prefixserve.model.weights.quant import FMT_Q4_0, FMT_Q4_1, FMT_Q8_0
+from prefixserve.model.weights import quant, quant_kernels
+from prefixserve.model.weights.quant import (
+    FMT_Q4_0,
+    FMT_Q4_1,
+    FMT_Q4_K,
+    FMT_Q6_K,
+    FMT_Q8_0,
+    PackedParts,
+    PackedWeight,
+    SplitQuantLinear,
+    pack_float,
+)
 
 #: Logits of the fused step vs the eager one, as a fraction of the largest |logit|. Both run
 #: the same packed products; the norms, attention and exp sum in another order (~1e-7), and
@@ -184,6 +195,81 @@ def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
     fused, fused_cache, fused_runner = run(model, config, False, 16, dtype=dtype, extra=6)
     eager, eager_cache, _ = run(model, config, True, 16, dtype=dtype, extra=6)
     assert fused_runner._fused is not None and fused[0].shape[0] == 11
+    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
+                         else (LOGIT_TOL, KV_TOL))
+    for got, want in zip(fused, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=logit_tol * float(want.abs().max()))
+    torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
+                               atol=kv_tol * float(eager_cache.abs().max()))
+
+
+#: Block bytes and the offsets of fp16 scales of the K-quant formats (random blocks with small
+#: scales stand for a file's weights).
+K_BLOCKS = {FMT_Q4_K: (144, (0, 2)), FMT_Q6_K: (210, (208,))}
+
+
+def packed_part(values: torch.Tensor, fmt: int, seed: int) -> PackedWeight:
+    """``values``' rows packed in ``fmt``: a K-quant as random blocks of small scales."""
+    if fmt not in K_BLOCKS:
+        return pack_float(values.numpy(), fmt)
+    size, scales = K_BLOCKS[fmt]
+    rows, cols = values.shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    for offset in scales:
+        scale = rng.uniform(1e-5, 1e-4, blocks.shape[0]).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return PackedWeight(fmt, torch.from_numpy(blocks.reshape(rows, -1)), cols)
+
+
+def split_model(config: ModelConfig, qkv: tuple[int, ...], gate_up: tuple[int, ...],
+                dtype: torch.dtype) -> CausalLM:
+    """A random model whose QKV parts (Q, K, V rows) and gate/up parts are packed in the
+    formats ``qkv`` and ``gate_up`` (:class:`SplitQuantLinear`), O and down in Q8_0."""
+    model = pack_projections(dense_model(config), FMT_Q8_0)
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            for owner, attr, sizes, formats in (
+                    (layer.attn, "qkv_proj", (q, kv, kv), qkv),
+                    (layer.mlp, "gate_up_proj", (config.intermediate_size,) * 2, gate_up)):
+                old = getattr(owner, attr)
+                values = quant.dequantize_packed(
+                    PackedWeight(old.fmt, old.qweight, old.in_features))
+                parts = [packed_part(rows, fmt, 10 * i + j) for j, (rows, fmt) in
+                         enumerate(zip(values.split(sizes), formats, strict=True))]
+                split = SplitQuantLinear(PackedParts(parts), bias=old.bias is not None)
+                if old.bias is not None:
+                    split.bias.copy_(old.bias)
+                setattr(owner, attr, split)
+    return model.to(dtype)
+
+
+#: (QKV part formats, gate/up part formats, hidden size, activations, QKV biases).
+SPLIT_CASES = {
+    "q4_1-q8_0": ((FMT_Q4_1, FMT_Q4_1, FMT_Q8_0), (FMT_Q8_0, FMT_Q4_0), 64, torch.float32, True),
+    "three-formats-bfloat16": ((FMT_Q8_0, FMT_Q4_0, FMT_Q4_1), (FMT_Q4_1, FMT_Q8_0), 64,
+                               torch.bfloat16, False),
+    "q4_k-q6_k": ((FMT_Q4_K, FMT_Q4_K, FMT_Q6_K), (FMT_Q4_K, FMT_Q6_K), 256, torch.float32,
+                  True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+@pytest.mark.parametrize("extra", [0, 6], ids=["5-rows", "11-rows"])
+def test_projections_of_parts_in_different_formats_run_fused(case: str, extra: int) -> None:
+    """QKV and gate/up whose parts keep different formats (a Q4_K_M file's Q6_K V beside Q4_K Q
+    and K) take the fused step, each part a product of its own into its columns (with its
+    share of the bias), and agree with the eager path, which concatenates the parts' outputs."""
+    qkv, gate_up, hidden, dtype, bias = SPLIT_CASES[case]
+    config = replace(tiny_config(heads=4, kv_heads=2, bias=bias, head_dim=hidden // 4),
+                     hidden_size=hidden, intermediate_size=hidden)
+    model = split_model(config, qkv, gate_up, dtype)
+    assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, hidden // 4)) is None
+    fused, fused_cache, fused_runner = run(model, config, False, 16, dtype=dtype, extra=extra)
+    eager, eager_cache, _ = run(model, config, True, 16, dtype=dtype, extra=extra)
+    assert fused_runner._fused is not None and fused_runner.fused_decode_reason is None
     logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
                          else (LOGIT_TOL, KV_TOL))
     for got, want in zip(fused, eager, strict=True):

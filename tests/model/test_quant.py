@@ -60,6 +60,7 @@ from prefixserve.model.weights.quant import (
     FMT_Q8_0,
     FORMAT_NAMES,
     SMALL_M,
+    PackedParts,
     PackedWeight,
     QuantEmbedding,
     QuantLinear,
@@ -708,20 +709,20 @@ def test_cat_rows(lib) -> None:
 
 
 def test_loader_cat_mixed_parts(lib) -> None:
-    """Same-format parts keep their bytes; Q4_1 + Q8_0 parts become Q8_0 (the Q4_1 part
-    requantized); packed + dense parts become dense in the dense part's dtype."""
+    """Same-format parts keep their bytes; Q4_1 + Q8_0 parts stay parts, each its own bytes
+    (the Q4_1 one no longer requantized to Q8_0); packed + dense parts become dense in the
+    dense part's dtype."""
     _, ref4, q4 = packed_case(Q.Q4_1)
     _, ref8, q8 = packed_case(Q.Q8_0)
     same = _cat([q4, q4])
     assert isinstance(same, PackedWeight) and same.fmt == FMT_Q4_1
     np.testing.assert_array_equal(same.data.numpy(), np.concatenate([q4.data, q4.data]))
 
-    mixed = _cat([q4, q8])
-    assert isinstance(mixed, PackedWeight) and mixed.fmt == FMT_Q8_0
-    assert mixed.shape == (2 * ROWS, COLS)
-    np.testing.assert_array_equal(mixed.data[ROWS:].numpy(), q8.data.numpy())
-    first = dequantize(mixed.data[:ROWS].numpy(), Q.Q8_0).astype(np.float64)
-    assert (np.abs(first - ref4) <= requant_error(ref4, FMT_Q8_0)).all()
+    mixed = _cat([q4, q8, q8])
+    assert isinstance(mixed, PackedParts) and (mixed.rows, mixed.cols) == (3 * ROWS, COLS)
+    assert [p.fmt for p in mixed.parts] == [FMT_Q4_1, FMT_Q8_0]  # the two Q8_0 stacked
+    assert mixed.parts[0] is q4  # a lone part, not unpermuted: as it lies
+    np.testing.assert_array_equal(mixed.parts[1].data.numpy(), np.concatenate([q8.data, q8.data]))
 
     dense_part = torch.from_numpy(ref8).to(torch.bfloat16)
     dense = _cat([q4, dense_part])
@@ -969,6 +970,41 @@ def test_tiny_gguf_auto_matches_dense(tiny_gguf: Path, tiny_gguf_bf16, lib) -> N
     assert packed_formats(model) == AUTO_FORMATS
     _, dense = tiny_gguf_bf16
     assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in dense.modules())
+    assert_traces_close(trace(config, model), trace(config, dense))
+
+
+#: Layers of a GGUF whose fused projections mix formats that are not one another exactly.
+MIXED_LAYERS = [
+    {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q8_0,
+     "ffn_gate": Q.Q8_0, "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1},
+    {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
+     "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q8_0},
+]
+
+
+def test_fused_parts_of_different_formats_stay_as_the_file_holds_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lib) -> None:
+    """Q/K/V or gate/up of formats that do not convert exactly into one another load as parts
+    (:class:`SplitQuantLinear`), neighbours of one format stacked, none requantized: each part
+    decodes to the file's values (Q and K unpermuted), a lone part is the file's bytes in place,
+    and the logits match the dense model of the same file."""
+    monkeypatch.setattr(sys.modules[__name__], "GGUF_LAYERS", MIXED_LAYERS)
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path)
+    config, model = load_model(str(path), torch.float32, weights="auto")
+    qkv0, gate_up0 = model.layers[0].attn.qkv_proj, model.layers[0].mlp.gate_up_proj
+    qkv1 = model.layers[1].attn.qkv_proj
+    formats = [[p.fmt for p in m.part_layers()] for m in (qkv0, gate_up0, qkv1)]
+    assert formats == [[FMT_Q4_1, FMT_Q8_0], [FMT_Q8_0, FMT_Q4_1], [FMT_Q8_0, FMT_Q4_0, FMT_Q4_1]]
+    _, dense = load_model(str(path), torch.float32, weights="bf16")
+    for split, dense_module in ((qkv0, dense.layers[0].attn.qkv_proj),
+                                (gate_up0, dense.layers[0].mlp.gate_up_proj),
+                                (qkv1, dense.layers[1].attn.qkv_proj)):
+        values = torch.cat([quant.dequantize_packed(PackedWeight(p.fmt, p.qweight, p.in_features))
+                            for p in split.part_layers()])
+        torch.testing.assert_close(values, dense_module.weight, rtol=0, atol=0)
+    v_bytes = GGUFFile(str(path)).read_raw("blk.0.attn_v.weight")
+    np.testing.assert_array_equal(qkv0.part_layers()[1].qweight.numpy(), v_bytes)
     assert_traces_close(trace(config, model), trace(config, dense))
 
 

@@ -26,6 +26,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+_INT64_3: type[ctypes.Array[ctypes.c_int64]] = ctypes.c_int64 * 3
+_INT64_2: type[ctypes.Array[ctypes.c_int64]] = ctypes.c_int64 * 2
+_POINTER_2: type[ctypes.Array[ctypes.c_void_p]] = ctypes.c_void_p * 2
+
+
 class LayerStruct(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")] + \
@@ -34,7 +39,10 @@ class LayerStruct(ctypes.Structure):
                [(name, ctypes.c_void_p) for name in
                 ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "kv", "q_norm", "k_norm",
                  "attn_out_norm", "mlp_out_norm")] + \
-               [("group", ctypes.c_int64), ("local_rope", ctypes.c_int64)]
+               [("group", ctypes.c_int64), ("local_rope", ctypes.c_int64)] + \
+               [(name, _INT64_3) for name in ("qkv_rows", "gate_up_rows")] + \
+               [(name, _POINTER_2) for name in ("qkv_more", "gate_up_more")] + \
+               [(name, _INT64_2) for name in ("qkv_more_fmt", "gate_up_more_fmt")]
 
 
 class ModelStruct(ctypes.Structure):

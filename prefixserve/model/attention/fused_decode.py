@@ -9,7 +9,8 @@ the final norm and the logits stay in torch.
 It applies (:func:`unsupported` says why not) to a Llama-family :class:`CausalLM` (Q/K norms
 included: Qwen3) or a Gemma 3 model on CPU with float32 or bfloat16 activations (the layers
 compute in float32 either way) and a float32, bfloat16 or float16 cache, every projection
-packed (:class:`QuantLinear`, so not wrapped by LoRA), with any KV cache groups (full
+packed (:class:`QuantLinear`, or for QKV and gate/up a :class:`SplitQuantLinear` of up to three
+parts in different formats; not wrapped by LoRA), with any KV cache groups (full
 attention or sliding windows: each layer attends through its group's tables); and per step
 (the runner checks) when every sequence adds one token and none asks for prompt logits.
 ``--enforce-eager`` turns it off. The deterministic mode never uses it (its attention has its
@@ -33,7 +34,7 @@ from prefixserve.model.arch.gemma3 import GeGLU, Gemma3CausalLM
 from prefixserve.model.arch.llama import CausalLM, DecoderLayer
 from prefixserve.model.attention import decode_kernel
 from prefixserve.model.attention.decode_kernel import KV_TYPES, SUPPORTED_DTYPES
-from prefixserve.model.weights.quant import K_FORMATS, QuantLinear
+from prefixserve.model.weights.quant import K_FORMATS, QuantLinear, SplitQuantLinear
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
@@ -52,9 +53,22 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
     if reason is not None:
         return reason
     assert isinstance(model, CausalLM)
-    if any(type(p) is not QuantLinear for layer in _layers(model) for p in _projections(layer)):
-        return "a projection not packed (dense weights or a LoRA wrapper)"
+    for layer in _layers(model):
+        kinds = [type(p) for p in _projections(layer)]
+        fused_ones = (kinds[0], kinds[2])  # QKV and gate/up may be split in parts
+        if any(kind is not QuantLinear for kind in (kinds[1], kinds[3])) or any(
+                kind not in (QuantLinear, SplitQuantLinear) for kind in fused_ones):
+            return "a projection not packed (dense weights or a LoRA wrapper)"
+        if any(len(_parts(p)) > 3 for p in _projections(layer)):
+            return "a projection of more than three parts"
     return None
+
+
+def _parts(projection: nn.Module) -> list[QuantLinear]:
+    """A packed projection's parts: itself, or a :class:`SplitQuantLinear`'s parts."""
+    if isinstance(projection, SplitQuantLinear):
+        return projection.part_layers()
+    return [cast(QuantLinear, projection)]
 
 
 def unsupported_attention(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
@@ -110,8 +124,8 @@ class FusedDecode:
         # SDPA rounds them); both on AVX512-BF16 builds
         bf16 = int(_layers(model)[0].input_norm.weight.dtype == torch.bfloat16)
         # K-quant weights take the 16-bit kernels only (kernels/kquant.c)
-        products = bf16 and not any(cast(QuantLinear, p).fmt in K_FORMATS
-                                    for layer in _layers(model) for p in _projections(layer))
+        products = bf16 and not any(part.fmt in K_FORMATS for layer in _layers(model)
+                                    for p in _projections(layer) for part in _parts(p))
         first = _layers(model)[0]
         query_factor = getattr(first.attn, "query_factor", 1.0)
         self.model = decode_kernel.ModelStruct(
@@ -129,22 +143,37 @@ class FusedDecode:
             self._keep.append(kept)
             return kept.data_ptr()
 
-        def bias(p: QuantLinear) -> int | None:
-            return None if p.bias is None else as_float(p.bias)
+        def bias(p: nn.Module) -> int | None:
+            value = getattr(p, "bias", None)
+            return None if value is None else as_float(value)
 
         def norm(owner: nn.Module, name: str) -> int | None:
             module = getattr(owner, name, None)  # absent, or None: not this model's
             return None if module is None else as_float(module.weight)
 
-        projections = [cast(QuantLinear, p) for p in _projections(layer)]
+        projections = _projections(layer)
+        firsts = [_parts(p)[0] for p in projections]
         assert cache.is_contiguous()
         norms = [as_float(layer.input_norm.weight), as_float(layer.post_attn_norm.weight)]
         # Q/K norms (Qwen3, Gemma 3); Gemma 3's norms of each block's output
         extra = [norm(layer.attn, "q_norm"), norm(layer.attn, "k_norm"),
                  norm(layer, "post_attn_out_norm"), norm(layer, "post_mlp_norm")]
-        return decode_kernel.LayerStruct(*norms, *(p.qweight.data_ptr() for p in projections),
-                      *(p.fmt for p in projections), *(bias(p) for p in projections),
-                      cache.data_ptr(), *extra)
+        struct = decode_kernel.LayerStruct(*norms, *(p.qweight.data_ptr() for p in firsts),
+                                           *(p.fmt for p in firsts),
+                                           *(bias(p) for p in projections), cache.data_ptr(),
+                                           *extra)
+        for name, projection in (("qkv", projections[0]), ("gate_up", projections[2])):
+            parts = _parts(projection)
+            if len(parts) > 1:  # the C side reads parts 1 and 2 where rows[1] > 0
+                rows = getattr(struct, name + "_rows")
+                more = getattr(struct, name + "_more")
+                more_fmt = getattr(struct, name + "_more_fmt")
+                for j, part in enumerate(parts):
+                    rows[j] = part.out_features
+                    if j:
+                        more[j - 1] = part.qweight.data_ptr()
+                        more_fmt[j - 1] = part.fmt
+        return struct
 
     def run(self, hidden: torch.Tensor, positions: list[int], tables: torch.Tensor,
             rows: list[int], extra: Sequence[tuple[torch.Tensor, list[int]]] = ()

@@ -64,6 +64,14 @@ typedef struct {
     const float *mlp_out_norm;
     int64_t group;
     int64_t local_rope;
+    /* A fused projection whose parts are packed in different formats (a Q4_K_M file's Q6_K V
+     * beside its Q4_K Q and K): qkv (gate_up) above is its first part, of qkv_rows[0]
+     * (gate_up_rows[0]) rows, and up to two more parts follow here; qkv_rows[1] == 0 (one
+     * format: the fields above alone). */
+    int64_t qkv_rows[3], gate_up_rows[3];
+    const uint8_t *qkv_more[2];
+    const uint8_t *gate_up_more[2];
+    int64_t qkv_more_fmt[2], gate_up_more_fmt[2];
 } DecodeLayer;
 
 typedef struct {
@@ -208,12 +216,12 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
 }
 
-/* y [B, N] = x [B, K] W^T (+ bias), W packed in format fmt, x as quantize_rows left it: the
- * output rows shared out among the threads of the enclosing parallel region, every one of
- * which must call it (an orphaned `omp for`, a barrier at its end). Each output is what
- * gemm_bf16_batch (q->bf16) or gemm_quant16_batch computes. */
+/* y [B, N] (row stride ldy) = x [B, K] W^T (+ bias), W packed in format fmt, x as
+ * quantize_rows left it: the output rows shared out among the threads of the enclosing
+ * parallel region, every one of which must call it (an orphaned `omp for`, a barrier at its
+ * end). Each output is what gemm_bf16_batch (q->bf16) or gemm_quant16_batch computes. */
 static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
-                        const Quantized *q, int64_t B, float *y) {
+                        const Quantized *q, int64_t B, float *y, int64_t ldy) {
     int64_t nb = K / QK, row_bytes = nb * block_bytes((int)fmt);
     if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
         float *xf = B > 1 ? kq_float_rows(q->xq, q->xd, B, K) : NULL; /* each thread's own */
@@ -223,10 +231,10 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
             if (B == 1) {
                 kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->xd, q->xs, y);
             } else {
-                kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, N);
+                kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, ldy);
             }
             for (int64_t r = n; bias && r < end; r++) {
-                for (int64_t b = 0; b < B; b++) y[b * N + r] += bias[r];
+                for (int64_t b = 0; b < B; b++) y[b * ldy + r] += bias[r];
             }
         }
         free(xf); /* after the loop's barrier */
@@ -244,9 +252,10 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
 #endif
     if (q->amx) {
         int64_t n0, n1; /* this thread's weight rows */
-        amx_team_product(W, (int)fmt, N, K, (const uint16_t *)q->xq, B, q->xv, y, N, &n0, &n1);
+        amx_team_product(W, (int)fmt, N, K, (const uint16_t *)q->xq, B, q->xv, y, ldy, &n0,
+                         &n1);
         for (int64_t n = n0; bias && n < n1; n++) {
-            for (int64_t b = 0; b < B; b++) y[b * N + n] += bias[n];
+            for (int64_t b = 0; b < B; b++) y[b * ldy + n] += bias[n];
         }
 #pragma omp barrier
         return;
@@ -255,9 +264,9 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < (N + 1) / 2; i++) {
             int64_t n0 = 2 * i, n1 = n0 + 2 < N ? n0 + 2 : N;
-            bf16_rows_range(W, (int)fmt, K, (const uint16_t *)q->xq, B, n0, n1, y, N);
+            bf16_rows_range(W, (int)fmt, K, (const uint16_t *)q->xq, B, n0, n1, y, ldy);
             for (int64_t n = n0; bias && n < n1; n++) {
-                for (int64_t b = 0; b < B; b++) y[b * N + n] += bias[n];
+                for (int64_t b = 0; b < B; b++) y[b * ldy + n] += bias[n];
             }
         }
         return;
@@ -265,8 +274,26 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         batch_row_q16(W + n * row_bytes, (int)fmt, K, q->xq, q->xd, q->xs, q->dT, q->sT, B,
-                      y + n, N);
-        for (int64_t b = 0; bias && b < B; b++) y[b * N + n] += bias[n];
+                      y + n, ldy);
+        for (int64_t b = 0; bias && b < B; b++) y[b * ldy + n] += bias[n];
+    }
+}
+
+/* y [B, N] = x [B, K] W^T (+ bias) for a fused projection: its first part W (format fmt) and,
+ * where rows[1] > 0, up to two more parts (more, more_fmt) of rows[j] rows each, every part a
+ * team_linear of its own into its columns of y. */
+static void team_parts(const uint8_t *W, int64_t fmt, const int64_t *rows,
+                       const uint8_t *const *more, const int64_t *more_fmt, int64_t N, int64_t K,
+                       const float *bias, const Quantized *q, int64_t B, float *y) {
+    if (rows[1] == 0) {
+        team_linear(W, fmt, N, K, bias, q, B, y, N);
+        return;
+    }
+    int64_t first = 0;
+    for (int j = 0; j < 3 && (j == 0 || rows[j] > 0); j++) {
+        team_linear(j ? more[j - 1] : W, j ? more_fmt[j - 1] : fmt, rows[j], K,
+                    bias ? bias + first : NULL, q, B, y + first, N);
+        first += rows[j];
     }
 }
 
@@ -1356,15 +1383,17 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
 #define STEP_POST(b0, n) rows_in(m, x, L->post_norm, sc, 1, L->attn_out_norm, b0, n)
 #define STEP_ACT(b0, n) rows_act(m, sc, b0, n)
     FOR_ROWS(STEP_IN);
-    team_linear(L->qkv, L->qkv_fmt, qkv_width, H, L->qkv_bias, &sc->q, B, sc->qkv);
+    team_parts(L->qkv, L->qkv_fmt, L->qkv_rows, L->qkv_more, L->qkv_more_fmt, qkv_width, H,
+               L->qkv_bias, &sc->q, B, sc->qkv);
     FOR_ROWS(STEP_QK);
     attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts, cg);
     FOR_ROWS(STEP_ATTN);
-    team_linear(L->o, L->o_fmt, H, q_size, L->o_bias, &sc->q, B, sc->delta);
+    team_linear(L->o, L->o_fmt, H, q_size, L->o_bias, &sc->q, B, sc->delta, H);
     FOR_ROWS(STEP_POST);
-    team_linear(L->gate_up, L->gate_up_fmt, 2 * I, H, L->gate_up_bias, &sc->q, B, sc->gu);
+    team_parts(L->gate_up, L->gate_up_fmt, L->gate_up_rows, L->gate_up_more,
+               L->gate_up_more_fmt, 2 * I, H, L->gate_up_bias, &sc->q, B, sc->gu);
     FOR_ROWS(STEP_ACT);
-    team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta);
+    team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta, H);
 #undef STEP_IN
 #undef STEP_QK
 #undef STEP_ATTN

@@ -34,6 +34,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from typing import cast
 
 import numpy as np
 import torch
@@ -53,9 +54,11 @@ from prefixserve.model.weights.quant import (
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q8_0,
+    PackedParts,
     PackedWeight,
     QuantEmbedding,
     QuantLinear,
+    SplitQuantLinear,
     dequantize_packed,
     pack_float,
     pack_gguf,
@@ -68,7 +71,7 @@ logger = logging.getLogger("prefixserve.model")
 
 _TARGETS = {"auto": None, "int8": FMT_Q8_0, "int4": FMT_Q4_1}
 
-Weight = torch.Tensor | PackedWeight
+Weight = torch.Tensor | PackedWeight | PackedParts
 TensorSource = Callable[[str], torch.Tensor]
 WeightSource = Callable[[str], Weight]
 
@@ -126,17 +129,18 @@ def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype)
 
     The packed entries leave ``state``; a bias stays there for ``load_state_dict``.
     """
-    for key in [k for k, v in state.items() if isinstance(v, PackedWeight)]:
+    for key in [k for k, v in state.items() if isinstance(v, (PackedWeight, PackedParts))]:
         packed = state.pop(key)
-        assert isinstance(packed, PackedWeight)
         parent_name, _, attr = key.removesuffix(".weight").rpartition(".")
         parent = net.get_submodule(parent_name) if parent_name else net
         old = getattr(parent, attr)
         new: nn.Module
-        if isinstance(old, nn.Embedding):
-            new = QuantEmbedding(packed, dtype)
+        if isinstance(packed, PackedParts):
+            new = SplitQuantLinear(packed, bias=old.bias is not None)
+        elif isinstance(old, nn.Embedding):
+            new = QuantEmbedding(cast(PackedWeight, packed), dtype)
         else:
-            new = QuantLinear(packed, bias=old.bias is not None)
+            new = QuantLinear(cast(PackedWeight, packed), bias=old.bias is not None)
         setattr(parent, attr, new)
 
 
@@ -145,26 +149,48 @@ def _cat(parts: list[Weight], heads: Sequence[int | None] = ()) -> Weight:
     part ``j`` is unpermuted (:func:`_unpermute_into`) for ``heads[j]`` heads where that is
     given and not None.
 
-    Q4_0 parts beside Q4_1 ones become Q4_1 (exactly); other packed parts of different formats
-    are all requantized to Q8_0 (the finer one); a mix of packed and dense parts becomes dense.
+    Q4_0 parts beside Q4_1 ones become Q4_1 (exactly); packed parts of other different formats
+    stay as they are, side by side (:class:`PackedParts`: neighbours of one format stacked, a
+    lone part that needs no unpermuting left where it lies); a mix of packed and dense parts
+    becomes dense.
     """
     if all(isinstance(p, torch.Tensor) for p in parts):
         return _stack([p for p in parts if isinstance(p, torch.Tensor)], heads)
     if any(isinstance(p, torch.Tensor) for p in parts):
-        dense = [p if isinstance(p, torch.Tensor) else dequantize_packed(p) for p in parts]
+        dense = [p if isinstance(p, torch.Tensor) else _dequantized(p) for p in parts]
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
         return _stack(dense, heads, dtype)
     packed = [p for p in parts if isinstance(p, PackedWeight)]
     if {p.fmt for p in packed} == {FMT_Q4_0, FMT_Q4_1}:  # Q4_0 is Q4_1 exactly
         packed = [q4_0_to_q4_1(p.data.numpy(), p.cols) if p.fmt == FMT_Q4_0 else p
                   for p in packed]
-    if len({p.fmt for p in packed}) > 1:
-        packed = [p if p.fmt == FMT_Q8_0 else pack_float(dequantize_packed(p).numpy(), FMT_Q8_0)
-                  for p in packed]
-    fmt, cols = packed[0].fmt, packed[0].cols
-    if any(p.fmt != fmt or p.cols != cols for p in packed):
-        raise ValueError("cannot fuse packed weights of different formats or widths")
-    return PackedWeight(fmt, _stack([p.data for p in packed], heads), cols)
+    if any(p.cols != packed[0].cols for p in packed):
+        raise ValueError("cannot fuse packed weights of different widths")
+    runs: list[list[int]] = []  # indices of neighbouring parts of one format
+    for j, part in enumerate(packed):
+        if runs and packed[runs[-1][0]].fmt == part.fmt:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    stacked = [_stack_packed([packed[j] for j in run],
+                             [heads[j] if j < len(heads) else None for j in run])
+               for run in runs]
+    return stacked[0] if len(stacked) == 1 else PackedParts(stacked)
+
+
+def _dequantized(weight: PackedWeight | PackedParts) -> torch.Tensor:
+    """The float32 values of a packed weight, or of each part of one, stacked."""
+    if isinstance(weight, PackedParts):
+        return torch.cat([dequantize_packed(part) for part in weight.parts])
+    return dequantize_packed(weight)
+
+
+def _stack_packed(parts: list[PackedWeight], heads: list[int | None]) -> PackedWeight:
+    """Packed parts of one format stacked (:func:`_stack`), or a lone part that needs no
+    unpermuting as it is."""
+    if len(parts) == 1 and not heads[0]:
+        return parts[0]
+    return PackedWeight(parts[0].fmt, _stack([p.data for p in parts], heads), parts[0].cols)
 
 
 def _stack(parts: list[torch.Tensor], heads: Sequence[int | None] = (),
@@ -364,6 +390,13 @@ def _check_all_used(available: set[str], used: set[str], ignorable: set[str], pa
         raise ValueError(f"{path}: {len(unexpected)} unexpected tensors, e.g. {shown}")
 
 
+def _tensors_of(weight: Weight) -> list[torch.Tensor]:
+    """The tensors that hold ``weight``'s values or packed bytes."""
+    if isinstance(weight, PackedParts):
+        return [part.data for part in weight.parts]
+    return [weight.data if isinstance(weight, PackedWeight) else weight]
+
+
 def _page_releaser(gguf: GGUFFile, used: set[str]) -> Callable[[dict[str, Weight]], None]:
     """A ``settle`` callback for :func:`_assemble`: given the entries built since its last
     call, it releases (:meth:`GGUFFile.release`) the pages of every tensor read since then
@@ -373,8 +406,8 @@ def _page_releaser(gguf: GGUFFile, used: set[str]) -> Callable[[dict[str, Weight
     settled: set[str] = set()
 
     def settle(entries: dict[str, Weight]) -> None:
-        starts = [(w.data if isinstance(w, PackedWeight) else w).data_ptr()
-                  for w in entries.values()]
+        tensors = [t for w in entries.values() for t in _tensors_of(w)]
+        starts = [t.data_ptr() for t in tensors]
         for name in used - settled:
             raw = gguf.read_raw(name)
             low = raw.ctypes.data

@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -139,6 +140,26 @@ class PackedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
+
+
+@dataclass
+class PackedParts:
+    """A fused projection (QKV, gate/up) whose parts are packed in different formats, each kept
+    as it is (:class:`SplitQuantLinear`): e.g. a Q4_K_M file's Q6_K V beside its Q4_K Q and K."""
+
+    parts: list[PackedWeight]
+
+    def __post_init__(self) -> None:
+        if len({p.cols for p in self.parts}) != 1:
+            raise ValueError("cannot fuse packed weights of different widths")
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def cols(self) -> int:
+        return self.parts[0].cols
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -430,6 +451,32 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"format={FORMAT_NAMES[self.fmt]}, bias={self.bias is not None}")
+
+
+class SplitQuantLinear(nn.Module):
+    """``y = x W^T (+ b)`` for a fused projection whose parts are packed in different formats
+    (:class:`PackedParts`): each part a :class:`QuantLinear` of its own rows (``parts``), their
+    outputs side by side. The fused decode step takes the parts as they are (``decode.c``,
+    ``team_parts``)."""
+
+    def __init__(self, weight: PackedParts, bias: bool = False) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(QuantLinear(part) for part in weight.parts)
+        self.in_features = weight.cols
+        self.out_features = weight.rows
+        self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def part_layers(self) -> list[QuantLinear]:
+        """The parts, in the order of their output columns."""
+        return [cast(QuantLinear, part) for part in self.parts]
+
+    def extra_repr(self) -> str:
+        formats = ", ".join(f"{FORMAT_NAMES[p.fmt]} x {p.out_features}" for p in self.part_layers())
+        return f"in_features={self.in_features}, parts=[{formats}], bias={self.bias is not None}"
 
 
 class QuantEmbedding(nn.Module):
