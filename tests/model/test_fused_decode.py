@@ -32,6 +32,7 @@ from prefixserve.model.weights.quant import (
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q4_K,
+    FMT_Q5_K,
     FMT_Q6_K,
     FMT_Q8_0,
     PackedParts,
@@ -205,7 +206,7 @@ def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
 
 #: Block bytes and the offsets of fp16 scales of the K-quant formats (random blocks with small
 #: scales stand for a file's weights).
-K_BLOCKS = {FMT_Q4_K: (144, (0, 2)), FMT_Q6_K: (210, (208,))}
+K_BLOCKS = {FMT_Q4_K: (144, (0, 2)), FMT_Q5_K: (176, (0, 2)), FMT_Q6_K: (210, (208,))}
 
 
 def packed_part(values: torch.Tensor, fmt: int, seed: int) -> PackedWeight:
@@ -253,6 +254,8 @@ SPLIT_CASES = {
                                torch.bfloat16, False),
     "q4_k-q6_k": ((FMT_Q4_K, FMT_Q4_K, FMT_Q6_K), (FMT_Q4_K, FMT_Q6_K), 256, torch.float32,
                   True),
+    "q5_k-q6_k": ((FMT_Q5_K, FMT_Q5_K, FMT_Q6_K), (FMT_Q5_K, FMT_Q6_K), 256, torch.float32,
+                  False),
 }
 
 

@@ -56,6 +56,7 @@ from prefixserve.model.weights.quant import (
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q4_K,
+    FMT_Q5_K,
     FMT_Q6_K,
     FMT_Q8_0,
     FORMAT_NAMES,
@@ -72,15 +73,16 @@ from prefixserve.model.weights.quant import (
 )
 
 Q = GGMLQuantizationType
-GGUF_OF = {FMT_Q4_0: Q.Q4_0, FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0, FMT_Q4_K: Q.Q4_K, FMT_Q6_K: Q.Q6_K}
+GGUF_OF = {FMT_Q4_0: Q.Q4_0, FMT_Q4_1: Q.Q4_1, FMT_Q8_0: Q.Q8_0, FMT_Q4_K: Q.Q4_K, FMT_Q5_K: Q.Q5_K,
+           FMT_Q6_K: Q.Q6_K}
 #: Each GGUF type and the packed format ``pack_gguf`` gives it (KEPT: exactly, else requantized).
 TARGET = {
     Q.Q4_0: FMT_Q4_0, Q.Q4_1: FMT_Q4_1, Q.Q8_0: FMT_Q8_0,
     Q.Q5_0: FMT_Q8_0, Q.Q5_1: FMT_Q8_0,
     Q.Q2_K: FMT_Q4_1, Q.Q3_K: FMT_Q4_1, Q.Q4_K: FMT_Q4_K,
-    Q.Q5_K: FMT_Q8_0, Q.Q6_K: FMT_Q6_K,
+    Q.Q5_K: FMT_Q5_K, Q.Q6_K: FMT_Q6_K,
 }
-KEPT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+KEPT = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 #: Byte offsets of the fp16 super-block scales of the K-quants (gguf-py's ``quants.py``).
 K_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                    Q.Q6_K: (208,)}
@@ -189,7 +191,7 @@ def test_pack_gguf_format_and_kept_bytes(qtype: Q, lib) -> None:
     # The packed bytes are GGUF blocks: gguf-py decodes them as the kernels' dequantize does.
     ours = dequantize_packed(packed).numpy()
     np.testing.assert_array_equal(ours, dequantize(data, GGUF_OF[packed.fmt]))
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
         np.testing.assert_array_equal(data, raw)
     elif qtype == Q.Q5_0:  # exactly, as Q8_0 with the same scales
         np.testing.assert_array_equal(ours, ref)
@@ -295,7 +297,7 @@ def test_q4_0_products_are_those_of_the_same_weight_as_q4_1(dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("cols", (256, 768))
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
 def test_kquant_products_at_any_width_and_row_invariant(qtype: Q, cols: int, lib) -> None:
     """K-quant weights kept in their layout: the one-row kernel over 1 and 3 super-blocks and
     for 8 and 12 output rows within the product bound of gguf-py's values; and in the
@@ -633,7 +635,7 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
                    check=True, capture_output=True, timeout=120)
     portable = ctypes.CDLL(str(target))
     quant_kernels._declare(portable)
-    for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+    for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
         _, ref, packed = packed_case(qtype)
         w64 = ref.astype(np.float64)
         for m, bits in ((1, 16), (5, 16), (5, 8), (SMALL_M, 16), (SMALL_M + 1, 16)):

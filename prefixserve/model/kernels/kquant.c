@@ -5,6 +5,9 @@
  *         sub-blocks of 32 (kq4_scales unpacks them), 128 bytes of nibbles. Weight i of
  *         sub-block j is d * sc_j * q - dmin * m_j, with q the low (j even) or high (j odd)
  *         nibble of nibble byte 32 * (j / 2) + i.
+ *   Q5_K (176 bytes): Q4_K's d, dmin and scales, then 32 bytes qh, then its 128 bytes of
+ *         nibbles; weight i of sub-block j is d * sc_j * q - dmin * m_j with q the Q4_K nibble
+ *         plus 16 times bit j of qh[i].
  *   Q6_K (210 bytes): 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), fp16 d.
  *         Weight e = 128 h + 32 t + l (h < 2, t < 4, l < 32) is d * scale[e / 16] * (q - 32),
  *         q = the nibble t / 2 of ql[64 h + 32 (t % 2) + l], plus bits 2 t and 2 t + 1 of
@@ -20,11 +23,20 @@
  */
 #define FMT_Q4_K 2
 #define FMT_Q6_K 3
+#define FMT_Q5_K 5
 #define QK_K 256
 #define Q4_K_BYTES 144
 #define Q6_K_BYTES 210
+#define Q5_K_BYTES 176
 
-static inline int is_kquant(int fmt) { return fmt == FMT_Q4_K || fmt == FMT_Q6_K; }
+static inline int is_kquant(int fmt) {
+    return fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+}
+
+/* Bytes of one super-block of a K-quant format. */
+static inline int64_t kq_bytes(int fmt) {
+    return fmt == FMT_Q4_K ? Q4_K_BYTES : fmt == FMT_Q5_K ? Q5_K_BYTES : Q6_K_BYTES;
+}
 
 /* Bytes of one row of K weights in format fmt. */
 static inline int64_t fmt_row_bytes(int fmt, int64_t K) {
@@ -33,6 +45,7 @@ static inline int64_t fmt_row_bytes(int fmt, int64_t K) {
     case FMT_Q4_0: return K / QK * Q4_0_BYTES;
     case FMT_Q8_0: return K / QK * Q8_0_BYTES;
     case FMT_Q4_K: return K / QK_K * Q4_K_BYTES;
+    case FMT_Q5_K: return K / QK_K * Q5_K_BYTES;
     default: return K / QK_K * Q6_K_BYTES;
     }
 }
@@ -81,11 +94,14 @@ static inline __m256 kq4_factors(const uint8_t *w, const float *xd, const float 
 }
 #endif
 
-/* The 256 float32 weights of one super-block: d * sc * q - dmin * m (Q4_K), d * scale * (q - 32)
- * (Q6_K), in that order of operations (gguf-py's dequantization rounds the same way). */
+/* The 256 float32 weights of one super-block: d * sc * q - dmin * m (Q4_K, Q5_K),
+ * d * scale * (q - 32) (Q6_K), in that order of operations (gguf-py's dequantization rounds the
+ * same way). */
 static void kq_dequant_super(const uint8_t *blk, int fmt, float *o) {
+    int five = fmt == FMT_Q5_K;
+    const uint8_t *nibbles = blk + (five ? 48 : 16), *qh = blk + 16; /* qh: Q5_K only */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (fmt == FMT_Q4_K) { /* the same products and differences, 16 at a time */
+    if (fmt != FMT_Q6_K) { /* the same products and differences, 16 at a time */
         float d = fp16_to_float(blk), dmin = fp16_to_float(blk + 2);
         uint8_t sc[8], mn[8];
         kq4_scales(blk + 4, sc, mn);
@@ -93,8 +109,14 @@ static void kq_dequant_super(const uint8_t *blk, int fmt, float *o) {
             __m512 a = _mm512_set1_ps(d * (float)sc[j]), b = _mm512_set1_ps(dmin * (float)mn[j]);
             for (int h = 0; h < 2; h++) {
                 __m512i q = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(blk + 16 + 32 * (j / 2) + 16 * h)));
+                    _mm_loadu_si128((const __m128i *)(nibbles + 32 * (j / 2) + 16 * h)));
                 q = _mm512_and_si512(_mm512_srli_epi32(q, 4 * (j % 2)), _mm512_set1_epi32(15));
+                if (five) {
+                    __m512i high = _mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(qh + 16 * h)));
+                    high = _mm512_and_si512(_mm512_srli_epi32(high, j), _mm512_set1_epi32(1));
+                    q = _mm512_or_si512(q, _mm512_slli_epi32(high, 4));
+                }
                 _mm512_storeu_ps(o + 32 * j + 16 * h,
                                  _mm512_sub_ps(_mm512_mul_ps(a, _mm512_cvtepi32_ps(q)), b));
             }
@@ -102,7 +124,8 @@ static void kq_dequant_super(const uint8_t *blk, int fmt, float *o) {
         return;
     }
     { /* Q6_K: 16 weights (one scale) at a time */
-        const uint8_t *ql = blk, *qh = blk + 128;
+        const uint8_t *ql = blk;
+        qh = blk + 128;
         const int8_t *scale = (const int8_t *)(blk + 192);
         float d = fp16_to_float(blk + 208);
         for (int h = 0; h < 2; h++) {
@@ -125,19 +148,23 @@ static void kq_dequant_super(const uint8_t *blk, int fmt, float *o) {
         return;
     }
 #endif
-    if (fmt == FMT_Q4_K) {
+    if (fmt != FMT_Q6_K) {
         float d = fp16_to_float(blk), dmin = fp16_to_float(blk + 2);
         uint8_t sc[8], mn[8];
         kq4_scales(blk + 4, sc, mn);
         for (int j = 0; j < 8; j++) {
-            const uint8_t *q = blk + 16 + 32 * (j / 2);
+            const uint8_t *q = nibbles + 32 * (j / 2);
             int shift = 4 * (j % 2);
             float a = d * (float)sc[j], b = dmin * (float)mn[j];
-            for (int i = 0; i < 32; i++) o[32 * j + i] = a * (float)((q[i] >> shift) & 15) - b;
+            for (int i = 0; i < 32; i++) {
+                int high = five ? ((qh[i] >> j) & 1) << 4 : 0;
+                o[32 * j + i] = a * (float)(((q[i] >> shift) & 15) | high) - b;
+            }
         }
         return;
     }
-    const uint8_t *ql = blk, *qh = blk + 128;
+    const uint8_t *ql = blk;
+    qh = blk + 128;
     const int8_t *scale = (const int8_t *)(blk + 192);
     float d = fp16_to_float(blk + 208);
     for (int h = 0; h < 2; h++) {
@@ -153,7 +180,7 @@ static void kq_dequant_super(const uint8_t *blk, int fmt, float *o) {
 }
 
 static void kq_dequant_row(const uint8_t *w, int fmt, int64_t K, float *out) {
-    int64_t bytes = fmt == FMT_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+    int64_t bytes = kq_bytes(fmt);
     for (int64_t s = 0; s < K / QK_K; s++) kq_dequant_super(w + s * bytes, fmt, out + s * QK_K);
 }
 
@@ -239,24 +266,41 @@ static void kq_rows_any(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
 /* One output of a Q4_K row for one activation row: per sub-block a multiply-add of the nibbles
  * (16-bit) with the activations, converted and scaled by d * sc_j * xd; the mins' term
  * dmin * m_j * xs added per super-block, 8 sub-blocks at once. */
-static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
-                          const float *xs, int64_t supers) {
+/* v shifted left by n bits (right by -n where n < 0); n a constant where it is inlined. */
+static inline __m512i shift512(__m512i v, int n) {
+    return n > 0 ? _mm512_slli_epi16(v, n) : n < 0 ? _mm512_srli_epi16(v, -n) : v;
+}
+
+/* As kq4_row_wide for Q4_K (five = 0) or Q5_K (five = 1: each sub-block j's nibbles take bit
+ * j of qh as bit 4); five a constant where it is inlined. */
+static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *w, int five,
+                                                                 const int16_t *xq,
+                                                                 const float *xd,
+                                                                 const float *xs,
+                                                                 int64_t supers) {
     /* one accumulator per sub-block: a single one made each super-block a chain of 8
      * dependent multiply-adds, and the kernel half as fast */
     __m512 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
     __m256 mins = _mm256_setzero_ps();
-    const __m512i low = _mm512_set1_epi16(0x0f);
-    for (int64_t s = 0; s < supers; s++, w += Q4_K_BYTES) {
+    const __m512i low = _mm512_set1_epi16(0x0f), bit4 = _mm512_set1_epi16(0x10);
+    int64_t bytes = five ? Q5_K_BYTES : Q4_K_BYTES, at = five ? 48 : 16;
+    for (int64_t s = 0; s < supers; s++, w += bytes) {
         float unit[8];
         mins = kq4_factors(w, xd + s * 8, xs + s * 8, unit, mins);
+        if (five) _mm_prefetch((const char *)(w + ROW_PREFETCH + 128), ROW_PREFETCH_HINT);
         const int16_t *a = xq + s * QK_K;
+        __m512i qh = five ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 16)))
+                          : _mm512_setzero_si512();
         for (int i = 0; i < 4; i++) {
-            __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * i)));
-            __m512i p0 = DPWSSD(_mm512_setzero_si512(), _mm512_and_si512(both, low),
-                                _mm512_loadu_si512(a + 64 * i));
-            __m512i p1 = DPWSSD(_mm512_setzero_si512(), _mm512_srli_epi16(both, 4),
-                                _mm512_loadu_si512(a + 64 * i + 32));
+            __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + at + 32 * i)));
+            __m512i q0 = _mm512_and_si512(both, low), q1 = _mm512_srli_epi16(both, 4);
+            if (five) { /* bits 2 i and 2 i + 1 of qh moved to bit 4 */
+                q0 = _mm512_or_si512(q0, _mm512_and_si512(shift512(qh, 4 - 2 * i), bit4));
+                q1 = _mm512_or_si512(q1, _mm512_and_si512(shift512(qh, 3 - 2 * i), bit4));
+            }
+            __m512i p0 = DPWSSD(_mm512_setzero_si512(), q0, _mm512_loadu_si512(a + 64 * i));
+            __m512i p1 = DPWSSD(_mm512_setzero_si512(), q1, _mm512_loadu_si512(a + 64 * i + 32));
             acc[2 * i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_set1_ps(unit[2 * i]),
                                          acc[2 * i]);
             acc[2 * i + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1),
@@ -265,6 +309,16 @@ static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
     }
     for (int j = 1; j < 8; j++) acc[0] = _mm512_add_ps(acc[0], acc[j]);
     return _mm512_reduce_add_ps(acc[0]) - hsum(mins);
+}
+
+static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    return kq45_row_wide(w, 0, xq, xd, xs, supers);
+}
+
+static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    return kq45_row_wide(w, 1, xq, xd, xs, supers);
 }
 
 /* Outputs y[0 .. 4) of four Q4_K rows (row_bytes apart) for one activation row: the products of
@@ -351,19 +405,30 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
     return _mm512_reduce_add_ps(acc[0]);
 }
 #elif defined(__AVX2__)
-/* As kq4_row_wide at 256 bits: per sub-block, two 16-element halves of 16-bit products. */
-static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
-                          const float *xs, int64_t supers) {
+/* As kq45_row_wide at 256 bits: per sub-block, two 16-element halves of 16-bit products. */
+static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *w, int five,
+                                                                 const int16_t *xq,
+                                                                 const float *xd,
+                                                                 const float *xs,
+                                                                 int64_t supers) {
     __m256 acc[4], mins = _mm256_setzero_ps(); /* independent chains, as in the 512-bit form */
     for (int k = 0; k < 4; k++) acc[k] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t s = 0; s < supers; s++, w += Q4_K_BYTES) {
+    const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    int64_t bytes_per = five ? Q5_K_BYTES : Q4_K_BYTES, at = five ? 48 : 16;
+    for (int64_t s = 0; s < supers; s++, w += bytes_per) {
         float unit[8];
         mins = kq4_factors(w, xd + s * 8, xs + s * 8, unit, mins);
+        if (five) _mm_prefetch((const char *)(w + ROW_PREFETCH + 128), ROW_PREFETCH_HINT);
         const int16_t *a = xq + s * QK_K;
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (j / 2)));
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + at + 32 * (j / 2)));
             __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
+            if (five) { /* bit j of each qh byte as bit 4 (the 16-bit shift leaves bit 0 of
+                         * each byte that byte's bit j) */
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, j), one);
+                q = _mm256_or_si256(q, _mm256_slli_epi16(high, 4));
+            }
             const int16_t *x = a + 32 * j;
             __m256i p = _mm256_add_epi32(
                 _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)),
@@ -376,6 +441,16 @@ static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
            - hsum(mins);
+}
+
+static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    return kq45_row_wide(w, 0, xq, xd, xs, supers);
+}
+
+static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    return kq45_row_wide(w, 1, xq, xd, xs, supers);
 }
 
 /* As kq6_row_wide at 256 bits: each 16 weights of a scale in one multiply-add. */
@@ -416,8 +491,8 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
 #endif
 
 /* Outputs y[n0 .. n1) of a one-row product (y indexed by output), the fastest way the build
- * has: four Q4_K rows through kq4_rows4_wide (512 bits), else kq4_row_wide / kq6_row_wide at
- * 512 or 256 bits (sums in another order than kq_rows), else kq_rows. */
+ * has: four Q4_K rows through kq4_rows4_wide (512 bits), else kq4_row_wide / kq5_row_wide /
+ * kq6_row_wide at 512 or 256 bits (sums in another order than kq_rows), else kq_rows. */
 static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
                         const int16_t *xq, const float *xd, const float *xs, float *y) {
 #ifdef __AVX2__
@@ -430,8 +505,9 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = W + n * row_bytes;
-        y[n] = fmt == FMT_Q4_K ? kq4_row_wide(w, xq, xd, xs, K / QK_K)
-                               : kq6_row_wide(w, xq, xd, K / QK_K);
+        y[n] = fmt == FMT_Q4_K   ? kq4_row_wide(w, xq, xd, xs, K / QK_K)
+               : fmt == FMT_Q5_K ? kq5_row_wide(w, xq, xd, xs, K / QK_K)
+                                 : kq6_row_wide(w, xq, xd, K / QK_K);
     }
 #else
     (void)xs;

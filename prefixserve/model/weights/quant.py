@@ -1,15 +1,15 @@
 """Weights kept block-quantized in memory, and the layers that multiply with them.
 
-Five packed formats, each GGUF's own byte layout: **Q4_0** (4-bit, a scale per block of 32:
+Six packed formats, each GGUF's own byte layout: **Q4_0** (4-bit, a scale per block of 32:
 4.5 bits per weight), **Q4_1** (4-bit, a scale and an offset per block: 5 bits per weight) and
 **Q8_0** (8-bit, a scale per block: 8.5 bits per weight), see ``kernels/quant.c``; **Q4_K**
-(super-blocks of 256: 4.5 bits per weight) and **Q6_K** (6.56 bits per weight), see
+(super-blocks of 256: 4.5 bits per weight), **Q5_K** (5.5 bits) and **Q6_K** (6.56 bits), see
 ``kernels/kquant.c``. A GGUF tensor maps to them as follows (:func:`pack_gguf`):
 
-* Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are kept byte for byte (the model computes what the file
-  holds); Q5_0 becomes Q8_0 exactly (bytes q - 16);
+* Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K are kept byte for byte (the model computes what the
+  file holds); Q5_0 becomes Q8_0 exactly (bytes q - 16);
 * the other 2-4-bit types (Q2_K, Q3_K, IQ4...) are dequantized and requantized to Q4_1;
-* the other 5-8-bit types (Q5_1, Q5_K, Q8_1, Q8_K) are requantized to Q8_0 (the loader's log
+* the other 5-8-bit types (Q5_1, Q8_1, Q8_K) are requantized to Q8_0 (the loader's log
   names every requantized tensor type);
 * float tensors (F32, F16, BF16) stay dense (:data:`DENSE_TYPES`).
 
@@ -56,6 +56,7 @@ from prefixserve.model.weights.quant_kernels import (
     FMT_Q4_0,
     FMT_Q4_1,
     FMT_Q4_K,
+    FMT_Q5_K,
     FMT_Q6_K,
     FMT_Q8_0,
 )
@@ -65,11 +66,11 @@ BLOCK = 32
 #: Bytes per block of each packed format.
 BLOCK_BYTES = {FMT_Q4_0: 18, FMT_Q4_1: 20, FMT_Q8_0: 34}
 FORMAT_NAMES = {FMT_Q4_0: "Q4_0", FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K",
-                FMT_Q6_K: "Q6_K"}
+                FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K"}
 #: The K-quant formats: super-blocks of SUPER_BLOCK weights, of SUPER_BLOCK_BYTES bytes.
-K_FORMATS = frozenset({FMT_Q4_K, FMT_Q6_K})
+K_FORMATS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 SUPER_BLOCK = 256
-SUPER_BLOCK_BYTES = {FMT_Q4_K: 144, FMT_Q6_K: 210}
+SUPER_BLOCK_BYTES = {FMT_Q4_K: 144, FMT_Q5_K: 176, FMT_Q6_K: 210}
 
 
 def row_bytes(fmt: int, cols: int) -> int:
@@ -114,9 +115,9 @@ ACTIVATION_BITS = 16
 _SLICE_ELEMENTS = 1 << 21
 
 # GGML type ids (gguf.constants.GGMLQuantizationType) by how they are kept.
-_Q4_0, _Q4_1, _Q5_0, _Q8_0, _Q4_K, _Q6_K = 2, 3, 6, 8, 12, 14
+_Q4_0, _Q4_1, _Q5_0, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 8, 12, 13, 14
 #: GGUF K-quant types kept as they are, and their packed format.
-_KEPT_K = {_Q4_K: FMT_Q4_K, _Q6_K: FMT_Q6_K}
+_KEPT_K = {_Q4_K: FMT_Q4_K, _Q5_K: FMT_Q5_K, _Q6_K: FMT_Q6_K}
 DENSE_TYPES = frozenset({0, 1, 24, 25, 26, 27, 28, 30})  # floats and plain integers
 _FOUR_BIT_OR_LESS = frozenset({10, 11, 12, 16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35, 39, 40, 41})
 

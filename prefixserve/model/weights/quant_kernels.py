@@ -35,6 +35,7 @@ FMT_Q8_0 = 1
 FMT_Q4_K = 2
 FMT_Q6_K = 3
 FMT_Q4_0 = 4
+FMT_Q5_K = 5
 
 
 @dataclass
