@@ -653,6 +653,27 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
         assert torch.equal(layer._expand(0, packed.rows, torch.bfloat16).view(torch.int16), want)
 
 
+def test_kernel_flags_from_the_environment_reach_the_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$PREFIXSERVE_KERNEL_FLAGS`` goes after ``-march=native`` (``-mno-avx512f`` builds the
+    AVX2 kernels on an AVX-512 machine) and into the build's cache key."""
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 flag")
+    source = tmp_path / "probe.c"
+    source.write_text("int wide(void) {\n#ifdef __AVX512F__\n return 1;\n#else\n"
+                      " return 0;\n#endif\n}\n")
+    monkeypatch.setenv("PREFIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    native = quant_kernels.load_library(source)
+    monkeypatch.setenv("PREFIXSERVE_KERNEL_FLAGS", "-mno-avx512f -DPROBE=1")
+    assert quant_kernels._flags()[-2:] == ["-mno-avx512f", "-DPROBE=1"]
+    narrow = quant_kernels.load_library(source)
+    assert narrow.wide() == 0
+    assert native.wide() == int(has_avx512_and_avx2())
+    assert len(list((tmp_path / "cache" / "kernels").glob("probe-*.so"))) == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # pack_float, cat_rows and the loader's fusing
 

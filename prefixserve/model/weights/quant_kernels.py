@@ -1,6 +1,7 @@
 """The quantized-weight CPU kernels (``kernels/quant.c``): built at first use, loaded with ctypes.
 
-The C file is compiled once per source version and CPU (``-O3 -march=native -fopenmp``) into
+The C file is compiled once per source version, flags and CPU (``-O3 -march=native -fopenmp``,
+then ``$PREFIXSERVE_KERNEL_FLAGS``) into
 ``$PREFIXSERVE_CACHE_DIR/kernels`` (default ``~/.cache/prefixserve/kernels``); later processes
 load the cached library. A build writes to a temporary name and renames it, so concurrent
 processes never load a half-written file. :func:`kernels` returns None where no C compiler is
@@ -18,6 +19,7 @@ import hashlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -87,10 +89,13 @@ def _cpu_signature() -> str:
 
 
 def _flags() -> list[str]:
+    """The compiler flags of every kernel build: ``-march=native`` where the compiler takes it,
+    then ``$PREFIXSERVE_KERNEL_FLAGS`` (e.g. ``-mno-avx512f``: the AVX2 kernels on an AVX-512
+    machine, to measure them or to match other machines of a fleet)."""
     flags = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c11"]
     if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
         flags.append("-march=native")
-    return flags
+    return flags + shlex.split(os.environ.get("PREFIXSERVE_KERNEL_FLAGS", ""))
 
 
 def _build(compiler: str, target: Path, source: Path = _SOURCE,
