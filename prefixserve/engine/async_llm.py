@@ -34,9 +34,11 @@ from prefixserve.engine.llm_engine import (
     QueueReservation,
 )
 from prefixserve.engine.lora_registry import LoRAInfo
+from prefixserve.engine.multimodal import PlacedImages
 from prefixserve.engine.stat_logger import StatLogger
 from prefixserve.engine.step_hooks import StepHook
 from prefixserve.model.text.tokenizer import Tokenizer
+from prefixserve.model.vision.image import DecodedImage
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 
@@ -145,10 +147,25 @@ class AsyncLLM:
         """The dtype the KV cache holds."""
         return self.engine.kv_cache_dtype
 
+    @property
+    def image_token(self) -> str | None:
+        """The image placeholder token's text; None for a model that takes no images."""
+        return self.engine.image_token
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        """The most images one prompt may hold (``limit_mm_per_prompt``)."""
+        return self.engine.config.limit_mm_per_prompt
+
     def validate_prompt(self, token_ids: Sequence[int], max_tokens: int | None) -> None:
         """Raises ``RequestError`` unless the prompt could run (see
         ``LLMEngine.validate_prompt``); safe from any thread."""
         self.engine.validate_prompt(token_ids, max_tokens)
+
+    def place_images(self, token_ids: Sequence[int], images: Sequence[DecodedImage]
+                     ) -> tuple[list[int], PlacedImages]:
+        """``LLMEngine.place_images``; safe from any thread."""
+        return self.engine.place_images(token_ids, images)
 
     # ------------------------------------------------------------------ public API
     async def generate(
@@ -161,6 +178,7 @@ class AsyncLLM:
         retention: Retention | None = None,
         lora: str | None = None,
         reservation: QueueReservation | None = None,
+        images: PlacedImages | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs (deltas) until it finishes. Raises the engine's
         ``RequestError``/``QueueFullError`` before the first output if it cannot be queued
@@ -174,7 +192,8 @@ class AsyncLLM:
         def add() -> None:
             self.engine.add_request(prompt, params, request_id, cache_salt=cache_salt,
                                     add_special_tokens=add_special_tokens, arrival_time=arrival,
-                                    retention=retention, lora=lora, reservation=reservation)
+                                    retention=retention, lora=lora, reservation=reservation,
+                                    images=images)
             self._streams[request_id] = (loop, stream)
 
         try:

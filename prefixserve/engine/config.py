@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
 from prefixserve.model.arch.config import WEIGHT_MODES
+from prefixserve.model.arch.vision_config import (
+    DEFAULT_LIMIT_IMAGES_PER_PROMPT,
+    DEFAULT_MAX_IMAGE_PIXELS,
+)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -108,6 +112,10 @@ class EngineConfig:
     decodes computes up to this many draft tokens, found by prompt lookup with n-grams of
     ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens, beside its next token in each step
     (``engine/ngram_proposer.py``; vLLM's ``ngram`` method and names).
+    ``limit_mm_per_prompt`` is the most images one prompt may hold, ``max_image_pixels`` the
+    most pixels one image may have (``LLM.chat`` decodes images under it; the server has the
+    same flag), and ``encoder_cache_size`` the image embedding rows the encoder cache keeps
+    (``engine/multimodal.py``; a model that takes no images ignores all three).
     """
 
     model: str | None = None
@@ -149,6 +157,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    limit_mm_per_prompt: int = DEFAULT_LIMIT_IMAGES_PER_PROMPT
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    encoder_cache_size: int = 8192
 
     @property
     def prefill_threshold(self) -> int:
@@ -193,6 +204,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_tiers()
         self._check_speculation()
+        self._check_images()
+
+    def _check_images(self) -> None:
+        for name in ("limit_mm_per_prompt", "max_image_pixels", "encoder_cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
     def _check_speculation(self) -> None:
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:

@@ -9,6 +9,7 @@ from prefixserve.core import Retention
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import PIN_WARMUP_PARAMS, PIN_WARMUP_RETENTION, LLMEngine
 from prefixserve.engine.lora_registry import LoRAInfo
+from prefixserve.engine.multimodal import PlacedImages, flatten_content
 from prefixserve.engine.output_processor import RequestState
 from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import RequestOutput
@@ -63,19 +64,38 @@ class LLM:
         lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them and
-        generates the assistant's replies."""
+        generates the assistant's replies.
+
+        A message's content may be a list of parts, as OpenAI's chat API has them: ``{"type":
+        "text", "text": ...}``, and for a model that takes images ``{"type": "image_url",
+        "image_url": {"url": "data:image/png;base64,..."}}`` or ``{"type": "image", "image":
+        <a Pillow image or an image file's bytes>}`` (``engine/multimodal.py``). Raises
+        ``ImageError`` for an image that cannot be decoded, ``RequestError`` for images the
+        model cannot take."""
         conversations: list[Messages]
         if messages and isinstance(messages[0], dict):
             conversations = [cast(Messages, messages)]  # one conversation
         else:
             conversations = list(cast(Sequence[Messages], messages))
-        tokenizer = self.engine.tokenizer
-        prompts: list[Prompt] = [
-            cast(list[int], tokenizer.apply_chat_template(
-                list(c), add_generation_prompt=add_generation_prompt, tokenize=True))
-            for c in conversations
-        ]
-        return self._run(prompts, sampling_params, cache_salt, lora)
+        prompts: list[Prompt] = []
+        placed: list[PlacedImages | None] = []
+        for conversation in conversations:
+            ids, images = self._chat_prompt(conversation, add_generation_prompt)
+            prompts.append(ids)
+            placed.append(images)
+        return self._run(prompts, sampling_params, cache_salt, lora, images=placed)
+
+    def _chat_prompt(self, conversation: Messages, add_generation_prompt: bool
+                     ) -> tuple[list[int], PlacedImages | None]:
+        """A conversation's prompt ids (its images expanded) and placed images."""
+        engine = self.engine
+        messages, images = flatten_content(conversation, engine.image_token,
+                                           engine.config.max_image_pixels)
+        ids = cast(list[int], engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True))
+        if not images:
+            return ids, None
+        return engine.place_images(ids, images)
 
     def close(self) -> None:
         """Finishes the cache tiers' writes and stops their threads (no-op without tiers)."""
@@ -110,6 +130,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              cache_salt: str | None, lora: str | Sequence[str | None] | None = None,
              retention: Retention | None = None,
+             images: Sequence[PlacedImages | None] | None = None,
              ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
@@ -122,10 +143,12 @@ class LLM:
             raise ValueError(f"{len(loras)} adapter names for {len(prompts)} prompts")
         engine = self.engine
         states: list[RequestState] = []
+        placed = images if images is not None else [None] * len(prompts)
         try:
-            for prompt, params, name in zip(prompts, params_list, loras, strict=True):
+            for prompt, params, name, image_inputs in zip(prompts, params_list, loras, placed,
+                                                          strict=True):
                 request_id = engine.add_request(prompt, params, cache_salt=cache_salt, lora=name,
-                                                retention=retention)
+                                                retention=retention, images=image_inputs)
                 states.append(engine.request_state(request_id))
             while engine.has_unfinished_requests():
                 engine.step()

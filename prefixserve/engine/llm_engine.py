@@ -24,7 +24,6 @@ import torch
 from prefixserve.core import (
     MAX_PRIORITY,
     CacheRequest,
-    MultiModalInput,
     PinBudgetError,
     PrefixCachingMetrics,
     Retention,
@@ -37,6 +36,7 @@ from prefixserve.engine.errors import QueueFullError, RequestError
 from prefixserve.engine.host_allocator import keep_freed_memory
 from prefixserve.engine.kv_cache_setup import log_kv_capacity, make_engine_kv_cache
 from prefixserve.engine.lora_registry import LoRACacheCounts, LoRAInfo, LoRARegistry
+from prefixserve.engine.multimodal import ImageInputs, PlacedImages
 from prefixserve.engine.ngram_proposer import NgramProposer
 from prefixserve.engine.output_processor import (
     ExecutedStep,
@@ -67,6 +67,8 @@ from prefixserve.model.sampler import (
     verify_drafts,
 )
 from prefixserve.model.text.tokenizer import Tokenizer, load_tokenizer
+from prefixserve.model.vision.image import DecodedImage
+from prefixserve.model.vision.loader import load_vision_model
 from prefixserve.model.weights.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from prefixserve.model.weights.loader import load_model
 from prefixserve.outputs import RequestOutput
@@ -111,6 +113,10 @@ class EngineStats:
     """Draft tokens computed by n-gram speculation (``--num-speculative-tokens``)."""
     spec_accepted_tokens: int = 0
     """Draft tokens the model agreed with: each one a token gained without a step of its own."""
+    encoder_runs: int = 0
+    """Images run through the vision encoder (a model that takes images)."""
+    encoder_cache_hits: int = 0
+    """Times a step found an image's embeddings in the encoder cache."""
 
 
 #: The prefill that computes a prefix before it is pinned: one greedy token, with its blocks
@@ -136,14 +142,10 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self.model_config, model = load_model(config.model, self.dtype, config.device,
                                                 config.weights)
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        else:
-            memory = parse_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
-            num_blocks = ModelRunner.num_blocks_for_memory(self.model_config, self.kv_cache_dtype,
-                                                           config.block_size, memory)
-        if num_blocks < 2:
-            raise ValueError("kv_cache_memory is too small for two KV blocks")
+        self.images = ImageInputs(load_vision_model(config.model, self.dtype, config.device),
+                                  config.limit_mm_per_prompt, config.encoder_cache_size,
+                                  config.device)
+        num_blocks = self._num_blocks(config)
         self.runner = ModelRunner(self.model_config, model, num_blocks, config.block_size,
                                   self.dtype, config.device, config.deterministic,
                                   config.enforce_eager, self.kv_cache_dtype)
@@ -184,6 +186,18 @@ class LLMEngine:
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.hooks.append(CleanupHook(self.scheduler, self.structured))
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        """The KV pool's blocks: ``num_blocks``, or what ``kv_cache_memory`` holds (a
+        ValueError under two)."""
+        if config.num_blocks is not None:
+            return config.num_blocks
+        memory = parse_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+        num_blocks = ModelRunner.num_blocks_for_memory(self.model_config, self.kv_cache_dtype,
+                                                       config.block_size, memory)
+        if num_blocks < 2:
+            raise ValueError("kv_cache_memory is too small for two KV blocks")
+        return num_blocks
 
     def _enable_speculation(self) -> None:
         """The n-gram proposer (any model: a verification step's rows read only the blocks of
@@ -237,6 +251,22 @@ class LLMEngine:
         return self.config.max_waiting_requests
 
     @property
+    def image_token(self) -> str | None:
+        """The text of the image placeholder token a chat prompt holds where an image goes
+        (``place_images`` expands it); None for a model that takes no images."""
+        token_id = self.images.image_token_id
+        return None if token_id is None else self.tokenizer.convert_ids_to_tokens([token_id])[0]
+
+    def place_images(self, token_ids: Sequence[int], images: Sequence[DecodedImage]
+                     ) -> tuple[list[int], PlacedImages]:
+        """The prompt ``token_ids`` with each image placeholder expanded to its image's tokens,
+        and the images placed, for ``add_request`` (``ImageInputs.place``: a ``RequestError``
+        for a text-only model, more than ``limit_mm_per_prompt`` images, or placeholders that
+        do not match the images). Reads only what is fixed once the engine is built, so any
+        thread may call it."""
+        return self.images.place(token_ids, images)
+
+    @property
     def prompt_tokens(self) -> int:
         """Prompt tokens of the sequences that produced a token, since the engine started."""
         return self.output_processor.prompt_tokens
@@ -254,7 +284,7 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         lora_id: int | str | None = None,
-        mm_inputs: Sequence[MultiModalInput] = (),
+        images: PlacedImages | None = None,
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
         retention: Retention | None = None,
@@ -265,10 +295,11 @@ class LLMEngine:
 
         Raises ``RequestError`` for a request that could never run (empty, longer than the
         context, token ids out of the vocabulary, longer than one step without chunked prefill,
-        more sequences than the queue holds) and ``QueueFullError`` when the queue has no room
-        for its ``n`` sequences now. Nothing is queued unless it can be scheduled. With a
-        ``reservation`` (``reserve_queue_room``) that still holds ``n`` sequences, the room is
-        taken from it instead."""
+        more sequences than the queue holds, image placeholder tokens that are not ``images``'
+        runs) and ``QueueFullError`` when the queue has no room for its ``n`` sequences now.
+        Nothing is queued unless it can be scheduled. With a ``reservation``
+        (``reserve_queue_room``) that still holds ``n`` sequences, the room is taken from it
+        instead. ``images`` are the prompt's images as ``place_images`` placed them."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
@@ -283,30 +314,17 @@ class LLMEngine:
         reserved = reservation is not None and reservation.remaining >= params.n
         if not reserved:  # a RequestError, never a retryable QueueFullError
             self._check_queue_room(params.n)
+        self.images.check(token_ids, images)
         self.check_token_controls(params)
         grammar, params = self._compile_grammar(params)
-        arrival = arrival_time or time.time()
-        children = []
         if lora is not None:
             lora_id = self._lora_id(lora, lora_id)
-        for index in range(params.n):
-            seed = None if params.seed is None else (params.seed + index) % 2**64
-            request = Request(
-                request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
-                group_id=request_id,
-                token_ids=list(token_ids),
-                cache_salt=cache_salt,
-                lora_id=lora_id,
-                mm_inputs=tuple(mm_inputs),
-                wants_prompt_logprobs=params.prompt_logprobs is not None,
-                prompt_token_ids=token_ids,
-                params=params,
-                index=index,
-                generator=make_generator(seed, self.config.device),
-                retention=retention,
-            )
-            request.metrics.arrival_time = arrival
-            children.append(request)
+        shared = {"cache_salt": cache_salt, "lora_id": lora_id, "retention": retention,
+                  "mm_inputs": images.inputs if images is not None else (),
+                  "images": images.images if images is not None else ()}
+        arrival = arrival_time or time.time()
+        children = [self._sequence(request_id, index, token_ids, params, arrival, shared)
+                    for index in range(params.n)]
         self.output_processor.add_request(request_id, text, children)
         self._queue(children, grammar, params)
         if reserved:
@@ -314,6 +332,20 @@ class LLMEngine:
             reservation.remaining -= params.n
             self.reserved_sequences -= params.n
         return request_id
+
+    def _sequence(self, request_id: str, index: int, token_ids: list[int],
+                  params: SamplingParams, arrival: float, shared: dict[str, Any]) -> Request:
+        """Sequence ``index`` of the ``params.n`` of request ``request_id``: the prompt and
+        the ``shared`` fields (salt, adapter, images, retention), and its own id, token list,
+        seed and generator."""
+        seed = None if params.seed is None else (params.seed + index) % 2**64
+        request = Request(
+            request_id=f"{request_id}#{index}" if params.n > 1 else request_id,
+            group_id=request_id, token_ids=list(token_ids), prompt_token_ids=token_ids,
+            wants_prompt_logprobs=params.prompt_logprobs is not None, params=params,
+            index=index, generator=make_generator(seed, self.config.device), **shared)
+        request.metrics.arrival_time = arrival
+        return request
 
     def reserve_queue_room(self, n: int) -> QueueReservation:
         """Holds room in the waiting queue for ``n`` sequences that several ``add_request``
@@ -637,7 +669,9 @@ class LLMEngine:
         """Runs the model over the scheduled tokens, moves each request's
         ``num_computed_tokens`` past them, and samples the next token of every request whose
         tokens are all computed now; prompt logprobs come from the chunk's logits when asked."""
-        batch = [self._batch_input(item) for item in scheduled.scheduled]
+        embeds = self._image_embeds(scheduled)
+        batch = [self._batch_input(item, rows) for item, rows in zip(scheduled.scheduled, embeds,
+                                                                      strict=True)]
         result = self.runner.execute(batch)
         step = ExecutedStep([item.request for item in scheduled.scheduled])
         ready = []
@@ -675,8 +709,20 @@ class LLMEngine:
         self.spec_accepted_tokens += accepted
         return [SampledToken(request, token) for token in tokens]
 
-    def _batch_input(self, item: ScheduledRequest) -> SeqBatchInput:
-        """The model runner's input for one scheduled request: its next ``num_new_tokens``."""
+    def _image_embeds(self, scheduled: SchedulerOutput
+                      ) -> list[tuple[tuple[int, torch.Tensor], ...]]:
+        """Each scheduled request's image rows among its new tokens (``ImageInputs``)."""
+        items = scheduled.scheduled
+        if not any(item.request.images for item in items):
+            return [()] * len(items)
+        return self.images.step_embeds([
+            (item.request.mm_inputs, item.request.images, item.request.num_computed_tokens,
+             item.num_new_tokens) for item in items])
+
+    def _batch_input(self, item: ScheduledRequest,
+                     embeds: tuple[tuple[int, torch.Tensor], ...] = ()) -> SeqBatchInput:
+        """The model runner's input for one scheduled request: its next ``num_new_tokens``
+        (``embeds``: their image rows)."""
         request = item.request
         start = request.num_computed_tokens
         return SeqBatchInput(
@@ -689,6 +735,7 @@ class LLMEngine:
             seq_id=request.request_id,
             extra_block_tables=request.extra_block_ids,
             lora_slot=self.loras.slot(request.lora_id) if self.loras is not None else None,
+            embeds=embeds,
         )
 
     def _sample(self, logits: torch.Tensor, rows: list[int],
@@ -756,4 +803,6 @@ class LLMEngine:
             kv_tiers=self.tiers.stats() if self.tiers is not None else (),
             spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
+            encoder_runs=self.images.encoder_runs,
+            encoder_cache_hits=self.images.encoder_cache_hits,
         )

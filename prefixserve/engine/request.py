@@ -18,6 +18,8 @@ from prefixserve.sampling_params import SamplingParams
 if TYPE_CHECKING:  # a generator is all of torch a request holds: the scheduler loads no torch
     import torch
 
+    from prefixserve.model.vision.image import DecodedImage
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -71,6 +73,9 @@ class Request(CacheRequest):
     draft_token_ids: list[int] = field(default_factory=list)
     """With n-gram speculation: the tokens proposed to follow this decoding request's next one
     (``engine/ngram_proposer.py``); not part of ``token_ids`` until the model agrees."""
+    images: tuple[DecodedImage, ...] = ()
+    """The prompt's images, ``images[i]`` at ``mm_inputs[i]`` (``engine/multimodal.py``): kept
+    until the request ends, since a preempted request may need their embeddings again."""
 
     @property
     def is_finished(self) -> bool:

@@ -34,10 +34,15 @@ class StatLogger:
 
 def format_stats(stats: EngineStats, prompt_throughput: float,
                  generation_throughput: float) -> str:
-    return (
+    """The log line; the encoder's counts join it once an image has been seen."""
+    line = (
         f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
         f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
         f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
         f"KV cache usage: {stats.kv_cache_usage:.1%}, "
         f"Prefix cache hit rate: {stats.prefix_cache_hit_rate:.1%}"
     )
+    if stats.encoder_runs or stats.encoder_cache_hits:
+        line += (f", Images encoded: {stats.encoder_runs}, "
+                 f"encoder cache hits: {stats.encoder_cache_hits}")
+    return line

@@ -52,6 +52,9 @@ class SeqBatchInput:
     the null block say, before the blocks its window reaches: those are never read).
     ``lora_slot`` (None: the base model) is the LoRA adapter slot the sequence runs under; it
     needs a runner with ``lora`` set (see :mod:`prefixserve.model.arch.lora`).
+    ``embeds`` replaces the embeddings of some new tokens (image placeholders): each entry is
+    ``(first, rows)``, ``rows`` (``[k, hidden]``) being the first layer's input at
+    ``token_ids[first:first + k]``. A sequence with embeds runs through the torch modules.
     """
 
     token_ids: list[int]
@@ -62,6 +65,7 @@ class SeqBatchInput:
     extra_block_tables: tuple[list[int], ...] = ()
     lora_slot: int | None = None
     verify: bool = False
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 @dataclass
@@ -210,6 +214,11 @@ class ModelRunner:
             raise ValueError(
                 f"position {last_pos} exceeds the model's {self.config.max_position_embeddings}"
             )
+        for first, rows in seq.embeds:
+            if first < 0 or first + rows.shape[0] > len(seq.token_ids) or \
+                    rows.shape[1:] != (self.config.hidden_size,):
+                raise ValueError(f"embeds of shape {tuple(rows.shape)} at {first} do not fit "
+                                 f"{len(seq.token_ids)} new tokens of {self.config.hidden_size}")
         return needed
 
     @torch.inference_mode()
@@ -250,16 +259,30 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         self._prepare_lora(seqs)
         start = time.perf_counter()
-        out = self._forward(ids_t, pos_t, meta, seqs)
+        out = self._forward(ids_t, pos_t, meta, seqs, self._embeddings(ids_t, seqs))
         self.model_seconds += time.perf_counter() - start
         return out
+
+    def _embeddings(self, ids_t: torch.Tensor, seqs: list[SeqBatchInput]
+                    ) -> torch.Tensor | None:
+        """The first layer's input with the sequences' ``embeds`` in place (None when no
+        sequence has any: the model embeds the ids itself)."""
+        if not any(seq.embeds for seq in seqs):
+            return None
+        x = self.model.embed(ids_t)
+        base = 0
+        for seq in seqs:
+            for first, rows in seq.embeds:
+                x[base + first:base + first + rows.shape[0]] = rows.to(x.device, x.dtype)
+            base += len(seq.token_ids)
+        return x
 
     def _fused_rows(self, seqs: list[SeqBatchInput]) -> list[int]:
         """The sequences of this step that go through the fused decode layers: every one that
         adds one token (and wants no prompt logits) when all of them do, or when their contexts
         add up to ``MIN_SPLIT_CONTEXT`` tokens; none if the fused step does not apply."""
-        decoding = [i for i, s in enumerate(seqs)
-                    if s.verify or (len(s.token_ids) == 1 and not s.need_prompt_logits)]
+        decoding = [i for i, s in enumerate(seqs) if not s.embeds and
+                    (s.verify or (len(s.token_ids) == 1 and not s.need_prompt_logits))]
         if not decoding or not self._fused_ready():
             return []
         if len(decoding) < len(seqs) and \
@@ -406,9 +429,11 @@ class ModelRunner:
             raise ValueError("a sequence asks for a LoRA slot, but the model has no adapters")
 
     def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, meta: list[AttentionMetadata],
-                 seqs: list[SeqBatchInput]) -> ExecuteOutput:
-        """The model over the step's tokens, and the logits asked for."""
-        hidden = self.model(ids_t, pos_t, self.kv_cache, meta, self.block_size)
+                 seqs: list[SeqBatchInput], embeds: torch.Tensor | None = None
+                 ) -> ExecuteOutput:
+        """The model over the step's tokens (``embeds``: their first layer's input, when not
+        the ids' embeddings), and the logits asked for."""
+        hidden = self.model(ids_t, pos_t, self.kv_cache, meta, self.block_size, embeds)
         if any(seq.need_prompt_logits for seq in seqs):
             return self._all_logits(hidden, seqs)
         if len(seqs) == 1:

@@ -33,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     _add_http(parser.add_argument_group("HTTP"))
     _add_security(parser.add_argument_group("keys and tenants"))
     _add_limits(parser.add_argument_group("limits"))
+    _add_images(parser.add_argument_group("images (a model that takes them: LLaVA)"))
     _add_engine(parser.add_argument_group("engine"))
     add_lora_arguments(parser.add_argument_group("LoRA adapters"))
     _add_speculation(parser.add_argument_group("speculative decoding (n-gram prompt lookup)"))
@@ -132,6 +133,24 @@ def _add_limits(limits: argparse._ArgumentGroup) -> None:
     limits.add_argument("--max-pinned-fraction", type=float, metavar="F",
                         help="share of the KV pool that admin pins may hold (default 0.5, less "
                         "room for one request of the whole context); a pin beyond gets 400")
+
+
+def _add_images(images: argparse._ArgumentGroup) -> None:
+    from prefixserve.model.arch import vision_config
+
+    images.add_argument("--limit-mm-per-prompt", type=int, metavar="N",
+                        help="images one prompt may hold; more get 400 (default "
+                        f"{vision_config.DEFAULT_LIMIT_IMAGES_PER_PROMPT})")
+    images.add_argument("--max-image-pixels", type=int, metavar="N",
+                        help="pixels (width x height) one image may have, checked before it "
+                        "is decoded; more get 400 (default "
+                        f"{vision_config.DEFAULT_MAX_IMAGE_PIXELS})")
+    images.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=[],
+                        help="hosts whose http(s) image URLs the server fetches (default: "
+                        "none; images come as data: URLs or base64, other URLs get 400)")
+    images.add_argument("--encoder-cache-size", type=int, metavar="ROWS",
+                        help="image embedding rows the encoder cache keeps, so that a recent "
+                        "image skips the vision encoder (default 8192)")
 
 
 def _add_engine(group: argparse._ArgumentGroup) -> None:

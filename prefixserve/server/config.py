@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixserve.model.arch.vision_config import DEFAULT_MAX_IMAGE_PIXELS
+
 #: Prompts one ``/v1/completions`` request may batch.
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 #: Sequences one prompt may ask for (``n``): OpenAI's limit, the most the API accepts.
@@ -63,12 +65,16 @@ class ServerConfig:
     console: bool = True
     kv_events_zmq: str | None = None
     """A ZMQ endpoint the server publishes its KV events on (``kv_event_zmq``); None: off."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """The most pixels an image in a request may have (``server/media.py``)."""
+    allowed_media_domains: tuple[str, ...] = ()
+    """Hosts whose ``http(s)`` image URLs the server fetches (none: only ``data:`` URLs)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
         for name in ("max_prompts_per_request", "max_n", "max_sequences_per_request",
-                     "max_request_body_size", "max_json_schema_depth"):
+                     "max_request_body_size", "max_json_schema_depth", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_n > MAX_N:

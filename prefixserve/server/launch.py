@@ -17,7 +17,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.engine.config import EngineConfig, parse_memory
 from prefixserve.server.admin.kv_event_zmq import check_endpoint
@@ -43,7 +43,8 @@ _ENGINE_OPTIONS = ("device", "dtype", "kv_cache_dtype", "weights", "enable_prefi
                    "kv_redis_ttl", "kv_redis_max_memory", "kv_tier_write_policy",
                    "kv_tier_min_prefix_tokens", "kv_tier_timeout", "kv_tier_retry_after",
                    "kv_tier_write_queue", "deterministic", "enforce_eager",
-                   "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+                   "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                   "limit_mm_per_prompt", "max_image_pixels", "encoder_cache_size")
 
 
 def _dtypes(activations: torch.dtype, kv_cache: torch.dtype) -> str:
@@ -75,7 +76,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings given on the command line (EngineConfig's defaults for the rest);
     raises ValueError for invalid ones."""
     given = {name: getattr(args, name) for name in _ENGINE_OPTIONS
-             if getattr(args, name) is not None}
+             if getattr(args, name, None) is not None}
     return EngineConfig(model=args.model, **given, **lora_engine_options(args))
 
 
@@ -114,7 +115,17 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_stored_responses=getattr(args, "max_stored_responses", 1024),
         max_retention_duration=args.max_retention_duration,
         console=not getattr(args, "no_ui", False),
-        kv_events_zmq=getattr(args, "kv_events_zmq", None))
+        kv_events_zmq=getattr(args, "kv_events_zmq", None),
+        **_media_options(args))
+
+
+def _media_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The server's image settings given on the command line."""
+    options: dict[str, Any] = {
+        "allowed_media_domains": tuple(getattr(args, "allowed_media_domains", None) or ())}
+    if getattr(args, "max_image_pixels", None) is not None:
+        options["max_image_pixels"] = args.max_image_pixels
+    return options
 
 
 def freeze_startup_objects() -> None:
@@ -151,13 +162,15 @@ def run_server(args: argparse.Namespace) -> int:
         return 1
     api_keys = http_config.api_keys
     logger.info("serving %s as %s on http://%s:%d (%s, prefix caching %s, %d KV blocks of %d "
-                "tokens, context %d tokens%s%s)", model_root,
+                "tokens, context %d tokens%s%s%s)", model_root,
                 ", ".join(http_config.served_model_names), args.host, args.port,
                 f"{config.device}, {_dtypes(engine.dtype, engine.kv_cache_dtype)}",
                 "on" if config.prefix_caching else "off", engine.num_kv_blocks,
                 config.block_size, engine.max_model_len,
                 f", {len(api_keys)} API key(s)" if api_keys else "",
-                ", deterministic" if config.deterministic else "")
+                ", deterministic" if config.deterministic else "",
+                f", images up to {engine.max_images_per_prompt} a prompt"
+                if engine.image_token is not None else "")
     app = create_app(engine, http_config)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -32,6 +32,9 @@ name                                       type       meaning
 ``generation_tokens_total``                counter    tokens generated
 ``spec_decode_num_draft_tokens_total``     counter    draft tokens computed (n-gram speculation)
 ``spec_decode_num_accepted_tokens_total``  counter    ... of them the model agreed with (kept)
+``mm_encoder_runs_total``                  counter    images run through the vision encoder
+``mm_encoder_cache_hits_total``            counter    times a step found an image's embeddings
+                                                      in the encoder cache (no encoder run)
 ``kv_cache_num_pinned_blocks``             gauge      KV blocks held by admin pins
 ``prefix_cache_expired_retentions_total``  counter    retained blocks whose TTL ran out while free
 ``prefix_cache_priority_hits_total``       counter    hit blocks by ``priority`` level (35: the
@@ -154,6 +157,9 @@ def _counters(stats: EngineStats) -> tuple[tuple[str, str, float], ...]:
          stats.spec_draft_tokens),
         ("spec_decode_num_accepted_tokens", "Draft tokens the model agreed with, kept as "
          "output tokens.", stats.spec_accepted_tokens),
+        ("mm_encoder_runs", "Images run through the vision encoder.", stats.encoder_runs),
+        ("mm_encoder_cache_hits", "Times a step found an image's embeddings in the encoder "
+         "cache, so the image skipped the vision encoder.", stats.encoder_cache_hits),
     )
 
 

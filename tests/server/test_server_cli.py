@@ -168,6 +168,25 @@ def test_speculation_flags_reach_the_engine_config() -> None:
     assert engine_config(parse()).num_speculative_tokens == 0  # off unless asked for
 
 
+def test_image_flags_reach_the_engine_and_server_configs() -> None:
+    """The flags, and the defaults the help states (the parser imports no engine code)."""
+    args = parse("--limit-mm-per-prompt", "2", "--max-image-pixels", "1000",
+                 "--encoder-cache-size", "64", "--allowed-media-domains", "img.example", "cdn")
+    config, server = engine_config(args), server_config(args)
+    assert (config.limit_mm_per_prompt, config.max_image_pixels,
+            config.encoder_cache_size) == (2, 1000, 64)
+    assert (server.max_image_pixels, server.allowed_media_domains) == (
+        1000, ("img.example", "cdn"))
+    defaults, plain = engine_config(parse()), server_config(parse())
+    assert plain.allowed_media_domains == () and plain.max_image_pixels == \
+        defaults.max_image_pixels
+    commands = next(action for action in build_parser()._actions
+                    if isinstance(action, argparse._SubParsersAction))
+    helps = {action.dest: action.help for action in commands.choices["serve"]._actions}
+    for name in ("limit_mm_per_prompt", "max_image_pixels", "encoder_cache_size"):
+        assert f"default {getattr(defaults, name)}" in helps[name], name
+
+
 @pytest.mark.parametrize("argv", [
     ("--block-size", "7"),
     ("--num-blocks", "10", "--kv-cache-memory", "1GiB"),
@@ -190,6 +209,8 @@ def test_bad_flags_are_refused_by_the_parser(argv: tuple[str, ...]) -> None:
     (("--num-speculative-tokens", "-1"), "num_speculative_tokens"),
     (("--api-key", "@/no/such/file"), "No such file"),
     (("--device", "gpu"), "device must be auto, cpu, cuda or cuda:N"),
+    (("--limit-mm-per-prompt", "-1"), "limit_mm_per_prompt must not be negative"),
+    (("--max-image-pixels", "0"), "max_image_pixels must be positive"),
 ])
 def test_bad_settings_stop_before_loading_the_model(argv: tuple[str, ...], message: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

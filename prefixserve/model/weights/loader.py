@@ -48,6 +48,7 @@ from prefixserve.model.arch.config import (
 )
 from prefixserve.model.arch.gemma3 import model_class
 from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.vision.loader import decoder_names
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.gguf_file import GGUFFile
 from prefixserve.model.weights.quant import (
@@ -493,14 +494,15 @@ def _hf_state(
             used.add(name)
             return pack_float(tensor.float().numpy(), target)
 
-        names = _names(config, _HF_NAMES, _GEMMA3_HF_NAMES)
+        names, encoder_tensors = decoder_names(_names(config, _HF_NAMES, _GEMMA3_HF_NAMES),
+                                               available)  # a LLaVA model's decoder
         state = _assemble(config, get, names, False, get_weight)
         if config.architecture == "gemma3":  # HF stores w of Gemma's (1 + w) norms
             for key in [k for k in state if "norm" in k]:
                 norm = state[key]
                 assert isinstance(norm, torch.Tensor)
                 state[key] = norm + 1
-    ignorable = {name for name in available if name.endswith("rotary_emb.inv_freq")}
+    ignorable = encoder_tensors | {n for n in available if n.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")
     _check_all_used(available, used, ignorable, path)

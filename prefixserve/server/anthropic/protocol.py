@@ -1,5 +1,6 @@
 """The HTTP models of Anthropic's Messages API (``POST /v1/messages``, ``/count_tokens``), as far
-as this server implements it: text, ``tool_use`` and ``tool_result`` content blocks, ``tools``
+as this server implements it: text, ``image`` (a model that takes images), ``tool_use`` and
+``tool_result`` content blocks, ``tools``
 and ``tool_choice``, ``cache_control`` breakpoints, sampling, stop sequences, streaming.
 Torch-free, like ``protocol.py``."""
 
@@ -34,6 +35,27 @@ class TextBlock(_Model):
     citations: list[Any] | None = None
 
 
+class Base64ImageSource(_Model):
+    type: Literal["base64"]
+    media_type: str = Field(..., description="image/png, image/jpeg, image/webp or image/gif.")
+    data: str
+
+
+class UrlImageSource(_Model):
+    """An ``http(s)`` URL, fetched only from a host ``--allowed-media-domains`` names."""
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Model):
+    """An image in a user message (a model that takes images)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | UrlImageSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+
 class ToolUseBlock(_Model):
     """A call the assistant made (in an assistant message)."""
 
@@ -56,7 +78,8 @@ class ToolResultBlock(_Model):
     cache_control: CacheControl | None = None
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock,
+                         Field(discriminator="type")]
 
 
 class Message(_Model):

@@ -1,8 +1,9 @@
 """Anthropic's Messages API over the same engine and the same prefix cache.
 
-``POST /v1/messages`` renders ``system`` and ``messages`` (text content blocks) with the model's
-chat template and generates the assistant's reply, whole or as Anthropic's server-sent events
-(``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``,
+``POST /v1/messages`` renders ``system`` and ``messages`` (text content blocks, and ``image``
+blocks for a model that takes images: each one its image token, ``server/media.py``) with the
+model's chat template and generates the assistant's reply, whole or as Anthropic's server-sent
+events (``message_start``, ``content_block_start``, ``ping``, ``content_block_delta``,
 ``content_block_stop``, ``message_delta``, ``message_stop``). ``POST /v1/messages/count_tokens``
 counts the prompt's tokens. Keys come in ``x-api-key`` (or ``Authorization: Bearer``); errors
 have Anthropic's shape ``{"type": "error", "error": {"type", "message"}}``.
@@ -31,13 +32,16 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.core import Retention, RetentionRange
 from prefixserve.core.retention import CACHE_CONTROL_PRIORITY
+from prefixserve.engine.multimodal import PlacedImages
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.server.anthropic.protocol import (
     MAX_BREAKPOINTS,
     TTL_SECONDS,
+    Base64ImageSource,
     CountTokensRequest,
     CountTokensResponse,
+    ImageBlock,
     MessageResponse,
     MessagesRequest,
     TextBlock,
@@ -90,7 +94,9 @@ class AnthropicPrompt:
         self.serving = serving
         self.body = body
         self.system = _blocks(body.system)
-        self.turns = [(m.role, _blocks(m.content)) for m in body.messages]
+        self.collector = serving.image_collector()
+        self.turns = [(m.role, self._image_tokens(i, m.role, _blocks(m.content)))
+                      for i, m in enumerate(body.messages)]
         self.tools = list(body.tools or [])
         auto = getattr(body, "cache_control", None)
         if auto is not None and self.turns[-1][1]:  # automatic caching: the last block
@@ -101,6 +107,25 @@ class AnthropicPrompt:
         self.text = self._render(None)
         self.ids = serving.tokenizer.encode(self.text, add_special_tokens=False)
         self.breakpoints = self._breakpoints()
+        self.ids, self.images = serving.place_images(self.ids, self.collector)
+        if self.images is not None:
+            self.breakpoints = [(_expanded(n, self.images), ttl) for n, ttl in self.breakpoints]
+
+    def _image_tokens(self, index: int, role: str, blocks: list[Any]) -> list[Any]:
+        """A user turn's blocks with each image block as a text block of the image token
+        (its image decoded by the collector; its ``cache_control`` kept)."""
+        if role != "user":
+            return blocks
+        out = []
+        for j, block in enumerate(blocks):
+            if isinstance(block, ImageBlock):
+                where, source = f"messages.{index}.content.{j}", block.source
+                token = (self.collector.base64(where, source.media_type, source.data)
+                         if isinstance(source, Base64ImageSource)
+                         else self.collector.url(where, source.url))
+                block = TextBlock(type="text", text=token, cache_control=block.cache_control)
+            out.append(block)
+        return out
 
     def _render(self, mark: object, calling: ToolCalling | None = None) -> str:
         if self.turns[-1][0] != "user":
@@ -216,6 +241,17 @@ class AnthropicPrompt:
                      cache_creation_input_tokens=created, cache_read_input_tokens=cached)
 
 
+def _expanded(n: int, placed: PlacedImages) -> int:
+    """Where position ``n`` of the prompt with one token per image lies once each image's
+    token is expanded to its run."""
+    extra = 0
+    for run in placed.inputs:
+        if run.offset - extra >= n:
+            break
+        extra += run.length - 1
+    return n + extra
+
+
 def _stop(output: Any) -> tuple[str | None, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` of a finished completion."""
     if output is None:
@@ -273,7 +309,8 @@ class AnthropicServing:
                    params=self._params(body, prompt), salt=serving.cache_salt(None, api_key),
                    param="messages", include_usage=False, grammar_param="tools",
                    tools=prompt.calling,
-                   retention=prompt.retention(serving.config.max_retention_duration))
+                   retention=prompt.retention(serving.config.max_retention_duration),
+                   images=prompt.images)
         try:
             stream = await run_unless_disconnected(request, serving._start(run))
             if body.stream:

@@ -51,7 +51,8 @@ from prefixserve.server.openai.tool_calls import ToolCalling
 SENTINEL = "\ue000\ue001"  # private-use characters: marks a breakpoint while rendering
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _WRONG_ROLE = {("assistant", "tool_result"): "a tool_result block belongs in a user message",
-               ("user", "tool_use"): "a tool_use block belongs in an assistant message"}
+               ("user", "tool_use"): "a tool_use block belongs in an assistant message",
+               ("assistant", "image"): "an image block belongs in a user message"}
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _definition(index: int, tool: Tool) -> ToolDefinition:
 
 
 def _uses_tools(body: CountTokensRequest) -> bool:
-    return any(not isinstance(block, str | TextBlock)
+    return any(isinstance(block, ToolUseBlock | ToolResultBlock)
                for message in body.messages if not isinstance(message.content, str)
                for block in message.content)
 

@@ -255,6 +255,25 @@ class TextContentPart(_Strict):
     text: Text
 
 
+class ImageUrl(_Strict):
+    """Where an image part's image is: a ``data:image/...;base64`` URL, or an ``http(s)`` URL
+    on a host ``--allowed-media-domains`` names."""
+
+    url: Text
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="Accepted; every "
+                                                          "image is seen at the model's size.")
+
+
+class ImageContentPart(_Strict):
+    """An image part of a user message's content (a model that takes images)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 def _content_kind(value: Any) -> str | None:
     if isinstance(value, str):
         return "string"
@@ -262,9 +281,10 @@ def _content_kind(value: Any) -> str | None:
 
 
 MessageContent = Annotated[
-    Annotated[Text, Tag("string")] | Annotated[list[TextContentPart], Tag("parts")],
+    Annotated[Text, Tag("string")] | Annotated[list[ContentPart], Tag("parts")],
     Discriminator(_content_kind, custom_error_type="content_type",
-                  custom_error_message="must be a string or a list of text parts"),
+                  custom_error_message="must be a string or a list of text and image_url "
+                  "parts"),
 ]
 
 
@@ -273,9 +293,10 @@ class ChatMessage(_Strict):
     the result of the call ``tool_call_id`` of an earlier assistant message."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: MessageContent | None = Field(None, description="Text, or a list of text parts "
-                                           "joined by newlines (only an assistant message "
-                                           "with tool_calls may leave it out).")
+    content: MessageContent | None = Field(None, description="Text, or a list of parts "
+                                           "joined by newlines: text, and in a user message "
+                                           "image_url (only an assistant message with "
+                                           "tool_calls may leave it out).")
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="Calls the assistant made.")
     tool_call_id: Text | None = Field(None, description="On a tool message: the call it "
@@ -291,6 +312,9 @@ class ChatMessage(_Strict):
         if (self.tool_call_id is None) != (self.role != "tool"):
             raise ValueError("a tool message needs tool_call_id, and only a tool message "
                              "has one")
+        if self.role != "user" and isinstance(self.content, list) and \
+                any(isinstance(part, ImageContentPart) for part in self.content):
+            raise ValueError("only user messages may hold image_url parts")
         return self
 
 

@@ -40,6 +40,7 @@ from prefixserve.core import Retention
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.errors import EngineDeadError, QueueFullError, RequestError
 from prefixserve.engine.llm_engine import QueueReservation
+from prefixserve.engine.multimodal import PlacedImages
 from prefixserve.model.text.tokenizer import Tokenizer
 from prefixserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from prefixserve.sampling_params import (
@@ -49,6 +50,7 @@ from prefixserve.sampling_params import (
 )
 from prefixserve.server.config import ServerConfig
 from prefixserve.server.errors import ApiError, quote
+from prefixserve.server.media import ImageCollector, MediaPolicy
 from prefixserve.server.metrics import ServerMetrics
 from prefixserve.server.openai.agent_protocol import ResponseToolCall
 from prefixserve.server.openai.logprobs import LogprobEntry, LogprobFormatter
@@ -64,8 +66,10 @@ from prefixserve.server.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    ContentPart,
     GenerationRequest,
     PromptTokensDetails,
+    TextContentPart,
     Usage,
 )
 from prefixserve.server.openai.retention import to_retention
@@ -194,6 +198,8 @@ class _Run:
     tools: ToolCalling | None = None
     retention: Retention | None = None
     lora: str | None = None
+    images: PlacedImages | None = None
+    """The images of a one-prompt run (a chat with images), placed in its ids."""
 
     def event(self, kind: type[CompletionResponse] | type[ChatCompletionChunk],
               choices: list[Any], usage: Usage | None = None) -> str:
@@ -275,15 +281,37 @@ def cache_salt(config: ServerConfig, salt: str | None, api_key: str | None) -> s
     return tenant if salt is None else f"{tenant}:{salt}"
 
 
+def _content_text(content: str | list[ContentPart] | None, index: int,
+                  images: ImageCollector | None) -> str | None:
+    """A message's content as the template reads it: its parts joined by newlines, each
+    image part as the image token (``images`` decodes it; None: a 400, images are not taken
+    where the prompt is rendered)."""
+    if isinstance(content, str | None):
+        return content
+    pieces = []
+    for j, part in enumerate(content):
+        where = f"messages.{index}.content.{j}"
+        if isinstance(part, TextContentPart):
+            pieces.append(part.text)
+        elif images is None:
+            raise ApiError(400, f"{where}: image_url parts are taken by /v1/chat/completions "
+                           "only", param="messages", code="image_not_supported")
+        else:
+            pieces.append(images.url(where, part.image_url.url))
+    return "\n".join(pieces)
+
+
 def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest,
-                tools: ToolCalling | None = None) -> list[int]:
+                tools: ToolCalling | None = None, images: ImageCollector | None = None
+                ) -> list[int]:
     """The conversation rendered with the model's chat template (with the tools as their
-    format says), as token ids; a 400 when the template refuses it. Rendering and encoding
-    a large conversation takes seconds: the routes run this in a worker thread."""
+    format says), as token ids; a 400 when the template refuses it. Each image part becomes
+    one image token, its image decoded into ``images`` (None: image parts are a 400).
+    Rendering and encoding a large conversation takes seconds: the routes run this in a
+    worker thread."""
     messages: list[dict[str, Any]] = []
-    for message in body.messages:
-        content = message.content if isinstance(message.content, str | None) else \
-            "\n".join(part.text for part in message.content)
+    for index, message in enumerate(body.messages):
+        content = _content_text(message.content, index, images)
         item = {"role": "system" if message.role == "developer" else message.role,
                 "content": content or ""}
         if message.name is not None:
@@ -322,6 +350,9 @@ class OpenAIServing:
         self.max_waiting: int | None = engine.max_waiting_requests
         self.logprobs = LogprobFormatter(engine.tokenizer)
         self._logged_ignored: set[str] = set()
+        self.media = MediaPolicy(config.max_image_pixels, config.allowed_media_domains,
+                                 config.max_request_body_size, engine.max_images_per_prompt)
+        self.image_token = engine.image_token
 
     # ------------------------------------------------------------------ checks and inputs
     def resolve_model(self, name: str | None) -> str:
@@ -453,6 +484,7 @@ class OpenAIServing:
     async def _source(self, ids: list[int], params: SamplingParams, request_id: str,
                       salt: str | None, retention: Retention | None = None,
                       lora: str | None = None, reservation: QueueReservation | None = None,
+                      images: PlacedImages | None = None,
                       ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of one engine request, observed for the metrics; closing it aborts the
         request."""
@@ -460,7 +492,7 @@ class OpenAIServing:
         try:
             generated = self.engine.generate(ids, params, request_id, cache_salt=salt,
                                              retention=retention, lora=lora,
-                                             reservation=reservation)
+                                             reservation=reservation, images=images)
             async with aclosing(generated) as outputs:
                 async for output in outputs:
                     tracker.observe(output)
@@ -480,7 +512,8 @@ class OpenAIServing:
                 reservation = await self.engine.reserve_queue_room(len(ids_list) * run.params.n)
             stream = MultiStream([
                 self._source(ids, run.params, run.id if len(ids_list) == 1 else f"{run.id}-{i}",
-                             run.salt, run.retention, run.lora, reservation)
+                             run.salt, run.retention, run.lora, reservation,
+                             run.images if len(ids_list) == 1 else None)
                 for i, ids in enumerate(ids_list)
             ])
             try:
@@ -622,8 +655,37 @@ class OpenAIServing:
 
     def chat_prompt(self, body: ChatCompletionRequest,
                     tools: ToolCalling | None = None) -> list[int]:
-        """:func:`chat_prompt` with this server's tokenizer."""
+        """:func:`chat_prompt` with this server's tokenizer (image parts are a 400)."""
         return chat_prompt(self.tokenizer, body, tools)
+
+    def image_collector(self) -> ImageCollector:
+        """A collector of one prompt's images under this server's media policy."""
+        return ImageCollector(self.media, self.image_token)
+
+    def place_images(self, ids: list[int], collector: ImageCollector
+                     ) -> tuple[list[int], PlacedImages | None]:
+        """``ids`` with the collected images placed (``AsyncLLM.place_images``; a 400 naming
+        ``messages`` when they do not fit the prompt); ``ids`` as they are without images."""
+        if not collector.images:
+            return ids, None
+        try:
+            return self.engine.place_images(ids, collector.images)
+        except RequestError as exc:
+            raise _bad_request(exc, "messages") from exc
+
+    async def checked_chat_prompt(self, body: ChatCompletionRequest,
+                                  tools: ToolCalling | None, max_tokens: int | None
+                                  ) -> tuple[list[int], PlacedImages | None]:
+        """The chat's token ids with its images placed, checked as :meth:`check_prompt`
+        does, all in a worker thread (decoding images takes time too)."""
+        def run() -> tuple[list[int], PlacedImages | None]:
+            collector = self.image_collector()
+            ids, images = self.place_images(chat_prompt(self.tokenizer, body, tools, collector),
+                                            collector)
+            self.check_prompt(ids, max_tokens, "messages")
+            return ids, images
+
+        return await asyncio.to_thread(run)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request,
                                      api_key: str | None, response: Response,
@@ -636,8 +698,7 @@ class OpenAIServing:
         self.check_limits(1, body.n)
         max_tokens = body.max_completion_tokens or body.max_tokens
         tools = self.tool_calling(body)
-        ids = await self.checked_ids(lambda: self.chat_prompt(body, tools), max_tokens,
-                                     "messages")
+        ids, images = await self.checked_chat_prompt(body, tools, max_tokens)
         k = (body.top_logprobs or 0) if body.logprobs else None
         constraint, grammar_param = await asyncio.to_thread(
             structured_outputs, body, self.config.max_json_schema_depth)
@@ -652,7 +713,7 @@ class OpenAIServing:
                                       prompt_logprobs=None, constraint=constraint)
         run = self._run("chatcmpl", model, _Prompts([ids]), params, body, api_key, "messages",
                         grammar_param)
-        run.tools = tools
+        run.tools, run.images = tools, images
         return await self._respond(
             request, bool(body.stream), lambda: self._start(run),
             lambda stream: self._chat_events(run, k, stream),
