@@ -4,8 +4,12 @@ Every input ends up as a ``Workload``: a list of ``TraceRequest`` plus the rule 
 request's block identities into the block hashes of the simulated block size. Two families:
 
 * **Token-derived** (``tokens``, ``text``, ``chat``): token ids, given or produced by the model's
-  tokenizer and chat template, are chain-hashed by ``prefixserve.core`` itself (cache salt and
-  LoRA id included, as in the engine), once, at the simulated block size.
+  tokenizer and chat template, are chain-hashed by ``prefixserve.core`` itself (cache salt, LoRA
+  id and images included, as in the engine), once, at the simulated block size. A record's
+  ``mm_inputs`` (``[{"offset", "length", "hash"}]``) names the images whose placeholder tokens
+  ``[offset, offset + length)`` the prompt holds: each hash enters the extra keys of every block
+  its run overlaps (``core/request.py``), so the same image at the same place hits and another
+  image misses from the block its run starts in.
 * **Block-hash traces** (``mooncake``, ``bailian``, ``kvcache-tester``): one id per trace block.
   Ids are *chained* when an equal id means an equal block with an equal history (Mooncake,
   kv-cache-tester within a session); Bailian-style ids hash a block's own content only and are
@@ -24,6 +28,7 @@ tokens a trace gives no id for) are always computed and never cached.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import lzma
 import os
@@ -35,6 +40,7 @@ from typing import IO, Any, cast
 
 import numpy as np
 
+from prefixserve.core.request import MultiModalInput
 from prefixserve.core.retention import (
     CACHE_CONTROL_PRIORITY,
     CACHE_CONTROL_TTLS,
@@ -271,6 +277,47 @@ def _lora_id(record: dict[str, Any]) -> int | str | None:
     return lora
 
 
+def _mm_inputs(record: dict[str, Any], num_prompt_tokens: int) -> tuple[MultiModalInput, ...]:
+    """A line's ``mm_inputs``: ``[{"offset": int >= 0, "length": int >= 1, "hash": str}]``,
+    each run inside the prompt's ``num_prompt_tokens`` tokens and apart from the others."""
+    value = record.get("mm_inputs")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise LineError("'mm_inputs' must be a list of {\"offset\", \"length\", \"hash\"} "
+                        "objects")
+    inputs: list[MultiModalInput] = []
+    for position, entry in enumerate(value):
+        where = f"mm_inputs[{position}]"
+        if not isinstance(entry, dict):
+            raise LineError(f"{where} is {entry!r}, not an object")
+        try:
+            offset = _int_field(entry, "offset", minimum=0)
+            length = _int_field(entry, "length", minimum=1)
+        except LineError as exc:
+            raise LineError(f"{where}: {exc}") from None
+        content_hash = entry.get("hash")
+        if not isinstance(content_hash, str) or not content_hash:
+            raise LineError(f"{where}: 'hash' must be a non-empty string, got {content_hash!r}")
+        if offset + length > num_prompt_tokens:
+            raise LineError(f"{where} covers tokens {offset}..{offset + length - 1}, past the "
+                            f"end of the prompt's {num_prompt_tokens} tokens")
+        inputs.append(MultiModalInput(offset, length, content_hash))
+    runs = sorted(inputs)
+    for before, after in itertools.pairwise(runs):
+        if after.offset < before.offset + before.length:
+            raise LineError(f"'mm_inputs' overlap: the run at token {after.offset} starts "
+                            f"inside the run at token {before.offset}")
+    return tuple(inputs)
+
+
+def _refuse_mm_inputs(record: dict[str, Any]) -> None:
+    """A block-hash record's ids already name its images: ``mm_inputs`` there is a bad line."""
+    if record.get("mm_inputs") is not None:
+        raise LineError("'mm_inputs' needs a prompt of token ids, text or messages: a block-hash "
+                        "trace's ids already name each block's content, images included")
+
+
 # ----------------------------------------------------------------------------- token-derived
 
 
@@ -285,8 +332,9 @@ class _TokenHasher:
         self._count = 0
 
     def request(self, prompt: Sequence[int], output: Sequence[int], salt: str | None,
-                lora: int | str | None) -> TraceRequest:
-        """The request for ``prompt`` followed by the decoded part of ``output``."""
+                lora: int | str | None, mm: Sequence[MultiModalInput] = ()) -> TraceRequest:
+        """The request for ``prompt`` followed by the decoded part of ``output``, with the
+        images ``mm`` in the prompt."""
         from prefixserve.core import CacheRequest
         from prefixserve.core.hashing import hash_value_of
 
@@ -296,7 +344,7 @@ class _TokenHasher:
 
         def chain_of(lora_id: int | str | None) -> list[Hashable]:
             cache_request = CacheRequest(f"h{self._count}", tokens, cache_salt=salt,
-                                         lora_id=lora_id)
+                                         lora_id=lora_id, mm_inputs=mm)
             chain = self._manager.block_hashes(cache_request)
             self._manager.free_block_hashes(cache_request)
             return [hash_value_of(block_hash) for block_hash in chain]
@@ -308,7 +356,7 @@ class _TokenHasher:
 
 
 class _TokenReader:
-    """``{"token_ids": [...], "output_token_ids"?, "cache_salt"?, "lora_id"?}``."""
+    """``{"token_ids": [...], "output_token_ids"?, "cache_salt"?, "lora_id"?, "mm_inputs"?}``."""
 
     def __init__(self, options: ReadOptions) -> None:
         self.hasher = _TokenHasher(options.block_size)
@@ -320,7 +368,8 @@ class _TokenReader:
         if record.get("output_token_ids") is not None:
             output = _int_list(record, "output_token_ids", allow_empty=True)
             _check_non_negative(output, "output_token_ids")
-        request = self.hasher.request(prompt, output, _cache_salt(record), _lora_id(record))
+        request = self.hasher.request(prompt, output, _cache_salt(record), _lora_id(record),
+                                      _mm_inputs(record, len(prompt)))
         request.retention = _retention(record)
         return [request]
 
@@ -376,7 +425,8 @@ def _breakpoints(value: Any) -> tuple[RetentionRange, ...]:
 
 class _TextReader:
     """``{"prompt": str}`` or ``{"messages": [...]}`` (OpenAI chat), optional ``"response"``,
-    ``"cache_salt"``, ``"lora_id"``; tokenised with the model's tokenizer and chat template."""
+    ``"cache_salt"``, ``"lora_id"``, ``"mm_inputs"`` (offsets in the tokenised prompt);
+    tokenised with the model's tokenizer and chat template."""
 
     def __init__(self, options: ReadOptions) -> None:
         self.hasher = _TokenHasher(options.block_size)
@@ -428,7 +478,7 @@ class _TextReader:
         if not prompt:
             raise LineError("the prompt tokenises to nothing")
         request = self.hasher.request(prompt, self._output_ids(record), _cache_salt(record),
-                                      _lora_id(record))
+                                      _lora_id(record), _mm_inputs(record, len(prompt)))
         request.retention = _retention(record)
         return [request]
 
@@ -544,6 +594,7 @@ class _MooncakeReader:
     def parse(self, record: dict[str, Any]) -> list[TraceRequest]:
         if "hash_ids" not in record:
             raise LineError("no 'hash_ids' field")
+        _refuse_mm_inputs(record)
         ids = _int_list(record, "hash_ids", allow_empty=True)
         input_length = _int_field(record, "input_length", minimum=1)
         _int_field(record, "output_length", minimum=0, default=0)
@@ -589,6 +640,7 @@ class _KVCacheTesterReader:
         max_id = -1
         for where, entry in self._flatten(record["requests"], "requests"):
             try:
+                _refuse_mm_inputs(entry)
                 ids = _int_list(entry, "hash_ids", allow_empty=True)
                 input_length = _int_field(entry, "in", minimum=1)
             except LineError as exc:

@@ -1,10 +1,12 @@
 """Chats with images through ``LLM`` on a tiny random-weight LLaVA model (transformers' own
 classes, ``tests/vlm_helpers.py``): the engine's next-token logprobs equal transformers' with
 and without a cached prefix, images are cached by content (prefix blocks and encoder output),
-and bad images are refused."""
+``prefixserve estimate`` on the prompts with their images finds the engine's hits, and bad
+images are refused."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,11 @@ from vlm_helpers import (
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.errors import RequestError
 from prefixserve.engine.multimodal import EncoderCache, ImageInputs
-from prefixserve.model.vision.image import ImageError, decode_image
+from prefixserve.model.vision.image import ImageError, decode_image, from_pil
 from prefixserve.outputs import RequestOutput
+from prefixserve.tools.estimate.replay import replay_infinite
+from prefixserve.tools.estimate.results import ReplaySettings
+from prefixserve.tools.trace_formats import ReadOptions, read_workload
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
@@ -135,6 +140,33 @@ def test_two_images_in_one_prompt(served: Served) -> None:
     assert logprobs is not None
     reference = torch.log_softmax(logits, dim=-1)
     assert all(abs(e.logprob - reference[t].item()) < 1e-4 for t, e in logprobs[0].items())
+
+
+def test_the_estimate_of_a_trace_with_images_finds_the_engines_hits(served: Served,
+                                                                     tmp_path: Path) -> None:
+    """Chats with one or two pictures (the same, another, in another order) through the engine,
+    then their prompts as a ``prefixserve estimate`` token trace whose ``mm_inputs`` name the
+    image tokens' runs and the pictures' hashes: the estimator's infinite cache finds exactly
+    the prompt tokens the engine served from its cache (an estimate that ignored the hashes
+    would find more)."""
+    one, two = picture(21), picture(22)
+    chats = [("Shapes?", one), ("Shapes?", one), ("Shapes?", two), ("Colours?", one, two),
+             ("Colours?", one, two), ("Colours?", two, one), ("Colours?", two, two)]
+    image_id = served.llm.engine.images.image_token_id
+    served.llm.reset_prefix_cache()
+    records, engine_hits = [], 0
+    for question, *images in chats:
+        [out] = served.llm.chat(chat(question, *images), GREEDY)
+        engine_hits += out.num_cached_tokens
+        ids = list(out.prompt_token_ids)
+        starts = [i for i, t in enumerate(ids) if t == image_id and ids[i - 1] != image_id]
+        records.append({"token_ids": ids, "mm_inputs": [
+            {"offset": start, "length": TOKENS_PER_IMAGE, "hash": from_pil(image).content_hash}
+            for start, image in zip(starts, images, strict=True)]})
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    workload = read_workload(str(path), ReadOptions(block_size=BLOCK))
+    assert replay_infinite(workload, ReplaySettings()).hit_tokens == engine_hits > 0
 
 
 def test_bad_images_are_refused(served: Served) -> None:

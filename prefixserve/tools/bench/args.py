@@ -35,6 +35,12 @@ Datasets:
                  (--system-tokens) and tool manifest (--tool-tokens words over --num-tools
                  functions) before a --question-len task; later turns are tool results of
                  --result-len words, or user messages (--user-share of them)
+  multimodal     --num-conversations C chats of --num-turns T about --num-images pictures
+                 (coloured shapes drawn with Pillow, sent as PNG data: URLs in image_url
+                 parts; always /v1/chat/completions): conversation c shows picture
+                 c %% num-images in its first message, after a shared system prompt (default
+                 0 tokens), then --question-len questions with the whole history, so later
+                 turns, and other chats about the same picture, hit the image's blocks
 
 --endpoint chat sends /v1/chat/completions instead: messages rendered by the server's chat
 template, with the agent dataset's manifest as 'tools' and its tool results as 'tool' messages
@@ -106,7 +112,7 @@ def _add_server(target: argparse._ArgumentGroup) -> None:
 def _add_dataset(data: argparse._ArgumentGroup) -> None:
     """The generated datasets' arguments (and the ones all datasets share)."""
     data.add_argument("--dataset", choices=("shared-prefix", "multi-turn", "trace", "random",
-                                            "agent"))
+                                            "agent", "multimodal"))
     data.add_argument("--num-prompts", type=int, metavar="N",
                       help="random: prompts; trace: the first N requests (default 100)")
     data.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
@@ -116,7 +122,7 @@ def _add_dataset(data: argparse._ArgumentGroup) -> None:
     data.add_argument("--num-groups", type=int, default=8, metavar="G")
     data.add_argument("--prompts-per-group", type=int, default=16, metavar="P")
     data.add_argument("--system-prompt-len", type=int, metavar="S",
-                      help="default 1024 for shared-prefix, 0 for multi-turn")
+                      help="default 1024 for shared-prefix, 0 for multi-turn and multimodal")
     data.add_argument("--question-len", type=int, default=64, metavar="Q")
     data.add_argument("--output-len", type=int, metavar="O",
                       help="tokens to generate (default 64; trace: its own, scaled)")
@@ -141,6 +147,8 @@ def _add_dataset(data: argparse._ArgumentGroup) -> None:
                       help="agent: words of a tool result (default 96)")
     data.add_argument("--user-share", type=float, default=0.16, metavar="P",
                       help="agent: share of later turns that are user messages (default 0.16)")
+    data.add_argument("--num-images", type=int, default=4, metavar="N",
+                      help="multimodal: pictures the conversations are about (default 4)")
 
 
 def _add_trace(data: argparse._ArgumentGroup) -> None:
@@ -177,8 +185,8 @@ def _add_output(output: argparse._ArgumentGroup) -> None:
                         help="write the run, with every request, to FILE")
     output.add_argument("--plot", metavar="FILE.png", help="plot the TTFT CDF")
     output.add_argument("--save-prompts", metavar="FILE",
-                        help="write the prompts sent and their replies as token ids, a log "
-                        "'prefixserve estimate FILE' reads")
+                        help="write the prompts sent and their replies as token ids (and "
+                        "their pictures as mm_inputs), a log 'prefixserve estimate FILE' reads")
     output.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

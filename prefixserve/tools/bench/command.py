@@ -53,7 +53,7 @@ class UsageError(ValueError):
 def make_dataset(args: argparse.Namespace, vocabulary: WordVocabulary) -> Dataset:
     """The dataset ``args`` ask for (raises ``UsageError``, ``ValueError``, ``TraceError``)."""
     name = args.dataset
-    if name in ("shared-prefix", "multi-turn") and args.num_prompts is not None:
+    if name in ("shared-prefix", "multi-turn", "multimodal") and args.num_prompts is not None:
         raise UsageError(f"--num-prompts does not apply to {name}: its size is set by "
                          + ("--num-groups and --prompts-per-group" if name == "shared-prefix"
                             else "--num-conversations and --num-turns"))
@@ -73,6 +73,14 @@ def make_dataset(args: argparse.Namespace, vocabulary: WordVocabulary) -> Datase
                      num_tools=args.num_tools, task_len=args.question_len,
                      result_len=args.result_len, user_share=args.user_share,
                      output_len=_or(args.output_len, 32), seed=args.seed)
+    if name == "multimodal":
+        from prefixserve.tools.bench.multimodal import multimodal
+
+        return multimodal(
+            vocabulary, num_images=args.num_images, num_conversations=args.num_conversations,
+            num_turns=args.num_turns, system_prompt_len=_or(args.system_prompt_len, 0),
+            question_len=args.question_len, output_len=_or(args.output_len, 64),
+            seed=args.seed)
     if name == "random":
         return random_prompts(vocabulary, num_prompts=_or(args.num_prompts, DEFAULT_NUM_PROMPTS),
                               input_len=args.input_len, output_len=_or(args.output_len, 64),
@@ -154,10 +162,11 @@ class _Progress:
 async def _measure(args: argparse.Namespace, dataset: Dataset, vocabulary: WordVocabulary,
                    load: LoadSettings) -> tuple[RunOutput, str, dict[str, float] | None]:
     """Chooses the prompt type, warms up, runs; returns the run, the prompt type used and the
-    change of the server's counters (None when it has no ``/metrics``)."""
+    change of the server's counters (None when it has no ``/metrics``). A dataset that names
+    its endpoint (pictures need chat messages) is sent there whatever ``--endpoint`` says."""
     prompt_type = "token-ids" if args.prompt_type == "auto" else args.prompt_type
-    kind = ChatClient if getattr(args, "endpoint", "completions") == "chat" else \
-        CompletionClient
+    endpoint = dataset.endpoint or getattr(args, "endpoint", "completions")
+    kind = ChatClient if endpoint == "chat" else CompletionClient
     client = kind(args.base_url, prompt_type=prompt_type, model=args.model,
                   ignore_eos=args.ignore_eos, cache_salt=args.cache_salt,
                   extra_body=_extra_body(args.extra_body), api_key=args.api_key,

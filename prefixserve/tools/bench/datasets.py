@@ -1,10 +1,11 @@
 """Workloads of the benchmark, as token ids: sessions of turns.
 
 A ``Session`` is what one client sends in order: a single request for the ``shared-prefix``,
-``random`` and ``trace`` datasets, a whole conversation for ``multi-turn``. The prompt of a
-session's first turn is that turn's tokens; the prompt of every later turn is the previous
-prompt, then the server's reply to it, then the turn's tokens (``Conversation``). Sessions run
-concurrently; the turns of one session never overlap.
+``random`` and ``trace`` datasets, a whole conversation for ``multi-turn``, ``agent`` and
+``multimodal`` (``multimodal.py``: chats about pictures). The prompt of a session's first turn
+is that turn's tokens; the prompt of every later turn is the previous prompt, then the server's
+reply to it, then the turn's tokens (``Conversation``). Sessions run concurrently; the turns of
+one session never overlap.
 
 Prompts are made of *words*: token ids that each decode to one lower-case word with a leading
 space and that the tokenizer encodes back to themselves (``WordVocabulary``). Any sequence of
@@ -13,6 +14,12 @@ same tokens as one that takes token ids.
 
 Sharing is exact, by construction: groups (and conversations) differ from their first distinct
 token on, so the tokens a perfect cache serves are the shared prefixes and nothing else.
+
+A turn may send a picture (``Turn.image``) before its message text, as an ``image_url`` part of
+its chat message. In the token ids the benchmark keeps of a prompt (the prompt log, the
+perfect-cache estimate) the picture stands for ``IMAGE_TOKENS`` placeholder tokens
+(``IMAGE_PLACEHOLDER_ID``) named by its content hash (``Conversation.mm_inputs``), as the engine
+places an image's tokens; the server counts its own number of tokens per image.
 """
 
 from __future__ import annotations
@@ -23,6 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+from prefixserve.core.request import MultiModalInput
+
+IMAGE_TOKENS = 196
+"""Placeholder tokens a picture stands for in the benchmark's own view of a prompt (a ViT-B/16
+tower at 224 x 224 pixels, as in ``benchmarks/random_model.py --vlm``)."""
+
+IMAGE_PLACEHOLDER_ID = 0
+"""The token id of those placeholders (the content hash tells pictures apart)."""
 
 WORD_PATTERN = re.compile(r" [a-z]{2,}")
 """What a word token decodes to."""
@@ -72,14 +88,26 @@ class WordVocabulary:
 
 
 @dataclass(frozen=True)
+class BenchImage:
+    """A picture a turn sends: its ``data:`` URL and its content hash (the engine's, of the
+    decoded pixels and size: ``prefixserve.model.vision.image``)."""
+
+    url: str
+    content_hash: str
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
 class Turn:
     """The tokens a turn adds to its session's history, and the tokens to generate. ``role``:
     who sends them on ``/v1/chat/completions`` (``user``, or ``tool``: the result of a call the
-    previous reply made)."""
+    previous reply made); ``image``: a picture sent before the message's text."""
 
     tokens: list[int]
     output_len: int
     role: str = "user"
+    image: BenchImage | None = None
 
 
 @dataclass
@@ -108,11 +136,14 @@ class ChatSetup:
 
 @dataclass
 class Dataset:
-    """A named workload and the parameters it was made with (written to the JSON)."""
+    """A named workload and the parameters it was made with (written to the JSON).
+    ``endpoint``: the endpoint the dataset must be sent to (``chat`` for pictures), None when
+    ``--endpoint`` decides."""
 
     name: str
     sessions: list[Session]
     params: dict[str, Any] = field(default_factory=dict)
+    endpoint: str | None = None
 
     @property
     def num_requests(self) -> int:
@@ -122,7 +153,8 @@ class Dataset:
 class Conversation:
     """The prompts of a session's turns: the first turn's tokens, then for each later turn the
     previous prompt, the reply to it and the turn's tokens. The same history is kept as text for
-    servers that only take text (the reply as the server sent it)."""
+    servers that only take text (the reply as the server sent it). ``mm_inputs``: the pictures
+    of the history so far, where their placeholder tokens are in ``ids``."""
 
     def __init__(self, session: Session, vocabulary: WordVocabulary) -> None:
         self.session = session
@@ -131,6 +163,7 @@ class Conversation:
         self.ids: list[int] = []
         self.text = ""
         self.messages: list[dict[str, Any]] = []
+        self.mm_inputs: list[MultiModalInput] = []
         if session.chat is not None and session.chat.system:
             self.messages.append({"role": "system",
                                   "content": vocabulary.text(session.chat.system).strip()})
@@ -142,10 +175,18 @@ class Conversation:
             body["tools"] = self.session.chat.tools
         return body
 
+    def _own_tokens(self, turn: Turn) -> list[int]:
+        """The tokens of the turn's message (the first turn's without the system prompt and
+        manifest that ``ChatSetup`` sends apart)."""
+        chat = self.session.chat
+        return chat.first if chat is not None and self.turn == 0 else turn.tokens
+
     def _add_message(self, turn: Turn) -> None:
         chat = self.session.chat
-        tokens = chat.first if chat is not None and self.turn == 0 else turn.tokens
-        content = self.vocabulary.text(tokens).strip()
+        content: Any = self.vocabulary.text(self._own_tokens(turn)).strip()
+        if turn.image is not None:
+            content = [{"type": "image_url", "image_url": {"url": turn.image.url}},
+                       {"type": "text", "text": content}]
         if turn.role == "tool" and self.messages and self.messages[-1]["role"] == "assistant":
             call_id = f"call_{self.turn}"
             name = chat.tools[0]["function"]["name"] if chat and chat.tools else "tool"
@@ -163,7 +204,13 @@ class Conversation:
         """The next turn's prompt (ids and text) and its output length; call ``add_reply``
         before asking for the turn after it."""
         turn = self.session.turns[self.turn]
-        self.ids = self.ids + turn.tokens
+        tokens = turn.tokens
+        if turn.image is not None:
+            cut = len(tokens) - len(self._own_tokens(turn))
+            self.mm_inputs.append(MultiModalInput(len(self.ids) + cut, IMAGE_TOKENS,
+                                                  turn.image.content_hash))
+            tokens = tokens[:cut] + [IMAGE_PLACEHOLDER_ID] * IMAGE_TOKENS + tokens[cut:]
+        self.ids = self.ids + tokens
         self.text = self.text + self.vocabulary.text(turn.tokens)
         self._add_message(turn)
         return self.ids, self.text, turn.output_len
@@ -184,9 +231,9 @@ def shared_prefix(vocabulary: WordVocabulary, *, num_groups: int, prompts_per_gr
     ``prompts_per_group`` questions of ``question_len`` tokens: one single-turn session each,
     in group order or shuffled. System prompts differ from their first token on, and so do the
     questions of a group, so two prompts share exactly their group's system prompt."""
-    _check_positive(num_groups=num_groups, prompts_per_group=prompts_per_group,
-                    question_len=question_len, output_len=output_len)
-    _check_non_negative(system_prompt_len=system_prompt_len)
+    check_positive(num_groups=num_groups, prompts_per_group=prompts_per_group,
+                   question_len=question_len, output_len=output_len)
+    check_non_negative(system_prompt_len=system_prompt_len)
     rng = np.random.default_rng(seed)
     firsts = vocabulary.distinct(rng, num_groups)
     sessions = []
@@ -211,9 +258,9 @@ def multi_turn(vocabulary: WordVocabulary, *, num_conversations: int, num_turns:
     tokens, answered with ``output_len`` tokens each. Every conversation starts with the same
     system prompt of ``system_prompt_len`` tokens (none when 0); their first messages differ
     from their first token on."""
-    _check_positive(num_conversations=num_conversations, num_turns=num_turns,
-                    question_len=question_len, output_len=output_len)
-    _check_non_negative(system_prompt_len=system_prompt_len)
+    check_positive(num_conversations=num_conversations, num_turns=num_turns,
+                   question_len=question_len, output_len=output_len)
+    check_non_negative(system_prompt_len=system_prompt_len)
     rng = np.random.default_rng(seed)
     system = vocabulary.sample(rng, system_prompt_len)
     sessions = []
@@ -243,9 +290,9 @@ def agent(vocabulary: WordVocabulary, *, num_sessions: int, num_turns: int, tool
     before it) or, with probability ``user_share``, a user message of ``task_len``. On
     ``/v1/completions`` a session's first prompt is system + manifest + task as tokens; on
     ``/v1/chat/completions`` they are a system message, ``tools`` and a user message."""
-    _check_positive(num_sessions=num_sessions, num_turns=num_turns, num_tools=num_tools,
-                    task_len=task_len, result_len=result_len, output_len=output_len)
-    _check_non_negative(tool_tokens=tool_tokens, system_tokens=system_tokens)
+    check_positive(num_sessions=num_sessions, num_turns=num_turns, num_tools=num_tools,
+                   task_len=task_len, result_len=result_len, output_len=output_len)
+    check_non_negative(tool_tokens=tool_tokens, system_tokens=system_tokens)
     if not 0.0 <= user_share <= 1.0:
         raise ValueError(f"user-share must be in [0, 1], got {user_share}")
     rng = np.random.default_rng(seed)
@@ -277,7 +324,7 @@ def random_prompts(vocabulary: WordVocabulary, *, num_prompts: int, input_len: i
                    output_len: int, seed: int) -> Dataset:
     """``num_prompts`` unrelated prompts of ``input_len`` tokens (first tokens all different
     while the vocabulary allows it): the 0%-hit case."""
-    _check_positive(num_prompts=num_prompts, input_len=input_len, output_len=output_len)
+    check_positive(num_prompts=num_prompts, input_len=input_len, output_len=output_len)
     rng = np.random.default_rng(seed)
     sessions = [Session([Turn([first, *vocabulary.sample(rng, input_len - 1)], output_len)],
                         group=index)
@@ -286,13 +333,15 @@ def random_prompts(vocabulary: WordVocabulary, *, num_prompts: int, input_len: i
                                         "output_len": output_len, "seed": seed})
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
+    """A ``ValueError`` naming the first option (``num_turns`` as ``num-turns``) below 1."""
     for name, value in values.items():
         if value < 1:
             raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def _check_non_negative(**values: int) -> None:
+def check_non_negative(**values: int) -> None:
+    """A ``ValueError`` naming the first option below 0."""
     for name, value in values.items():
         if value < 0:
             raise ValueError(f"{name.replace('_', '-')} must not be negative, got {value}")

@@ -1,12 +1,12 @@
 """What a perfect prefix cache would have served of a run, by ``prefixserve estimate``.
 
-The prompts a run sent (token ids, in send order) and their replies (the reply text encoded
-again) are written as an estimator ``tokens`` log and replayed through the estimator's infinite
-cache, at the engine's block size: every full block computed so far stays cached. Replies are
-decoded before the next request arrives (``concurrency`` 1), as the runner sends a turn only
-once the reply to the one before has come. The figures are the prefill saving caching can give
-on this traffic: the share of prompt tokens found in cache and the 1/(1-h) bound on prefill
-speed-up.
+The prompts a run sent (token ids, in send order, with their pictures' hashes) and their
+replies (the reply text encoded again) are written as an estimator ``tokens`` log and replayed
+through the estimator's infinite cache, at the engine's block size: every full block computed
+so far stays cached. Replies are decoded before the next request arrives (``concurrency`` 1),
+as the runner sends a turn only once the reply to the one before has come. The figures are the
+prefill saving caching can give on this traffic: the share of prompt tokens found in cache and
+the 1/(1-h) bound on prefill speed-up.
 """
 
 from __future__ import annotations
@@ -27,11 +27,16 @@ ENGINE_BLOCK_SIZE = 16
 
 def write_prompt_log(sent: Sequence[SentPrompt], path: str) -> None:
     """Writes the prompts as an estimator ``tokens`` log: one ``{"token_ids",
-    "output_token_ids"}`` line each, in send order (``prefixserve estimate PATH`` reads it)."""
+    "output_token_ids"}`` line each, with ``"mm_inputs"`` (``{"offset", "length", "hash"}``
+    of each picture) when the prompt holds pictures, in send order (``prefixserve estimate
+    PATH`` reads it)."""
     with open(path, "w", encoding="utf-8") as log:
         for prompt in sent:
-            log.write(json.dumps({"token_ids": prompt.ids,
-                                  "output_token_ids": prompt.reply_ids}) + "\n")
+            line: dict[str, Any] = {"token_ids": prompt.ids, "output_token_ids": prompt.reply_ids}
+            if prompt.mm_inputs:
+                line["mm_inputs"] = [{"offset": mm.offset, "length": mm.length,
+                                      "hash": mm.content_hash} for mm in prompt.mm_inputs]
+            log.write(json.dumps(line) + "\n")
 
 
 def perfect_cache(sent: Sequence[SentPrompt], block_size: int = ENGINE_BLOCK_SIZE

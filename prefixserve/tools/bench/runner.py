@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixserve.core.request import MultiModalInput
 from prefixserve.tools.bench.client import CompletionClient
 from prefixserve.tools.bench.datasets import Conversation, Dataset, Session, WordVocabulary
 from prefixserve.tools.bench.metrics import RequestRecord
@@ -44,11 +45,13 @@ class LoadSettings:
 
 @dataclass
 class SentPrompt:
-    """A prompt as sent (token ids) and the reply as the tokenizer reads its text back."""
+    """A prompt as sent (token ids), the reply as the tokenizer reads its text back, and the
+    pictures the prompt holds (where their placeholder tokens are in ``ids``)."""
 
     start: float
     ids: list[int]
     reply_ids: list[int]
+    mm_inputs: tuple[MultiModalInput, ...] = ()
 
 
 @dataclass
@@ -116,7 +119,7 @@ class _Run:
                         error=f"not sent: turn {conversation.turn} of the session failed"))
                 return
             reply_ids = self.vocabulary.tokenizer.encode(result.text, add_special_tokens=False)
-            self.sent.append(SentPrompt(sent_at, ids, reply_ids))
+            self.sent.append(SentPrompt(sent_at, ids, reply_ids, tuple(conversation.mm_inputs)))
             conversation.add_reply(reply_ids, result.text)
 
     async def run(self) -> RunOutput:

@@ -13,9 +13,11 @@ bound), and reports the hit rate by blocks and by tokens, the prefill tokens sav
 bound on prefill speed-up and the share of requests with any hit. No model is run.
 
 Inputs (detected from the first record, or --format), plain, .gz or .xz, one JSON object a line:
-  tokens          {"token_ids": [...], "output_token_ids"?, "cache_salt"?, "lora_id"?}
-  text / chat     {"prompt": "..."} or {"messages": [...]} with optional "response", tokenised
-                  with --tokenizer's tokenizer and chat template
+  tokens          {"token_ids": [...], "output_token_ids"?, "cache_salt"?, "lora_id"?,
+                  "mm_inputs"?}
+  text / chat     {"prompt": "..."} or {"messages": [...]} with optional "response",
+                  "cache_salt", "lora_id", "mm_inputs", tokenised with --tokenizer's tokenizer
+                  and chat template
   mooncake        {"hash_ids": [...], "input_length": n}: chained ids of 512-token blocks
                   (or the record's "block_size")
   bailian         {"chat_id", "hash_ids", "input_length", ...}: 16-token blocks hashed on their
@@ -23,6 +25,11 @@ Inputs (detected from the first record, or --format), plain, .gz or .xz, one JSO
   kvcache-tester  one session a line (64-token blocks, ids local to the session, sub-agent
                   requests nested): each session gets its own id space
 Requests are replayed in file order; a record's "timestamp" is only the clock of --ttl.
+Images: "mm_inputs": [{"offset": 12, "length": 196, "hash": "..."}] names the images whose
+placeholder tokens [offset, offset + length) the prompt holds (offsets in the tokenised
+prompt); every block a run overlaps is keyed by its hash, as in the engine, so another image
+at the same place misses from the block its run starts in. Block-hash traces take no
+mm_inputs: their ids already name the blocks' content.
 
 Blocks: the cache is simulated with --block-size blocks. A trace with larger blocks is split
 (id i becomes sub-blocks (i, 0..k-1)); one with smaller blocks is merged. Only full blocks are
