@@ -311,15 +311,6 @@ static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *
     return _mm512_reduce_add_ps(acc[0]) - hsum(mins);
 }
 
-static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
-                          const float *xs, int64_t supers) {
-    return kq45_row_wide(w, 0, xq, xd, xs, supers);
-}
-
-static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
-                          const float *xs, int64_t supers) {
-    return kq45_row_wide(w, 1, xq, xd, xs, supers);
-}
 
 /* Outputs y[0 .. 4) of four Q4_K rows (row_bytes apart) for one activation row: the products of
  * kq4_row_wide, each pair of sub-blocks' activations loaded once for the four rows, two
@@ -443,15 +434,6 @@ static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *
            - hsum(mins);
 }
 
-static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
-                          const float *xs, int64_t supers) {
-    return kq45_row_wide(w, 0, xq, xd, xs, supers);
-}
-
-static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
-                          const float *xs, int64_t supers) {
-    return kq45_row_wide(w, 1, xq, xd, xs, supers);
-}
 
 /* As kq6_row_wide at 256 bits: each 16 weights of a scale in one multiply-add. */
 static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, int64_t supers) {
@@ -487,6 +469,18 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
         }
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+#endif
+
+#ifdef __AVX2__
+static float kq4_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    return kq45_row_wide(w, 0, xq, xd, xs, supers);
+}
+
+static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
+                          const float *xs, int64_t supers) {
+    return kq45_row_wide(w, 1, xq, xd, xs, supers);
 }
 #endif
 

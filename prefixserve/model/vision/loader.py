@@ -12,8 +12,6 @@ pooling head are not used) and the projector.
 
 from __future__ import annotations
 
-import glob
-import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -79,16 +77,10 @@ def load_vision_model(model: str | None, dtype: torch.dtype,
 def _encoder_state(path: str, encoder: ImageEncoder, dtype: torch.dtype,
                    device: torch.device) -> dict[str, torch.Tensor]:
     """The encoder's state dict from the directory's safetensors files."""
-    from safetensors import safe_open
+    from prefixserve.model.weights.loader import safetensors_owners
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors files")
     with ExitStack() as stack:
-        owner = {}
-        for file in files:
-            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            owner.update(dict.fromkeys(handle.keys(), handle))
+        owner = safetensors_owners(path, stack)
         sources = _source_names(path, set(owner), list(encoder.state_dict()))
         state = {}
         for ours, theirs in sources.items():

@@ -34,7 +34,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -463,20 +463,27 @@ def _gguf_state(
     return config, state, freq_factors
 
 
-def _hf_state(
-    path: str, dtype: torch.dtype, device: torch.device, packing: str | None
-) -> tuple[ModelConfig, dict[str, Weight]]:
+def safetensors_owners(path: str, stack: ExitStack) -> dict[str, Any]:
+    """Every tensor name of the directory ``path``'s ``*.safetensors`` files, mapped to the open
+    file that holds it (closed with ``stack``); FileNotFoundError when there are none."""
     from safetensors import safe_open
 
-    config = ModelConfig.from_hf_dir(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
+    owner: dict[str, Any] = {}
+    for file in files:
+        handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        owner.update(dict.fromkeys(handle.keys(), handle))
+    return owner
+
+
+def _hf_state(
+    path: str, dtype: torch.dtype, device: torch.device, packing: str | None
+) -> tuple[ModelConfig, dict[str, Weight]]:
+    config = ModelConfig.from_hf_dir(path)
     with ExitStack() as stack:
-        owner = {}
-        for file in files:
-            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            owner.update(dict.fromkeys(handle.keys(), handle))
+        owner = safetensors_owners(path, stack)
 
         def read(name: str) -> torch.Tensor:
             return owner[name].get_tensor(name)
