@@ -21,6 +21,7 @@ from prefixserve.model.arch.config import resolve_model_path
 from prefixserve.model.arch.vision_config import LlavaConfig, read_llava_config
 from prefixserve.model.vision.encoder import ImageEncoder
 from prefixserve.model.vision.processor import ImageProcessor
+from prefixserve.model.weights.safetensors_dir import safetensors_owners
 
 _PATCH = "embeddings.patch_embedding.weight"
 _PROJECTOR = "multi_modal_projector.linear_1.weight"
@@ -77,8 +78,6 @@ def load_vision_model(model: str | None, dtype: torch.dtype,
 def _encoder_state(path: str, encoder: ImageEncoder, dtype: torch.dtype,
                    device: torch.device) -> dict[str, torch.Tensor]:
     """The encoder's state dict from the directory's safetensors files."""
-    from prefixserve.model.weights.loader import safetensors_owners
-
     with ExitStack() as stack:
         owner = safetensors_owners(path, stack)
         sources = _source_names(path, set(owner), list(encoder.state_dict()))

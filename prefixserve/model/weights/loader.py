@@ -28,13 +28,11 @@ do the header's once it is parsed.
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
@@ -65,6 +63,7 @@ from prefixserve.model.weights.quant import (
     pack_gguf,
     q4_0_to_q4_1,
 )
+from prefixserve.model.weights.safetensors_dir import safetensors_owners
 
 __all__ = ["WEIGHT_MODES", "default_model_path", "load_model"]
 
@@ -461,21 +460,6 @@ def _gguf_state(
     freq_factors = read("rope_freqs.weight") if "rope_freqs.weight" in available else None
     _check_all_used(available, used, {"rope_freqs.weight"}, path)
     return config, state, freq_factors
-
-
-def safetensors_owners(path: str, stack: ExitStack) -> dict[str, Any]:
-    """Every tensor name of the directory ``path``'s ``*.safetensors`` files, mapped to the open
-    file that holds it (closed with ``stack``); FileNotFoundError when there are none."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors files")
-    owner: dict[str, Any] = {}
-    for file in files:
-        handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-        owner.update(dict.fromkeys(handle.keys(), handle))
-    return owner
 
 
 def _hf_state(
