@@ -14,7 +14,8 @@ requested dtype. llama.cpp's converter reorders the rows of the Q and K projecti
 kernel); :func:`_unpermute_into` undoes that so the model can use HF's "rotate half" rope.
 Qwen2/Qwen3 GGUF files are not permuted.
 
-Q/K/V and gate/up weights are fused at load (see :mod:`prefixserve.model.arch.llama`).
+Q/K/V and gate/up weights are fused at load (see :mod:`prefixserve.model.arch.llama`); parts of
+formats that do not convert exactly into one another stay side by side (:class:`PackedParts`).
 
 A GGUF file is memory-mapped (:class:`GGUFFile`), not read into memory. A packed weight kept as
 the file holds it, neither fused nor permuted (o_proj, down_proj, the embedding and the head,
@@ -71,9 +72,12 @@ logger = logging.getLogger("prefixserve.model")
 
 _TARGETS = {"auto": None, "int8": FMT_Q8_0, "int4": FMT_Q4_1}
 
-Weight = torch.Tensor | PackedWeight | PackedParts
+#: A file's tensor as the loader reads it: dense, or packed.
+Part = torch.Tensor | PackedWeight
+#: An entry of the state dict: a part, or a fused projection of packed parts in several formats.
+Weight = Part | PackedParts
 TensorSource = Callable[[str], torch.Tensor]
-WeightSource = Callable[[str], Weight]
+WeightSource = Callable[[str], Part]
 
 
 def load_model(
@@ -144,7 +148,7 @@ def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype)
         setattr(parent, attr, new)
 
 
-def _cat(parts: list[Weight], heads: Sequence[int | None] = ()) -> Weight:
+def _cat(parts: list[Part], heads: Sequence[int | None] = ()) -> Weight:
     """Fuse projections row-wise into one new weight, each part copied once (:func:`_stack`);
     part ``j`` is unpermuted (:func:`_unpermute_into`) for ``heads[j]`` heads where that is
     given and not None.
@@ -157,7 +161,7 @@ def _cat(parts: list[Weight], heads: Sequence[int | None] = ()) -> Weight:
     if all(isinstance(p, torch.Tensor) for p in parts):
         return _stack([p for p in parts if isinstance(p, torch.Tensor)], heads)
     if any(isinstance(p, torch.Tensor) for p in parts):
-        dense = [p if isinstance(p, torch.Tensor) else _dequantized(p) for p in parts]
+        dense = [p if isinstance(p, torch.Tensor) else dequantize_packed(p) for p in parts]
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
         return _stack(dense, heads, dtype)
     packed = [p for p in parts if isinstance(p, PackedWeight)]
@@ -176,13 +180,6 @@ def _cat(parts: list[Weight], heads: Sequence[int | None] = ()) -> Weight:
                              [heads[j] if j < len(heads) else None for j in run])
                for run in runs]
     return stacked[0] if len(stacked) == 1 else PackedParts(stacked)
-
-
-def _dequantized(weight: PackedWeight | PackedParts) -> torch.Tensor:
-    """The float32 values of a packed weight, or of each part of one, stacked."""
-    if isinstance(weight, PackedParts):
-        return torch.cat([dequantize_packed(part) for part in weight.parts])
-    return dequantize_packed(weight)
 
 
 def _stack_packed(parts: list[PackedWeight], heads: list[int | None]) -> PackedWeight:
@@ -267,7 +264,7 @@ def _layer_state(config: ModelConfig, i: int, names: dict[str, str], get: Tensor
     def part(key: str) -> torch.Tensor:
         return get(names[key].format(i=i))
 
-    def matrix(key: str) -> Weight:
+    def matrix(key: str) -> Part:
         return weight(names[key].format(i=i))
 
     def qkv(suffix: str) -> Weight:
@@ -433,7 +430,7 @@ def _gguf_state(
 
     requantized: Counter[str] = Counter()
 
-    def get_weight(name: str) -> Weight:
+    def get_weight(name: str) -> Part:
         info = gguf.tensors.get(name)
         if packing is None or info is None or len(info.shape) != 2:
             return get(name)
@@ -476,7 +473,7 @@ def _hf_state(
         get, used = _tracking_source(available, read, dtype, device)
         target = _TARGETS.get(packing or "auto")
 
-        def get_weight(name: str) -> Weight:
+        def get_weight(name: str) -> Part:
             if target is None or name not in available:
                 return get(name)
             tensor = read(name)
