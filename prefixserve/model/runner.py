@@ -118,7 +118,7 @@ class ModelRunner:
     :class:`~prefixserve.model.attention.fused_decode.FusedDecode` where it applies (see
     :func:`~prefixserve.model.attention.fused_decode.unsupported`; ``fused_decode_reason`` says why
     not),
-    unless ``enforce_eager`` is set or the model has LoRA adapters or runs deterministically.
+    LoRA adapters included, unless ``enforce_eager`` is set or the model runs deterministically.
     """
 
     def __init__(
@@ -167,13 +167,13 @@ class ModelRunner:
         CPU with AMX tiles, where SDPA's products run on the tiles: the mixed steps of a
         16-client replay took 0.7x the kernel's time (benchmarks/RESULTS.md), and Gemma 3's
         cold 2,000-token prompt 0.73x with its sliding-window groups through SDPA too. Steps
-        of one position per sequence (a dense or LoRA
-        model's decodes) keep the kernel either way."""
+        of one position per sequence (a dense model's decodes) keep the kernel either way."""
         self._fused: fused_decode.FusedDecode | None = None
         self._prompt_attention: prompt_attention.PromptAttention | None = None
         self._group_kernels: dict[int, prompt_attention.PromptAttention | None] = {}
         self._attention_checked = False
-        """Whether the kernel's attention was considered for a model with LoRA adapters."""
+        """Whether the kernel's attention was considered for a model the fused layers do not
+        take (dense projections)."""
         self.fused_decode_reason: str | None = None
         """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.model_seconds = 0.0
@@ -291,11 +291,10 @@ class ModelRunner:
         return decoding
 
     def _fused_ready(self) -> bool:
-        """Whether the fused decode layers apply to this runner (built at the first call;
-        adapters installed later turn them off)."""
-        if self.lora is not None:
-            self.fused_decode_reason = "LoRA adapters"
-            return False
+        """Whether the fused decode layers apply to this runner (built at the first call, and
+        again when adapters were installed after that)."""
+        if self._fused is not None and self.lora is not None and not self._fused.has_lora:
+            self._fused = None  # it reads the projections under the adapters' wrappers
         if self._fused is None and self.fused_decode_reason is None:
             reason = ("enforce_eager" if self.enforce_eager else
                       "deterministic mode" if self.deterministic else
@@ -310,8 +309,8 @@ class ModelRunner:
 
     def _prompt_kernel(self) -> prompt_attention.PromptAttention | None:
         """The C kernel's attention for this step's eager rows: where the fused layers apply,
-        and where only the projections keep them off (dense weights, LoRA adapters: they change
-        the projections, not the attention); built at the first such step, not in the eager or
+        and where only the projections keep them off (dense weights: they change the
+        projections, not the attention); built at the first such step, not in the eager or
         the deterministic mode."""
         if self._fused_ready():
             return self._prompt_attention
@@ -366,8 +365,14 @@ class ModelRunner:
         start = time.perf_counter()
         hidden = self.model.embed(torch.tensor(ids, dtype=torch.long))
         extra = [(self.block_tables[g].buffer, table_rows[g]) for g in range(1, len(rows))]
+        slots = None
+        if self.lora is not None and any(seq.lora_slot is not None for seq in seqs):
+            slots = [-1 if seq.lora_slot is None else seq.lora_slot
+                     for seq in seqs for _ in seq.token_ids]
+        elif any(seq.lora_slot is not None for seq in seqs):
+            raise ValueError("a sequence asks for a LoRA slot, but the model has no adapters")
         hidden = self._fused.run(hidden, positions, self.block_tables[0].buffer, table_rows[0],
-                                 extra)
+                                 extra, slots)
         if len(ids) == len(seqs):
             out = ExecuteOutput(self.model.compute_logits(hidden), [None] * len(seqs))
         else:

@@ -24,7 +24,12 @@ from model_helpers import dense_model, pack_projections, packed_model, tiny_conf
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.arch.config import ModelConfig
 from prefixserve.model.arch.llama import CausalLM
-from prefixserve.model.arch.lora import install_lora
+from prefixserve.model.arch.lora import (
+    LoRAAdapter,
+    LoRAModel,
+    install_lora,
+    part_shapes,
+)
 from prefixserve.model.attention import decode_kernel, fused_decode
 from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInput
 from prefixserve.model.weights import quant, quant_kernels
@@ -57,17 +62,22 @@ CHUNK = 256
 
 def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: int,
         seed: int = 1, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
-        extra: int = 0, blocks: int = 2000) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
+        extra: int = 0, blocks: int = 2000, lora: LoRAModel | None = None,
+        slots: list[int | None] | None = None
+        ) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
     """Five sequences prefilled, then five decode steps of all five; the logits of each decode
     step and the cache at the end. Contexts: ~300 tokens; ~37; ~530, sharing the first's first
     256 tokens and their blocks (one attention chunk, which the kernel reads once for both);
     ~300, as long as the first but sharing nothing; ~300, sharing only the first's first
     block, so a chunk that starts alike but is not the same. ``extra`` more sequences of 20
-    to 60 tokens make the batch as many rows larger; ``blocks`` tokens' worth of cache blocks."""
+    to 60 tokens make the batch as many rows larger; ``blocks`` tokens' worth of cache blocks.
+    With ``lora`` (the model's adapter slots), sequence i runs under ``slots[i % len(slots)]``."""
     rng = random.Random(seed)
     num_blocks = blocks // block_size
     runner = ModelRunner(config, model, num_blocks, block_size, dtype, "cpu",
                          enforce_eager=enforce_eager, kv_cache_dtype=kv_dtype)
+    runner.lora = lora
+    slots = slots or [None]
     free = list(range(num_blocks))
     rng.shuffle(free)
     first = [rng.randrange(config.vocab_size) for _ in range(300)]
@@ -86,11 +96,13 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     tables[2][:shared] = tables[0][:shared]
     tables[4][0] = tables[0][0]
     for i, prompt in enumerate(prompts):
-        runner.execute([SeqBatchInput(prompt, 0, tables[i], seq_id=i)])
+        runner.execute([SeqBatchInput(prompt, 0, tables[i], seq_id=i,
+                                      lora_slot=slots[i % len(slots)])])
     logits = []
     for step in range(5):
         seqs = [SeqBatchInput([rng.randrange(config.vocab_size)], len(p) + step, tables[i],
-                              seq_id=i) for i, p in enumerate(prompts)]
+                              seq_id=i, lora_slot=slots[i % len(slots)])
+                for i, p in enumerate(prompts)]
         logits.append(runner.execute(seqs).logits)
     return logits, runner.kv_cache, runner
 
@@ -282,12 +294,15 @@ def test_projections_of_parts_in_different_formats_run_fused(case: str, extra: i
 
 
 def test_where_the_fused_path_does_not_apply() -> None:
-    """Dense projections, float16 activations, a float64 cache, the deterministic mode and LoRA
-    keep the eager path (and torch's attention), and the runner says why."""
+    """Dense projections (with adapters or not), float16 activations, a float64 cache and the
+    deterministic mode keep the eager path (and torch's attention), and the runner says why."""
     config = tiny_config()
     dense = CausalLM(config).eval()
     assert fused_decode.unsupported(dense, torch.zeros(2, 2, 8, 2, 16)) == \
-        "a projection not packed (dense weights or a LoRA wrapper)"
+        "a projection not packed (dense weights)"
+    install_lora(dense, config, 2, 4)  # adapters do not make dense weights packed
+    assert fused_decode.unsupported(dense, torch.zeros(2, 2, 8, 2, 16)) == \
+        "a projection not packed (dense weights)"
     model = packed_model(config)
     assert fused_decode.unsupported(model, torch.zeros(2, 2, 8, 2, 16)) is None
     for cache_dtype in (torch.bfloat16, torch.float16):  # beside float32 activations
@@ -305,22 +320,105 @@ def test_where_the_fused_path_does_not_apply() -> None:
     assert runner.fused_decode_reason == "deterministic mode" and runner._fused is None
 
 
-def test_adapters_installed_after_the_fused_layers_turn_them_off() -> None:
-    """LoRA wraps the projections that the fused layers read directly: once a runner has
-    adapters, its decode steps run eagerly even if the fused layers were already built."""
+def random_adapter(config: ModelConfig, name: str, rank: int, seed: int,
+                   parts: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+                   ) -> LoRAAdapter:
+    """An adapter of ``rank`` on ``parts`` of every layer, large enough to move the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = part_shapes(config)
+    deltas = {(layer, part): (0.3 * torch.randn(rank, shapes[part][1], generator=gen),
+                              0.3 * torch.randn(shapes[part][0], rank, generator=gen))
+              for layer in range(config.num_hidden_layers) for part in parts}
+    return LoRAAdapter(name, deltas, rank)
+
+
+def lora_model(config: ModelConfig, model: CausalLM, max_rank: int = 4) -> LoRAModel:
+    """Three slots on ``model``: 0 and 1 hold adapters on every projection, of ranks 4 and 2;
+    2 one on the attention's output and the MLP's down projection only (its QKV and gate/up
+    leave the base alone)."""
+    lora = install_lora(model, config, 3, max_rank)
+    lora.load_slot(0, random_adapter(config, "a", 4, 1))
+    lora.load_slot(1, random_adapter(config, "b", 2, 2))
+    lora.load_slot(2, random_adapter(config, "c", 4, 3, parts=("o", "down")))
+    return lora
+
+
+@pytest.mark.parametrize(("case", "extra"), [("q4_1-gqa2", 0), ("q4_1-gqa2", 6),
+                                             ("q4_0-gqa2-bfloat16", 0),
+                                             ("q4_1-gqa3-bias-block4", 6)])
+def test_rows_under_different_adapters_decode_fused_as_the_eager_layers(case: str,
+                                                                         extra: int) -> None:
+    """LoRA adapters run inside the fused layers: each row adds its own slot's delta after
+    each of the four products (or none, for a row of the base model), at 5 rows and at 11,
+    float32 and bfloat16. The logits of every decode step and the K/V written agree with the
+    eager path's, and the adapters change the logits far beyond that tolerance (a row given
+    another row's slot, a product's delta left out, fails)."""
+    config, fmt, block_size, dtype, _ = CASES[case]
+    model = packed_model(config, fmt).to(dtype)
+    base, _, _ = run(model, config, False, block_size, dtype=dtype, extra=extra)
+    lora = lora_model(config, model)
+    slots: list[int | None] = [0, None, 1, 2, 0, 1]
+    fused, fused_cache, fused_runner = run(model, config, False, block_size, dtype=dtype,
+                                           extra=extra, lora=lora, slots=slots)
+    eager, eager_cache, _ = run(model, config, True, block_size, dtype=dtype, extra=extra,
+                                lora=lora, slots=slots)
+    assert fused_runner._fused is not None and fused_runner._fused.has_lora
+    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
+                         else (LOGIT_TOL, KV_TOL))
+    for step, (got, want, plain) in enumerate(zip(fused, eager, base, strict=True)):
+        tol = logit_tol * float(want.abs().max())
+        torch.testing.assert_close(got, want, atol=tol, rtol=0,
+                                   msg=lambda m, step=step: f"decode step {step}: {m}")
+        moved = (want - plain).abs().amax(dim=1)
+        rows = [i for i in range(len(moved)) if slots[i % len(slots)] is not None]
+        assert float(moved[rows].min()) > 10 * tol  # every adapter row really moved
+    torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
+                               atol=kv_tol * float(eager_cache.abs().max()))
+
+
+def test_adapters_installed_after_the_fused_layers_are_taken_in() -> None:
+    """LoRA wraps the projections that the fused layers read directly: adapters installed
+    after the layers were built make the runner build them again, with the adapters, and a
+    row under a slot decodes as the eager layers decode it."""
     config = tiny_config()
     model = packed_model(config)
     runner = ModelRunner(config, model, 8, 4, torch.float32, "cpu")
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0, 1], seq_id="a")])
     runner.execute([SeqBatchInput([4], 3, [0, 1], seq_id="a")])
-    fused = runner._fused
-    assert fused is not None and runner.fused_decode_reason is None
-    calls: list[int] = []
-    run = fused.run
-    fused.run = lambda *a: calls.append(1) or run(*a)  # type: ignore
-    runner.lora = install_lora(model, config, 1, 4)
-    runner.execute([SeqBatchInput([5], 4, [0, 1], seq_id="a")])
-    assert calls == [] and runner.fused_decode_reason == "LoRA adapters"
+    first = runner._fused
+    assert first is not None and not first.has_lora
+    runner.lora = lora_model(config, model)
+    got = runner.execute([SeqBatchInput([5], 4, [0, 1], seq_id="a", lora_slot=0)]).logits
+    assert runner._fused is not first and runner._fused is not None and runner._fused.has_lora
+    eager = ModelRunner(config, model, 8, 4, torch.float32, "cpu", enforce_eager=True)
+    eager.lora = runner.lora
+    eager.execute([SeqBatchInput([1, 2, 3, 4], 0, [0, 1], seq_id="a")])  # the same history
+    want = eager.execute([SeqBatchInput([5], 4, [0, 1], seq_id="a", lora_slot=0)]).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_adapter_loaded_after_the_fused_layers_were_built_is_used(dtype: torch.dtype) -> None:
+    """A slot filled after the fused layers were built (an adapter loaded at run time): its
+    weights reach the kernel (a bfloat16 model's float32 copies are refreshed as it loads),
+    and the next decode under it agrees with the eager layers."""
+    config = tiny_config()
+    model = packed_model(config).to(dtype)
+    lora = install_lora(model, config, 2, 4)
+    outputs = []
+    for eager in (False, True):
+        runner = ModelRunner(config, model, 8, 4, dtype, "cpu", enforce_eager=eager)
+        runner.lora = lora
+        lora.load_slot(1, None)
+        runner.execute([SeqBatchInput([1, 2, 3], 0, [0, 1], seq_id="a", lora_slot=1)])
+        runner.execute([SeqBatchInput([4], 3, [0, 1], seq_id="a", lora_slot=1)])
+        assert (runner._fused is None) == eager
+        lora.load_slot(1, random_adapter(config, "late", 4, 5))
+        outputs.append(runner.execute([SeqBatchInput([5], 4, [0, 1], seq_id="a",
+                                                     lora_slot=1)]).logits)
+    tol = (BF16_TOL["logits"] if dtype == torch.bfloat16 else LOGIT_TOL) * \
+        float(outputs[1].abs().max())
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=tol)
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:",

@@ -307,6 +307,10 @@ class LoRALinear(nn.Module):
     (0: the slot's adapter leaves this projection alone). With ``row_invariant`` (the
     deterministic mode) both products run in fixed row tiles (``batch_invariant.tiled_linear``),
     so a row's delta does not depend on how many rows share its slot in the step.
+
+    The fused decode step (``kernels/decode.c``) reads the same slots in float32
+    (:meth:`float_buffers`: the buffers themselves in a float32 model, copies kept in step
+    by :meth:`set_slot` otherwise) and ``used_counts``, ``used`` as an int64 tensor.
     """
 
     lora_a: torch.Tensor
@@ -326,7 +330,9 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_bt", torch.zeros(max_loras, rows, out, dtype=dtype,
                                                     device=device), persistent=False)
         self.used = [0] * max_loras
+        self.used_counts = torch.zeros(max_loras, dtype=torch.int64)
         self.row_invariant = False
+        self._float: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -352,7 +358,7 @@ class LoRALinear(nn.Module):
         most ``rank`` into ``slot``; all None clears the slot."""
         self.lora_a[slot].zero_()
         self.lora_bt[slot].zero_()
-        self.used[slot] = 0
+        self._set_used(slot, 0)
         if all(pair is None for pair in parts):
             return
         col = 0
@@ -363,7 +369,26 @@ class LoRALinear(nn.Module):
                 self.lora_a[slot, first:first + a.shape[0]] = a
                 self.lora_bt[slot, first:first + a.shape[0], col:col + size] = b.t()
             col += size
-        self.used[slot] = len(self.part_sizes) * rank
+        self._set_used(slot, len(self.part_sizes) * rank)
+
+    def _set_used(self, slot: int, rows: int) -> None:
+        self.used[slot] = rows
+        self.used_counts[slot] = rows
+        if self._float is not None:  # the float32 copies of a model of another dtype
+            self._float[0][slot] = self.lora_a[slot]
+            self._float[1][slot] = self.lora_bt[slot]
+
+    def float_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lora_a`` and ``lora_bt`` in float32 (on the CPU), contiguous: the buffers
+        themselves in a float32 model, else copies that :meth:`set_slot` keeps up to date
+        from the first call on."""
+        if self.lora_a.dtype == torch.float32:
+            return self.lora_a, self.lora_bt
+        if self._float is None:  # (normal tensors, even when asked in a step: set_slot
+            with torch.inference_mode(False):  # writes into them outside inference mode)
+                self._float = (self.lora_a.float().contiguous(),
+                               self.lora_bt.float().contiguous())
+        return self._float
 
 
 class LoRAModel:

@@ -29,6 +29,8 @@ KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INT64_3: type[ctypes.Array[ctypes.c_int64]] = ctypes.c_int64 * 3
 _INT64_2: type[ctypes.Array[ctypes.c_int64]] = ctypes.c_int64 * 2
 _POINTER_2: type[ctypes.Array[ctypes.c_void_p]] = ctypes.c_void_p * 2
+_POINTER_4: type[ctypes.Array[ctypes.c_void_p]] = ctypes.c_void_p * 4
+_INT64_4: type[ctypes.Array[ctypes.c_int64]] = ctypes.c_int64 * 4
 
 
 class LayerStruct(ctypes.Structure):
@@ -42,7 +44,9 @@ class LayerStruct(ctypes.Structure):
                [("group", ctypes.c_int64), ("local_rope", ctypes.c_int64)] + \
                [(name, _INT64_3) for name in ("qkv_rows", "gate_up_rows")] + \
                [(name, _POINTER_2) for name in ("qkv_more", "gate_up_more")] + \
-               [(name, _INT64_2) for name in ("qkv_more_fmt", "gate_up_more_fmt")]
+               [(name, _INT64_2) for name in ("qkv_more_fmt", "gate_up_more_fmt")] + \
+               [(name, _POINTER_4) for name in ("lora_a", "lora_bt", "lora_used")] + \
+               [("lora_rows", _INT64_4)]
 
 
 class ModelStruct(ctypes.Structure):
@@ -55,12 +59,13 @@ class ModelStruct(ctypes.Structure):
                 ("inv_freq", ctypes.c_void_p), ("layers", ctypes.POINTER(LayerStruct)),
                 ("gelu", ctypes.c_int64), ("query_factor", ctypes.c_double),
                 ("inv_freq_local", ctypes.c_void_p), ("num_groups", ctypes.c_int64),
-                ("windows", ctypes.c_void_p)]
+                ("windows", ctypes.c_void_p), ("lora_max_rows", ctypes.c_int64)]
 
 
 class BatchStruct(ctypes.Structure):
     _fields_ = [("B", ctypes.c_int64), ("pos", ctypes.c_void_p), ("tables", ctypes.c_void_p),
-                ("rows", ctypes.c_void_p), ("table_stride", ctypes.c_int64)]
+                ("rows", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+                ("lora_slots", ctypes.c_void_p)]
 
 
 def declare(lib: ctypes.CDLL) -> None:

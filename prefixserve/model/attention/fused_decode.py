@@ -10,7 +10,8 @@ It applies (:func:`unsupported` says why not) to a Llama-family :class:`CausalLM
 included: Qwen3) or a Gemma 3 model on CPU with float32 or bfloat16 activations (the layers
 compute in float32 either way) and a float32, bfloat16 or float16 cache, every projection
 packed (:class:`QuantLinear`, or for QKV and gate/up a :class:`SplitQuantLinear` of up to three
-parts in different formats; not wrapped by LoRA), with any KV cache groups (full
+parts in different formats; with or without LoRA adapters around it: each row adds the delta
+of its own adapter slot after each product), with any KV cache groups (full
 attention or sliding windows: each layer attends through its group's tables); and per step
 (the runner checks) when every sequence adds one token and none asks for prompt logits.
 ``--enforce-eager`` turns it off. The deterministic mode never uses it (its attention has its
@@ -32,6 +33,7 @@ from torch import nn
 
 from prefixserve.model.arch.gemma3 import GeGLU, Gemma3CausalLM
 from prefixserve.model.arch.llama import CausalLM, DecoderLayer
+from prefixserve.model.arch.lora import LoRALinear
 from prefixserve.model.attention import decode_kernel
 from prefixserve.model.attention.decode_kernel import KV_TYPES, SUPPORTED_DTYPES
 from prefixserve.model.weights.quant import K_FORMATS, QuantLinear, SplitQuantLinear
@@ -54,18 +56,24 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor) -> str | None:
         return reason
     assert isinstance(model, CausalLM)
     for layer in _layers(model):
-        kinds = [type(p) for p in _projections(layer)]
+        kinds = [type(_packed(p)) for p in _projections(layer)]
         fused_ones = (kinds[0], kinds[2])  # QKV and gate/up may be split in parts
         if any(kind is not QuantLinear for kind in (kinds[1], kinds[3])) or any(
                 kind not in (QuantLinear, SplitQuantLinear) for kind in fused_ones):
-            return "a projection not packed (dense weights or a LoRA wrapper)"
+            return "a projection not packed (dense weights)"
         if any(len(_parts(p)) > 3 for p in _projections(layer)):
             return "a projection of more than three parts"
     return None
 
 
+def _packed(projection: nn.Module) -> nn.Module:
+    """The product under a projection's LoRA adapters (the projection itself without)."""
+    return projection.base if isinstance(projection, LoRALinear) else projection
+
+
 def _parts(projection: nn.Module) -> list[QuantLinear]:
     """A packed projection's parts: itself, or a :class:`SplitQuantLinear`'s parts."""
+    projection = _packed(projection)
     if isinstance(projection, SplitQuantLinear):
         return projection.part_layers()
     return [cast(QuantLinear, projection)]
@@ -113,11 +121,16 @@ class FusedDecode:
         if local is not None:
             self._keep.append(local.float().contiguous())
         layers = (decode_kernel.LayerStruct * len(model.layers))()
+        lora_rows = 0
+        self.max_loras = 0
         for i, layer in enumerate(_layers(model)):
             layers[i] = self._layer(layer, kv_cache[layout.slot[i]])
             layers[i].group = layout.group[i]
             layers[i].local_rope = int(local is not None and sliding[i])
+            lora_rows = max(lora_rows, *layers[i].lora_rows)
         self._layers = layers
+        self.has_lora = lora_rows > 0
+        """Whether the model's projections carry LoRA adapter slots (``run`` takes each row's)."""
         self.num_groups = len(layout.groups)
         # a bfloat16 model's batch products may take bfloat16 activations, and it attends in
         # bfloat16 over a bfloat16 cache (queries and softmax weights rounded, as its eager
@@ -135,7 +148,7 @@ class FusedDecode:
             config.rms_norm_eps,
             self._keep[1].data_ptr(), layers, int(isinstance(first.mlp, GeGLU)), query_factor,
             None if local is None else self._keep[3].data_ptr(), self.num_groups,
-            windows.data_ptr())
+            windows.data_ptr(), lora_rows)
 
     def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> decode_kernel.LayerStruct:
         def as_float(tensor: torch.Tensor) -> int:
@@ -160,8 +173,8 @@ class FusedDecode:
                  norm(layer, "post_attn_out_norm"), norm(layer, "post_mlp_norm")]
         struct = decode_kernel.LayerStruct(*norms, *(p.qweight.data_ptr() for p in firsts),
                                            *(p.fmt for p in firsts),
-                                           *(bias(p) for p in projections), cache.data_ptr(),
-                                           *extra)
+                                           *(bias(_packed(p)) for p in projections),
+                                           cache.data_ptr(), *extra)
         for name, projection in (("qkv", projections[0]), ("gate_up", projections[2])):
             parts = _parts(projection)
             if len(parts) > 1:  # the C side reads parts 1 and 2 where rows[1] > 0
@@ -173,16 +186,25 @@ class FusedDecode:
                     if j:
                         more[j - 1] = part.qweight.data_ptr()
                         more_fmt[j - 1] = part.fmt
+        for j, projection in enumerate(projections):
+            if isinstance(projection, LoRALinear):
+                self.max_loras = projection.used_counts.shape[0]
+                a, bt = projection.float_buffers()
+                self._keep += [a, bt, projection.used_counts]
+                struct.lora_a[j], struct.lora_bt[j] = a.data_ptr(), bt.data_ptr()
+                struct.lora_used[j] = projection.used_counts.data_ptr()
+                struct.lora_rows[j] = a.shape[1]
         return struct
 
     def run(self, hidden: torch.Tensor, positions: list[int], tables: torch.Tensor,
-            rows: list[int], extra: Sequence[tuple[torch.Tensor, list[int]]] = ()
-            ) -> torch.Tensor:
+            rows: list[int], extra: Sequence[tuple[torch.Tensor, list[int]]] = (),
+            lora_slots: list[int] | None = None) -> torch.Tensor:
         """The decoder layers over ``hidden`` (the embeddings ``[B, hidden]``). Row b is at
         position ``positions[b]``, its block table row ``rows[b]`` of ``tables`` (long,
         ``[num_rows, width]``), covering that position. A model of several KV cache groups
-        takes the tables and rows of groups 1, 2, ... in ``extra``. Writes each row's K/V into
-        the cache; returns the last layer's output, in the model's dtype."""
+        takes the tables and rows of groups 1, 2, ... in ``extra``. ``lora_slots[b]``: the
+        adapter slot row b runs under (-1: none; None: no row has one). Writes each row's K/V
+        into the cache; returns the last layer's output, in the model's dtype."""
         if len(extra) != self.num_groups - 1:
             raise ValueError(f"{self.num_groups} KV cache groups: give {self.num_groups - 1} "
                              f"more tables, got {len(extra)}")
@@ -191,9 +213,16 @@ class FusedDecode:
         pos_t = torch.tensor(positions, dtype=torch.int64)
         groups = [(tables, torch.tensor(rows, dtype=torch.int64))]
         groups += [(t, torch.tensor(r, dtype=torch.int64)) for t, r in extra]
+        slots = None
+        if lora_slots is not None and self.has_lora:
+            if len(lora_slots) != len(positions) or \
+                    not all(-1 <= slot < self.max_loras for slot in lora_slots):
+                raise ValueError(f"give one adapter slot in [-1, {self.max_loras}) per row")
+            slots = torch.tensor(lora_slots, dtype=torch.int64)
         batch = decode_kernel.BatchStruct
         batches = (batch * len(groups))(*(
-            batch(len(positions), pos_t.data_ptr(), t.data_ptr(), r.data_ptr(), t.stride(0))
+            batch(len(positions), pos_t.data_ptr(), t.data_ptr(), r.data_ptr(), t.stride(0),
+                  None if slots is None else slots.data_ptr())
             for t, r in groups))
         if self._lib.decode_forward(ctypes.byref(self.model), batches,
                                     hidden.data_ptr()) != 0:

@@ -72,6 +72,14 @@ typedef struct {
     const uint8_t *qkv_more[2];
     const uint8_t *gate_up_more[2];
     int64_t qkv_more_fmt[2], gate_up_more_fmt[2];
+    /* LoRA adapters of the four products, in the order qkv, o, gate_up, down (lora_a[p] NULL:
+     * none on that product): A [slots, lora_rows[p], in] and B^T [slots, lora_rows[p], out]
+     * in float32, and lora_used[p][s] the rows of them that slot s fills (0: its adapter
+     * leaves the product alone). A row of the step runs under DecodeBatch.lora_slots. */
+    const float *lora_a[4];
+    const float *lora_bt[4];
+    const int64_t *lora_used[4];
+    int64_t lora_rows[4];
 } DecodeLayer;
 
 typedef struct {
@@ -88,6 +96,7 @@ typedef struct {
     const float *inv_freq_local; /* rotary of the layers with local_rope */
     int64_t num_groups;          /* KV cache groups: decode_forward takes a batch of each */
     const int64_t *windows;      /* [num_groups]: each group's sliding window, 0 for none */
+    int64_t lora_max_rows;       /* the largest DecodeLayer.lora_rows (0: no adapters) */
 } DecodeModel;
 
 /* The step's rows: row b is at position pos[b] (its context is pos[b] + 1 tokens) and its
@@ -99,6 +108,7 @@ typedef struct {
     const int64_t *tables;
     const int64_t *rows;
     int64_t table_stride;
+    const int64_t *lora_slots; /* [B]: each row's adapter slot, -1 for none (NULL: no row has one) */
 } DecodeBatch;
 
 /* exp of 8 floats: n = round(x log2 e), r = x - n ln 2 (two-part ln 2), a degree-6 polynomial
@@ -294,6 +304,37 @@ static void team_parts(const uint8_t *W, int64_t fmt, const int64_t *rows,
         team_linear(j ? more[j - 1] : W, j ? more_fmt[j - 1] : fmt, rows[j], K,
                     bias ? bias + first : NULL, q, B, y + first, N);
         first += rows[j];
+    }
+}
+
+/* y [B, N] (row stride N) += each adapter row's LoRA delta, (x[b] A_s^T) B_s^T for the slot s
+ * of row b (slots[b] >= 0), x [B, K] the product's input in float32 (not rounded, as the eager
+ * LoRALinear takes it); low [B, R] is scratch. Product p of layer L (team_parts' numbering);
+ * nothing without adapters. Two shared-out loops, each ending in a barrier: the low-rank
+ * values (one dot product per row and rank), then the output columns. */
+static void team_lora(const DecodeLayer *L, int p, const int64_t *slots, const float *x,
+                      int64_t B, int64_t K, int64_t N, float *low, float *y) {
+    const float *A = L->lora_a[p], *Bt = L->lora_bt[p];
+    const int64_t *used = L->lora_used[p];
+    int64_t R = L->lora_rows[p];
+    if (!A || !slots) return;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < B * R; i++) {
+        int64_t b = i / R, r = i % R, s = slots[b];
+        low[i] = s >= 0 && r < used[s] ? dot(A + (s * R + r) * K, x + b * K, K) : 0.0f;
+    }
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 64) {
+        int64_t n1 = n0 + 64 < N ? n0 + 64 : N;
+        for (int64_t b = 0; b < B; b++) {
+            int64_t s = slots[b];
+            for (int64_t r = 0; s >= 0 && r < used[s]; r++) {
+                float l = low[b * R + r];
+                const float *bt = Bt + (s * R + r) * N;
+                float *out = y + b * N;
+                for (int64_t n = n0; n < n1; n++) out[n] += l * bt[n];
+            }
+        }
     }
 }
 
@@ -1264,7 +1305,7 @@ static void gelu_mul(const float *gate, const float *up, int64_t n, float *out) 
 
 /* Scratch buffers of a forward pass, one allocation. */
 typedef struct {
-    float *h, *qkv, *attn, *gu, *act, *delta, *cos_, *sin_, *cos_local, *sin_local, *parts;
+    float *h, *qkv, *attn, *gu, *act, *delta, *cos_, *sin_, *cos_local, *sin_local, *parts, *low;
     Quantized q;
     void *base;
 } Scratch;
@@ -1274,7 +1315,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D, widest = I > H ? I : H;
     if (m->heads * D > widest) widest = m->heads * D;
     int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + 2 * D) + 4 * B * widest / QK
-                     + B * m->heads * chunks * (D + 2);
+                     + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows;
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 64;
@@ -1297,6 +1338,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->q.dT = f; f += B * widest / QK;
     sc->q.sT = f; f += B * widest / QK;
     sc->parts = f; f += B * m->heads * chunks * (D + 2);
+    sc->low = f; f += B * m->lora_max_rows;
     sc->q.xv = (uint32_t *)f; f += words;
     sc->q.xq = (int16_t *)f;
     return 0;
@@ -1385,15 +1427,19 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
     FOR_ROWS(STEP_IN);
     team_parts(L->qkv, L->qkv_fmt, L->qkv_rows, L->qkv_more, L->qkv_more_fmt, qkv_width, H,
                L->qkv_bias, &sc->q, B, sc->qkv);
+    team_lora(L, 0, s->lora_slots, sc->h, B, H, qkv_width, sc->low, sc->qkv);
     FOR_ROWS(STEP_QK);
     attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts, cg);
     FOR_ROWS(STEP_ATTN);
     team_linear(L->o, L->o_fmt, H, q_size, L->o_bias, &sc->q, B, sc->delta, H);
+    team_lora(L, 1, s->lora_slots, sc->attn, B, q_size, H, sc->low, sc->delta);
     FOR_ROWS(STEP_POST);
     team_parts(L->gate_up, L->gate_up_fmt, L->gate_up_rows, L->gate_up_more,
                L->gate_up_more_fmt, 2 * I, H, L->gate_up_bias, &sc->q, B, sc->gu);
+    team_lora(L, 2, s->lora_slots, sc->h, B, H, 2 * I, sc->low, sc->gu);
     FOR_ROWS(STEP_ACT);
     team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta, H);
+    team_lora(L, 3, s->lora_slots, sc->act, B, I, H, sc->low, sc->delta);
 #undef STEP_IN
 #undef STEP_QK
 #undef STEP_ATTN
