@@ -23,9 +23,10 @@ import os
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
-STATS_BATCHES = 64
-"""Event batches repeated in each routing-stats report (a router that misses a report or two
-still gets every batch)."""
+STATS_BATCHES = 16
+"""Event batches repeated in each routing-stats report, 8 s of them at one report per 0.5 s: a
+router that misses a few reports still gets every batch; one that misses more resyncs from the
+snapshot of every ``SNAPSHOT_EVERY`` reports."""
 
 SNAPSHOT_EVERY = 8
 """Reports between two snapshots in the routing stats."""
