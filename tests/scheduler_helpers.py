@@ -10,9 +10,10 @@ from prefixserve.sampling_params import SamplingParams
 
 
 def make(num_blocks: int, block_size: int, budget: int, max_num_seqs: int = 8,
-         chunked: bool = True, caching: bool = True, threshold: int = 0) -> Scheduler:
+         chunked: bool = True, caching: bool = True, threshold: int = 0, wait: int = 0
+         ) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, block_size, caching), max_num_seqs, budget,
-                     chunked, threshold)
+                     chunked, threshold, wait)
 
 
 def add(scheduler: Scheduler, rid: str, prompt: list[int]) -> Request:

@@ -73,6 +73,9 @@ class EngineConfig:
     this many tokens and the running prefills leave this many of the budget to the waiting
     requests, so that one long prompt does not hold a short request back until its prefill
     ends (None: a quarter of ``max_num_batched_tokens``; 0: off; without chunked prefill, off).
+    ``shared_prefix_wait_tokens``: a waiting request whose next this many uncached prompt
+    tokens are blocks a running prefill is still computing waits for them and hits them,
+    instead of computing them beside it (0: off; ``engine/scheduler.py``).
     ``max_waiting_requests`` bounds the queue in sequences (a request of ``n`` takes ``n``;
     None: unbounded); a request that does not fit the room left is refused.
     ``request_log_size``: the sequences the cache board remembers for the console's what-if
@@ -133,6 +136,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
+    shared_prefix_wait_tokens: int = 32
     max_waiting_requests: int | None = None
     request_log_size: int = 10_000
     num_threads: int | None = None
@@ -194,17 +198,21 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be at least 2, got {self.num_blocks}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
-        if self.request_log_size < 0:
-            raise ValueError(f"request_log_size must be at least 0, got {self.request_log_size}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be positive, got "
-                             f"{self.max_waiting_requests}")
+        self._check_queue()
         self._check_lora()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_tiers()
         self._check_speculation()
         self._check_images()
+
+    def _check_queue(self) -> None:
+        for name in ("request_log_size", "shared_prefix_wait_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be positive, got "
+                             f"{self.max_waiting_requests}")
 
     def _check_images(self) -> None:
         for name in ("limit_mm_per_prompt", "max_image_pixels", "encoder_cache_size"):

@@ -158,7 +158,7 @@ class LLMEngine:
         log_kv_capacity(self.model_config, num_blocks, config)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
-                                   config.prefill_threshold)
+                                   config.prefill_threshold, config.shared_prefix_wait_tokens)
         self.reserved_sequences = 0
         """Room in the waiting queue held by ``reserve_queue_room`` and not taken yet."""
         self.tiers: KVTierManager | None = None

@@ -20,6 +20,12 @@ Each step the scheduler fills a token budget (``max_num_batched_tokens``):
    ``allocate_slots`` with the hits; a request that does not fit stays at the head of the queue.
    The lookup is counted in the prefix-cache stats when the request is admitted, so a head
    looked up at several steps counts once (and a resumed request once more).
+   A waiting request whose next ``shared_prefix_wait_tokens`` uncached prompt tokens are in
+   blocks that a running prefill is still to compute waits for them (keeping its place; those
+   behind it go on, and a running prefill leaves no reserve for it): once they are cached it
+   hits them, instead of computing the same prefix beside its sibling. (Blocks are cached as
+   they are allocated, so requests admitted in one step share a prefix anyway; a prompt
+   computed in chunks is what the wait covers.)
 
 Invariants:
 
@@ -34,6 +40,9 @@ Invariants:
   request alone always fits the pool, and (b) without chunked prefill a new prompt is admitted
   only if it fits one step's budget, while a resumed request (prompt plus outputs, possibly
   more than one step) is always chunked.
+* A request held for a sibling's blocks waits only while a running request has them still
+  to compute: each step looks again, and a sibling that finishes its prefill (or is
+  preempted, or finishes) releases it; the running requests finish as above.
 * With an admission ``gate`` (LoRA adapters, ``engine/lora_registry.py``), a waiting request the
   gate holds back (its adapter has no slot yet) keeps its place and the requests behind it go
   on; it is admitted once the running requests that hold the slots finish, which they do as
@@ -44,7 +53,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Protocol
 
 from prefixserve.core import KVCacheBlock, KVCacheManager
@@ -86,7 +97,8 @@ class Scheduler:
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0,
+                 shared_prefix_wait_tokens: int = 0) -> None:
         if not 0 <= long_prefill_token_threshold < max_num_batched_tokens:
             raise ValueError("long_prefill_token_threshold must be in [0, "
                              f"max_num_batched_tokens), got {long_prefill_token_threshold}")
@@ -95,6 +107,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        if shared_prefix_wait_tokens < 0:
+            raise ValueError("shared_prefix_wait_tokens must be at least 0 (0: off), got "
+                             f"{shared_prefix_wait_tokens}")
+        self.shared_prefix_wait_tokens = shared_prefix_wait_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -132,25 +148,40 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
-        self._schedule_waiting(out, budget)
+        pending = self._pending_blocks()
+        budget = self._schedule_running(out, self.max_num_batched_tokens, pending)
+        self._schedule_waiting(out, budget, pending)
         return out
 
-    def _prefill_limits(self) -> tuple[int, int]:
+    def _prefill_limits(self, pending: set[Hashable] | None) -> tuple[int, int]:
         """The most tokens one running prefill may take in this step, and the budget the
-        running requests leave for the waiting ones: (no limit, 0) unless requests wait, a
-        sequence slot is free and ``long_prefill_token_threshold`` is set (and still below
-        the budget, which a caller may have lowered)."""
+        running requests leave for the waiting ones: (no limit, 0) unless a request waits
+        that may start (not one held for a sibling's blocks, ``pending``), a sequence slot is
+        free and ``long_prefill_token_threshold`` is set (and still below the budget, which a
+        caller may have lowered)."""
         threshold = self.long_prefill_token_threshold
         if (not 0 < threshold < self.max_num_batched_tokens  # (a budget lowered since)
-                or not self.waiting or len(self.running) >= self.max_num_seqs):
+                or len(self.running) >= self.max_num_seqs or not self._may_start(pending)):
             return self.max_num_batched_tokens, 0
         return threshold, threshold
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _may_start(self, pending: set[Hashable] | None) -> bool:
+        """Whether one of the waiting requests that the free sequence slots could take is
+        not held for a sibling's blocks."""
+        if pending is None or not self.waiting:
+            return bool(self.waiting)
+        for request in islice(self.waiting, self.max_num_seqs - len(self.running)):
+            _, num_cached = self.kv_cache_manager.get_computed_blocks(request,
+                                                                      record_stats=False)
+            if not self._waits_for(request, num_cached, pending):
+                return True
+        return False
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          pending: set[Hashable] | None) -> int:
         """Schedules the running requests in the order they started, preempting the newest
         when the pool is short; returns the budget left."""
-        chunk_limit, reserve = self._prefill_limits()
+        chunk_limit, reserve = self._prefill_limits(pending)
         scheduled_running: list[Request] = []
         queue = list(self.running)
         oldest = queue[0] if queue else None
@@ -184,11 +215,14 @@ class Scheduler:
         self.running = scheduled_running + queue
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int,
+                          pending: set[Hashable] | None) -> None:
         """Admits waiting requests, oldest first, while the budget, the sequence slots and
-        the pool allow and no preemption happened in this step."""
+        the pool allow and no preemption happened in this step; those that wait for the blocks
+        ``pending`` (the running prefills') keep their places. (A request admitted here
+        computes its whole prompt in this step or takes the rest of the budget.)"""
         now = time.time()
-        index = 0  # past the requests the gate holds back
+        index = 0  # past the requests the gate or a sibling holds back
         while (index < len(self.waiting) and budget > 0 and not out.num_preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[index]
@@ -199,6 +233,9 @@ class Scheduler:
             # up again next step)
             computed, num_cached = self.kv_cache_manager.get_computed_blocks(
                 request, record_stats=False)
+            if pending is not None and self._waits_for(request, num_cached, pending):
+                index += 1
+                continue
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self._may_chunk(request):
@@ -222,6 +259,34 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+
+    def _pending_blocks(self) -> set[Hashable] | None:
+        """The hashes of the full prompt blocks that running requests are still to compute
+        (None when waiting for siblings is off, or the cache is)."""
+        if not self.shared_prefix_wait_tokens or not self.kv_cache_manager.enable_caching:
+            return None
+        pending: set[Hashable] = set()
+        for request in self.running:
+            pending.update(self._uncomputed_prompt_blocks(request))
+        return pending
+
+    def _uncomputed_prompt_blocks(self, request: Request) -> Sequence[Hashable]:
+        size = self.kv_cache_manager.block_size
+        first, end = request.num_computed_tokens // size, request.num_prompt_tokens // size
+        if first >= end:
+            return ()
+        return self.kv_cache_manager.block_hashes(request, end)[first:end]
+
+    def _waits_for(self, request: Request, num_cached: int, pending: set[Hashable]) -> bool:
+        """Whether the ``shared_prefix_wait_tokens`` after the request's ``num_cached`` hit
+        tokens are all in blocks another request is computing (``pending``)."""
+        size = self.kv_cache_manager.block_size
+        first = num_cached // size
+        need = -(-self.shared_prefix_wait_tokens // size)
+        if (first + need) * size > request.num_prompt_tokens:
+            return False
+        hashes = self.kv_cache_manager.block_hashes(request, first + need)
+        return all(h in pending for h in hashes[first:first + need])
 
     @staticmethod
     def _drafts(request: Request, num_new: int, budget: int) -> list[int]:

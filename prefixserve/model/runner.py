@@ -372,7 +372,7 @@ class ModelRunner:
         elif any(seq.lora_slot is not None for seq in seqs):
             raise ValueError("a sequence asks for a LoRA slot, but the model has no adapters")
         hidden = self._fused.run(hidden, positions, self.block_tables[0].buffer, table_rows[0],
-                                 extra, slots)
+                                 extra, lora_slots=slots)
         if len(ids) == len(seqs):
             out = ExecuteOutput(self.model.compute_logits(hidden), [None] * len(seqs))
         else:

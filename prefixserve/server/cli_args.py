@@ -193,6 +193,10 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
                        "per step and leaves N of the step's budget to them, so a short request "
                        "starts beside a long prompt's prefill (default: a quarter of "
                        "--max-num-batched-tokens; 0: off)")
+    group.add_argument("--shared-prefix-wait-tokens", type=int, metavar="N",
+                       help="a waiting request whose next N uncached prompt tokens a running "
+                       "prefill is computing waits a step or so and hits them, instead of "
+                       "computing the same prefix beside it (default 32; 0: off)")
     group.add_argument("--num-threads", type=int, metavar="N",
                        help="CPU threads for the model (default: torch's)")
     group.add_argument("--deterministic", action="store_true", default=None,

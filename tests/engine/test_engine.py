@@ -457,3 +457,36 @@ def test_a_short_request_starts_beside_a_long_prefill_and_both_answer_as_alone()
     alone = [token_outputs(llm.generate([ids], params))[0] for ids in (long_ids, short_ids)]
     assert [outputs["long"], outputs["short"]] == alone
     assert_idle(llm)
+
+
+def test_a_request_on_a_prefix_being_prefilled_waits_for_it_and_answers_as_alone() -> None:
+    """The real engine with a 256-token step budget: a 600-token prompt prefills in chunks; a
+    second prompt on the same first 512 tokens, added after its first step, waits for them
+    instead of computing them beside it, then hits all 512 (32 blocks); both greedy answers
+    are those each prompt gives alone. With waiting off (``shared_prefix_wait_tokens`` 0) the
+    second computes most of the prefix again (kills a wait that does not reach the
+    scheduler)."""
+    llm = LLM(num_blocks=256, block_size=16, dtype="float32", max_num_batched_tokens=256)
+    engine = llm.engine
+    assert engine.scheduler.shared_prefix_wait_tokens == 32  # the default
+    words = llm.get_tokenizer().encode(" ".join(f"line {i};" for i in range(400)))
+    first_ids, second_ids = words[:600], words[:512] + words[700:780]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    alone = [token_outputs(llm.generate([ids], params))[0] for ids in (first_ids, second_ids)]
+    cached_counts = []
+    for wait in (32, 0):
+        engine.scheduler.shared_prefix_wait_tokens = wait
+        llm.reset_prefix_cache()
+        engine.add_request(first_ids, params, request_id="first")
+        engine.step()
+        engine.add_request(second_ids, params, request_id="second")
+        outputs: dict[str, list[int]] = {"first": [], "second": []}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] += out.outputs[0].token_ids
+                if out.request_id == "second":
+                    cached = out.num_cached_tokens
+        cached_counts.append(cached)
+        assert [outputs["first"], outputs["second"]] == alone
+        assert_idle(llm)
+    assert cached_counts[0] == 512 and cached_counts[1] < 512 - 128, cached_counts

@@ -5,7 +5,8 @@ Rules checked (scheduler module docstring):
 
 * a request that passes the admission rule (shorter than the context, ``check_admissible``)
   is scheduled and finishes within a bounded number of steps, whatever the pool size, block
-  size, sequence limit, step budget, chunked prefill on or off, and prefix-cache resets;
+  size, sequence limit, step budget, chunked prefill on or off, waiting for a sibling's
+  prefix blocks or not, and prefix-cache resets;
 * every step while requests are unfinished schedules at least one token (no idle spinning);
 * when every request is done the pool's free count equals its size (no leak).
 
@@ -40,6 +41,7 @@ class Setup:
     chunked: bool
     caching: bool
     long_prefill_token_threshold: int = 0
+    shared_prefix_wait_tokens: int = 0
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Run:
 def make_scheduler(setup: Setup) -> Scheduler:
     manager = KVCacheManager(setup.num_blocks, setup.block_size, setup.caching)
     return Scheduler(manager, setup.max_num_seqs, setup.max_num_batched_tokens, setup.chunked,
-                     setup.long_prefill_token_threshold)
+                     setup.long_prefill_token_threshold, setup.shared_prefix_wait_tokens)
 
 
 def admit(scheduler: Scheduler, setup: Setup, rid: str, arrival: Arrival, run: Run) -> bool:
@@ -146,6 +148,7 @@ def setups(draw: st.DrawFn) -> Setup:
         chunked=(chunked := draw(st.booleans())),
         caching=draw(st.booleans()),
         long_prefill_token_threshold=draw(st.integers(0, budget - 1)) if chunked else 0,
+        shared_prefix_wait_tokens=draw(st.sampled_from([0, 1, 2, 5, 8])),
     )
 
 

@@ -391,3 +391,52 @@ def test_preemption_drops_the_drafts() -> None:
     step(scheduler)
     assert requests["d"].status is RequestStatus.PREEMPTED
     assert requests["d"].draft_token_ids == []
+
+
+PREFIX = list(range(1000, 1048))  # 12 blocks of 4
+
+
+def test_a_request_waits_for_the_prefix_blocks_a_sibling_is_computing_and_then_hits_them(
+        ) -> None:
+    """A request on the 48-token prefix that a running request computes in chunks (budget 20):
+    held while its next blocks are still to compute, so the running prefill keeps the whole
+    budget (no reserve for a request that cannot start), then admitted with all 48 tokens as
+    hits. With waiting off it starts at once and computes 20 of the prefix's tokens again."""
+    scheduler = make(64, 4, budget=20, threshold=8, wait=8)
+    add(scheduler, "a", PREFIX + [1, 2, 3, 4])
+    b = add(scheduler, "b", PREFIX + [5, 6, 7, 8])
+    assert [step(scheduler) for _ in range(3)] == [
+        [("a", 20)], [("a", 20)], [("a", 12), ("b", 4)]]
+    assert b.num_cached_tokens == 48
+    off = make(64, 4, budget=20, threshold=8, wait=0)
+    add(off, "a", PREFIX + [1, 2, 3, 4])
+    b = add(off, "b", PREFIX + [5, 6, 7, 8])
+    assert [step(off) for _ in range(2)] == [[("a", 20)], [("a", 8), ("b", 12)]]
+    assert b.num_cached_tokens == 28
+
+
+def test_the_requests_behind_a_held_one_go_on() -> None:
+    """A held request keeps its place and the one behind it starts; while that one could
+    start, the running prefill leaves it the reserve."""
+    scheduler = make(64, 4, budget=20, threshold=8, wait=8)
+    add(scheduler, "a", PREFIX + [1, 2, 3, 4])
+    b = add(scheduler, "b", PREFIX + [5, 6, 7, 8])
+    add(scheduler, "c", list(range(500, 510)))
+    assert [step(scheduler) for _ in range(4)] == [
+        [("a", 20)], [("a", 8), ("c", 10)], [("a", 19), ("c", 1)],
+        [("a", 5), ("c", 1), ("b", 4)]]
+    assert b.num_cached_tokens == 48
+
+
+def test_only_a_shared_run_of_the_wait_threshold_holds_a_request() -> None:
+    """Only the next ``wait`` tokens count (rounded up to whole blocks): a sibling computing
+    one more block of a shared prefix (4 tokens) holds a request under a threshold of 4 (the
+    prefill then takes the whole budget, and the request starts with the hit in the same
+    step, once that block is the prefill's), not under one of 8."""
+    for wait, first_steps in ((8, [[("a", 20)], [("a", 8), ("b", 12)]]),
+                              (4, [[("a", 20)], [("a", 16), ("b", 4)], [("a", 1), ("b", 8)]])):
+        scheduler = make(64, 4, budget=20, threshold=8, wait=wait)
+        add(scheduler, "a", PREFIX[:24] + [1] * 12)
+        b = add(scheduler, "b", PREFIX[:24] + [2] * 12)
+        assert [step(scheduler) for _ in range(len(first_steps))] == first_steps
+        assert b.num_cached_tokens == 24

@@ -248,9 +248,9 @@ def test_fused_verification_rows_give_the_logits_of_one_token_steps(
     fused_calls: list[tuple[list[int], list[int]]] = []
     fused_run = runner._fused.run
 
-    def recorded(hidden, positions, tables, rows, extra=()):  # type: ignore[no-untyped-def]
+    def recorded(hidden, positions, tables, rows, extra=(), lora_slots=None):  # type: ignore[no-untyped-def]
         fused_calls.append((list(positions), list(rows)))
-        return fused_run(hidden, positions, tables, rows, extra)
+        return fused_run(hidden, positions, tables, rows, extra, lora_slots)
 
     monkeypatch.setattr(runner._fused, "run", recorded)
     tokens = llm.get_tokenizer().encode(REPEAT)

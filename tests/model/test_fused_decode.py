@@ -465,7 +465,7 @@ def test_a_step_of_prefills_and_decodes_runs_its_decodes_fused() -> None:
             fused = runner._fused
             assert fused is not None
             run = fused.run
-            fused.run = lambda *a: calls.append(len(out)) or run(*a)  # type: ignore
+            fused.run = lambda *a, **k: calls.append(len(out)) or run(*a, **k)  # type: ignore
         for step, prefill in enumerate((2, 3)):
             decodes = [SeqBatchInput([7 + step], len(prompts[i]) + step, tables[i], seq_id=i)
                        for i in (0, 1)]
@@ -493,7 +493,7 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     assert fused is not None
     calls: list[int] = []
     run = fused.run
-    fused.run = lambda *a: calls.append(1) or run(*a)  # type: ignore
+    fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore
     runner.execute([SeqBatchInput([5], 4, [0], seq_id="a"),
                     SeqBatchInput([1, 2, 3, 4], 0, [1], seq_id="b")])
     assert calls == [] and MIN_SPLIT_CONTEXT > 5
