@@ -584,17 +584,19 @@ def windowed_model(name: str, window: int, folder: Path) -> tuple[ModelConfig, C
 
 
 def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool,
-                 dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
+                 dtype: torch.dtype, lora: LoRAModel | None = None
+                 ) -> tuple[list[torch.Tensor], torch.Tensor, ModelRunner]:
     """Three sequences of 700, 40 and 530 tokens prefilled (in chunks of 300), then five
     decode steps of all three, then a step of their decodes beside a new 50-token prompt
     (their contexts pass ``MIN_SPLIT_CONTEXT``: the decodes fused, the prompt eager); each
     KV cache group's tables shuffled, and before every step a window group's blocks wholly
     before the window replaced by block 0 (zeros: never written), as the hybrid manager
     leaves them. The logits of each decode step (the last step's prompt logits too) and the
-    cache at the end."""
+    cache at the end. With ``lora`` (the model's slots) sequence i runs under slot i % 3."""
     block_size, rng = 16, random.Random(3)
     runner = ModelRunner(config, model, 400, block_size, dtype, "cpu",
                          enforce_eager=enforce_eager)
+    runner.lora = lora
     groups = runner.layout.groups
     free = list(range(1, 400))
     rng.shuffle(free)
@@ -610,7 +612,8 @@ def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool,
         own = [[0] * n + table[n:] for n, table in zip(slid, tables[i], strict=True)]
         assert (start + len(ids) - 1) // block_size < len(own[0])
         return SeqBatchInput(ids, start, own[0], logits, seq_id=i,
-                             extra_block_tables=tuple(own[1:]))
+                             extra_block_tables=tuple(own[1:]),
+                             lora_slot=None if lora is None else i % 3)
 
     for i, prompt in enumerate(prompts):
         for start in range(0, len(prompt), 300):
@@ -625,6 +628,27 @@ def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool,
     prompt_logits = split.prompt_logits[1]
     assert prompt_logits is not None
     return [*logits, split.logits, prompt_logits], runner.kv_cache, runner
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-head256-bfloat16"])
+def test_gemma3_rows_under_adapters_decode_fused_as_the_eager_layers(name: str,
+                                                                     tmp_path: Path) -> None:
+    """Gemma 3's fused layers with LoRA adapters (rows under slots 0, 1, 2 and the base, its
+    norms of each block's output taken after the delta): the logits of every decode step and
+    the K/V written agree with the eager layers'."""
+    config, model = windowed_model(name, 300, tmp_path)
+    dtype = WINDOWED[name][1]
+    lora = lora_model(config, model)
+    fused, fused_cache, fused_runner = run_windowed(model, config, False, dtype, lora)
+    eager, eager_cache, _ = run_windowed(model, config, True, dtype, lora)
+    assert fused_runner._fused is not None and fused_runner._fused.has_lora
+    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
+                         else (LOGIT_TOL, KV_TOL))
+    for step, (got, want) in enumerate(zip(fused, eager, strict=True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=logit_tol * float(want.abs().max()),
+                                   msg=lambda m, step=step: f"decode step {step}: {m}")
+    torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
+                               atol=kv_tol * float(eager_cache.abs().max()))
 
 
 @pytest.mark.parametrize("name", sorted(WINDOWED))
