@@ -55,7 +55,6 @@ import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Protocol
 
 from prefixserve.core import KVCacheBlock, KVCacheManager
@@ -166,11 +165,11 @@ class Scheduler:
         return threshold, threshold
 
     def _may_start(self, pending: set[Hashable] | None) -> bool:
-        """Whether one of the waiting requests that the free sequence slots could take is
-        not held for a sibling's blocks."""
-        if pending is None or not self.waiting:
+        """Whether a waiting request is not held for a sibling's blocks (looked up in order
+        up to the first such: one lookup unless the head is held)."""
+        if pending is None:
             return bool(self.waiting)
-        for request in islice(self.waiting, self.max_num_seqs - len(self.running)):
+        for request in self.waiting:
             _, num_cached = self.kv_cache_manager.get_computed_blocks(request,
                                                                       record_stats=False)
             if not self._waits_for(request, num_cached, pending):

@@ -440,3 +440,75 @@ def test_only_a_shared_run_of_the_wait_threshold_holds_a_request() -> None:
         b = add(scheduler, "b", PREFIX[:24] + [2] * 12)
         assert [step(scheduler) for _ in range(len(first_steps))] == first_steps
         assert b.num_cached_tokens == 24
+
+
+def test_held_requests_keep_their_order_and_are_not_counted_in_the_stats() -> None:
+    """Two held requests in a row, a third that may start behind them: it starts (the running
+    prefill leaves it the reserve); the held ones' lookups count in the stats only once each,
+    when they are admitted."""
+    scheduler = make(64, 4, budget=20, threshold=8, wait=8)
+    manager = scheduler.kv_cache_manager
+    add(scheduler, "a", PREFIX + [1, 2, 3, 4])
+    assert step(scheduler) == [("a", 20)]
+    manager.make_prefix_cache_stats()
+    b = add(scheduler, "b", PREFIX + [5, 6, 7, 8])
+    c = add(scheduler, "c", PREFIX + [9, 10, 11, 12])
+    add(scheduler, "d", list(range(500, 510)))
+    assert step(scheduler) == [("a", 8), ("d", 10)]
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.query_tokens, stats.hit_tokens) == (10, 0)  # d alone
+    assert step(scheduler) == [("a", 19), ("d", 1)]  # b, c held: a takes the budget
+    assert manager.make_prefix_cache_stats().query_tokens == 0
+    assert step(scheduler) == [("a", 5), ("d", 1), ("b", 4), ("c", 4)]
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.query_tokens, stats.hit_tokens) == (104, 96)
+    assert b.num_cached_tokens == c.num_cached_tokens == 48
+
+
+def test_a_request_is_held_only_for_whole_blocks_of_its_prompt() -> None:
+    """The threshold counts the prompt's full blocks only: a request with 8 tokens left that
+    a sibling is computing (the prompt's two last blocks) is held; one whose last block is
+    partial (2 tokens: a block and a half left) is not, and its partial block is never hashed
+    as if full (once its outputs fill it, a request with those tokens hits it)."""
+    scheduler = make(64, 4, budget=40, threshold=8, wait=8)
+    add(scheduler, "a", PREFIX + list(range(2000, 2020)))
+    assert step(scheduler) == [("a", 40)]
+    b = add(scheduler, "b", PREFIX)  # blocks 10 and 11 left: both being computed by a
+    assert step(scheduler) == [("a", 28), ("b", 4)]  # b held: a took the whole budget
+    assert b.num_cached_tokens == 44  # the last block is computed again (the cache's rule)
+    scheduler = make(64, 4, budget=44, threshold=8, wait=8)
+    add(scheduler, "a", PREFIX + list(range(2000, 2020)))
+    assert step(scheduler) == [("a", 44)]
+    b = add(scheduler, "b", PREFIX + [9, 9])  # one block and 2 tokens left: not held
+    assert step(scheduler) == [("a", 8), ("b", 2)]
+    assert [step(scheduler) for _ in range(2)] == [[("a", 16), ("b", 1)], [("a", 1), ("b", 1)]]
+    c = add(scheduler, "c", PREFIX + [9, 9, 1, 1, 7])  # b's tokens: prompt and two outputs
+    step(scheduler)
+    assert c.num_cached_tokens == 52
+
+
+def test_waiting_for_a_sibling_is_off_by_default_and_checked() -> None:
+    """A ``Scheduler`` made without it does not hold requests (the engine turns it on:
+    ``EngineConfig.shared_prefix_wait_tokens``); a negative threshold is refused."""
+    scheduler = Scheduler(KVCacheManager(64, 4), 8, 20, True, 8)
+    assert scheduler.shared_prefix_wait_tokens == 0
+    add(scheduler, "a", PREFIX + [1, 2, 3, 4])
+    assert step(scheduler) == [("a", 20)]
+    add(scheduler, "b", PREFIX + [5, 6, 7, 8])
+    assert step(scheduler) == [("a", 8), ("b", 12)]
+    with pytest.raises(ValueError, match=r"^shared_prefix_wait_tokens must be at least 0 "
+                       r"\(0: off\), got -1$"):
+        Scheduler(KVCacheManager(64, 4), 8, 20, True, 8, -1)
+
+
+def test_a_request_that_takes_no_hits_is_never_held() -> None:
+    """A request that asks for prompt logprobs takes no hits (it computes its whole prompt):
+    its wait is judged from its first block, which a running sibling has always computed or
+    allocated already, so it is never held."""
+    scheduler = make(64, 4, budget=20, threshold=8, wait=8)
+    add(scheduler, "a", PREFIX + [1, 2, 3, 4])
+    assert step(scheduler) == [("a", 20)]
+    b = add(scheduler, "b", PREFIX + [5, 6, 7, 8])
+    b.wants_prompt_logprobs = True
+    assert step(scheduler) == [("a", 8), ("b", 12)]
