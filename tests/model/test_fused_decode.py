@@ -630,6 +630,19 @@ def run_windowed(model: CausalLM, config: ModelConfig, enforce_eager: bool,
     return [*logits, split.logits, prompt_logits], runner.kv_cache, runner
 
 
+def assert_windowed_agree(fused: list[torch.Tensor], eager: list[torch.Tensor],
+                          fused_cache: torch.Tensor, eager_cache: torch.Tensor,
+                          dtype: torch.dtype) -> None:
+    """``run_windowed``'s logits of every step and caches agree within the dtype's bounds."""
+    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
+                         else (LOGIT_TOL, KV_TOL))
+    for step, (got, want) in enumerate(zip(fused, eager, strict=True)):
+        torch.testing.assert_close(got, want, rtol=0, atol=logit_tol * float(want.abs().max()),
+                                   msg=lambda m, step=step: f"decode step {step}: {m}")
+    torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
+                               atol=kv_tol * float(eager_cache.abs().max()))
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gemma3-head256-bfloat16"])
 def test_gemma3_rows_under_adapters_decode_fused_as_the_eager_layers(name: str,
                                                                      tmp_path: Path) -> None:
@@ -642,13 +655,7 @@ def test_gemma3_rows_under_adapters_decode_fused_as_the_eager_layers(name: str,
     fused, fused_cache, fused_runner = run_windowed(model, config, False, dtype, lora)
     eager, eager_cache, _ = run_windowed(model, config, True, dtype, lora)
     assert fused_runner._fused is not None and fused_runner._fused.has_lora
-    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
-                         else (LOGIT_TOL, KV_TOL))
-    for step, (got, want) in enumerate(zip(fused, eager, strict=True)):
-        torch.testing.assert_close(got, want, rtol=0, atol=logit_tol * float(want.abs().max()),
-                                   msg=lambda m, step=step: f"decode step {step}: {m}")
-    torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
-                               atol=kv_tol * float(eager_cache.abs().max()))
+    assert_windowed_agree(fused, eager, fused_cache, eager_cache, dtype)
 
 
 @pytest.mark.parametrize("name", sorted(WINDOWED))
@@ -676,10 +683,4 @@ def test_sliding_window_models_take_the_fused_layers(name: str, window: int, bui
     eager, eager_cache, eager_runner = run_windowed(model, config, True, dtype)
     assert fused_runner.fused_decode_reason is None and fused_runner._fused is not None
     assert eager_runner._fused is None
-    logit_tol, kv_tol = ((BF16_TOL["logits"], BF16_TOL["kv"]) if dtype == torch.bfloat16
-                         else (LOGIT_TOL, KV_TOL))
-    for step, (got, want) in enumerate(zip(fused, eager, strict=True)):
-        torch.testing.assert_close(got, want, rtol=0, atol=logit_tol * float(want.abs().max()),
-                                   msg=lambda m, step=step: f"decode step {step}: {m}")
-    torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
-                               atol=kv_tol * float(eager_cache.abs().max()))
+    assert_windowed_agree(fused, eager, fused_cache, eager_cache, dtype)
