@@ -261,8 +261,9 @@ class Scheduler:
 
     def _pending_blocks(self) -> set[Hashable] | None:
         """The hashes of the full prompt blocks that running requests are still to compute
-        (None when waiting for siblings is off, or the cache is)."""
-        if not self.shared_prefix_wait_tokens or not self.kv_cache_manager.enable_caching:
+        (None when waiting for siblings is off, or the cache is, or nothing waits)."""
+        if (not self.shared_prefix_wait_tokens or not self.waiting
+                or not self.kv_cache_manager.enable_caching):
             return None
         pending: set[Hashable] = set()
         for request in self.running:
