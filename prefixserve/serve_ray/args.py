@@ -1,5 +1,5 @@
 """The ``prefixserve serve`` flags for many replicas on Ray Serve, added to the server's own
-parser (``server.cli_args``). Only argparse is imported here:
+parser (``server.cli_args``). Only argparse and the router's defaults are imported here:
 ``prefixserve serve`` without ``--replicas``/``--ray-address`` runs the single server and never
 imports Ray."""
 
@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
+from prefixserve.router.policy import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL
 from prefixserve.server import cli_args as serve_args
 
 ROUTINGS = ("round-robin", "least-loaded", "prefix-aware", "session")
@@ -28,6 +31,16 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--routing", choices=ROUTINGS, default="prefix-aware",
                        help="how requests are spread over the replicas (default prefix-aware: "
                        "the longest cached prefix unless that replica is overloaded)")
+    group.add_argument("--balance-abs-threshold", type=_count, default=DEFAULT_BALANCE_ABS,
+                       metavar="N",
+                       help="prefix-aware routing passes over the replica holding a request's "
+                       "prefix for the least loaded one only when it has more than N requests "
+                       "in flight beyond that one and more than --balance-rel-threshold times "
+                       f"as many (default {DEFAULT_BALANCE_ABS})")
+    group.add_argument("--balance-rel-threshold", type=_factor, default=DEFAULT_BALANCE_REL,
+                       metavar="F",
+                       help="the factor of the rule above (default "
+                       f"{DEFAULT_BALANCE_REL}; SGLang's router has the same two)")
     group.add_argument("--routing-override", action="store_true",
                        help="also serve the API under /routing/<policy>/ routed by that policy "
                        "(to compare policies on one deployment; off by default)")
@@ -63,14 +76,23 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run)
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool],
+             wanted: str) -> Callable[[str], Any]:
+    """An argparse type: ``parse`` the text and refuse it unless ``ok``."""
+    def check(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+    return check
+
+
+_count = _checked(int, lambda v: v >= 0, "a whole number >= 0")
+_factor = _checked(float, lambda v: v >= 1.0, "a number >= 1")
+_positive_seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
 
 
 def _json_object(text: str) -> dict[str, object]:

@@ -61,6 +61,12 @@ def autoscaling_config(args: argparse.Namespace) -> dict[str, Any] | None:
     return config
 
 
+def router_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The request router's settings (``PrefixCacheRequestRouter.initialize_state``)."""
+    return {"policy": args.routing, "balance_abs": args.balance_abs_threshold,
+            "balance_rel": args.balance_rel_threshold}
+
+
 def build_app(args: argparse.Namespace) -> Any:
     """The Ray Serve application (bound deployments) for ``args``."""
     from ray import serve
@@ -83,7 +89,7 @@ def build_app(args: argparse.Namespace) -> Any:
         "request_router_config": RequestRouterConfig(
             # by import path: the ingress then shares the module (and its router registry)
             request_router_class=ROUTER_CLASS,  # type: ignore[arg-type]
-            request_router_kwargs={"policy": args.routing},
+            request_router_kwargs=router_kwargs(args),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,  # type: ignore[arg-type]
             request_routing_stats_timeout_s=10.0)}  # type: ignore[arg-type]
     autoscaling = autoscaling_config(args)

@@ -9,7 +9,9 @@ first ``{"status", "headers"}``, then body chunks (bytes).
 ``record_routing_stats`` is Ray Serve's periodic call (``request_routing_stats_period_s``): its
 result reaches every request router of the deployment as ``RunningReplica.routing_stats``. It
 carries this replica's KV event stream (docs/replicas.md item 6): the epoch, the last sequence
-number, the batches kept since ``STATS_BATCHES`` reports ago and, every ``SNAPSHOT_EVERY``
+number, the wall time before its events were read (``at``: a router's memory of what it routed
+here ends with the first report after the request finished, ``prefixserve.router.routed``), the
+batches kept since ``STATS_BATCHES`` reports ago and, every ``SNAPSHOT_EVERY``
 reports, a snapshot for routers that found a gap; also the process id (operators' view, ``GET
 /router/replicas``) and the LoRA adapters served (name -> content id, which the ingress folds
 into the prompt's block hashes as the core does).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
@@ -97,9 +100,10 @@ class EngineReplica:
         """This replica's KV event stream for the request routers (see the module docstring)."""
         await self.ready()
         after = max(0, self._reported_seq - STATS_BATCHES)
+        at = time.time()  # the events read below include everything stored before this
         epoch, seq, batches = await self.engine.kv_events(after)
         stats: dict[str, Any] = {"replica": self.replica_id, "epoch": epoch, "seq": seq,
-                                 "report": self._reports, "pid": os.getpid(),
+                                 "report": self._reports, "at": at, "pid": os.getpid(),
                                  "loras": await self.lora_ids(),
                                  "batches": [b.to_wire() for b in batches or []]}
         if batches is None or self._reports % SNAPSHOT_EVERY == 0:

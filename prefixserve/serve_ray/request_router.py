@@ -10,13 +10,18 @@ ingress uses it to scrape each replica's ``/metrics``).
 The router's ``CacheIndex`` is fed from each replica's ``routing_stats`` (``EngineReplica.
 record_routing_stats``): batches are applied in sequence order, a gap marks the replica stale
 until a report brings a snapshot, and a new epoch (a restarted replica) clears it. Because the
-stats arrive only every ``request_routing_stats_period_s``, the router also remembers for a few
-seconds which replica it sent each prefix to (``RECENT_S``), as SGLang's router inserts a routed
-prompt into its tree at once; a prefix is taken to be cached where either says so.
+stats arrive only every ``request_routing_stats_period_s`` (and a busy replica's lag its requests
+by seconds), the router also remembers which replica it sent each prefix to until that replica's
+first report after the request finished (``prefixserve.router.routed``), as SGLang's router
+inserts a routed prompt into its tree at once; a prefix is taken to be cached where either says
+so.
 
-Loads are the requests this router has in flight on each replica (counted on routing, released
-on completion), the figure the balance rule compares; a replica whose load has reached its
-``max_ongoing_requests`` is not offered while another has room.
+Loads are the requests this router has in flight on each replica (counted from the moment it
+chooses the replica, released on completion), the figure the balance rule compares; a replica
+whose load has reached its ``max_ongoing_requests`` is not offered while another has room. Ray
+reports a request routed (``on_request_routed``) only after its probe of the replica, so a
+request chosen meanwhile counts already: otherwise a burst of new prompts all saw the same idle
+replica and went there, and the next requests of those prompts found it overloaded.
 
 ``choose_replicas`` offers Ray Serve the chosen replica alone. Ray probes a candidate's queue
 length before sending (0.1 s deadline) and, when the probe is late or the queue full, tries the
@@ -56,9 +61,7 @@ from ray.serve.request_router import (
 
 from prefixserve.core.kv_events import KVEventBatch, KVSnapshot, decode_hash
 from prefixserve.router import ROUTING_POLICIES, Router, RouteRequest
-
-RECENT_S = 5.0
-"""Seconds a routed prefix is remembered without events confirming it."""
+from prefixserve.router.routed import RoutedPrefixes
 
 _ROUTERS: list[PrefixCacheRequestRouter] = []
 """The routers made in this process (Ray Serve makes them inside handles; the ingress asks them
@@ -66,6 +69,10 @@ which replicas run, to scrape each one's metrics). The one piece of module state
 holds its handle's replicas, so the list lives as long as the process (one router per handle of
 the engine deployment: a few)."""
 
+
+CHOSEN_TTL_S = 10.0
+"""Seconds a request chosen for a replica counts in its load before Ray reports it routed (a
+request cancelled meanwhile stops counting then)."""
 
 REMOVED_KEPT = 32
 """Ids of removed replicas a router lists in its state (the latest)."""
@@ -106,7 +113,9 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         self.by_policy[policy] = self.router
         self.in_flight: dict[str, int] = {}
         self.request_replica: dict[str, str] = {}
-        self.recent: dict[Hashable, tuple[str, float]] = {}
+        self.chosen: dict[str, tuple[str, float]] = {}
+        """Request id -> (replica, when) of requests chosen and not yet reported routed."""
+        self.routed = RoutedPrefixes()
         self.seen_stats: dict[str, tuple[Any, Any]] = {}
         self.pids: dict[str, int] = {}
         self.loras: dict[str, dict[str, str]] = {}
@@ -144,6 +153,7 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         self.router.index.remove_replica(rid)
         for table in (self.seen_stats, self.pids, self.loras, self.in_flight):
             table.pop(rid, None)
+        self.routed.forget(rid)
 
     def state(self) -> dict[str, Any]:
         """The replicas as this router sees them: live ones (with what the index holds of each)
@@ -185,17 +195,16 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
             index.apply(KVEventBatch.from_wire(wire))
         if index.needs_resync(rid) and "snapshot" in stats:
             index.resync(KVSnapshot.from_wire(stats["snapshot"]))
+        if not index.needs_resync(rid) and "at" in stats:
+            self.routed.reported(rid, stats["at"])
 
     def _matched(self, hashes: Sequence[Hashable], replicas: list[str]) -> dict[str, int]:
-        """Leading blocks per replica, by events or by recent routing (the longer)."""
+        """Leading blocks per replica, by events or by this router's own routing (the
+        longer)."""
         matched = {r: m for r, m in self.router.index.matched_blocks(hashes).items()
                    if r in replicas}
-        now = time.monotonic()
-        for depth in range(len(hashes), 0, -1):
-            entry = self.recent.get(hashes[depth - 1])
-            if entry is not None and now - entry[1] < RECENT_S and entry[0] in replicas:
-                matched[entry[0]] = max(matched.get(entry[0], 0), depth)
-                break
+        for rid, depth in self.routed.matched(hashes, replicas, time.monotonic()).items():
+            matched[rid] = max(matched.get(rid, 0), depth)
         return matched
 
     # ----------------------------------------------------------------- routing
@@ -214,7 +223,9 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         route = kwargs.get("route") or {}
         hashes = [decode_hash(h) for h in route.get("hashes", ())]
         request = RouteRequest(hashes, route.get("session"), route.get("lora"))
-        loads = {rid: self.in_flight.get(rid, 0) for rid in by_id}
+        request_id = pending_request.metadata.internal_request_id if pending_request else ""
+        self.chosen.pop(request_id, None)  # this request chosen before: asked again
+        loads = self._loads(by_id)
         # a replica this router has filled is left out while another has room
         room = {rid: load for rid, load in loads.items()
                 if load < by_id[rid].max_ongoing_requests} or loads
@@ -222,29 +233,39 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         router = self.by_policy.get(route.get("policy") or "", self.router)
         chosen = router.route(request, room, matched).replica_id
         if hashes:
-            now = time.monotonic()
-            for value in hashes:
-                self.recent[value] = (chosen, now)
-            if len(self.recent) > 200_000:
-                self.recent.clear()
+            self.routed.routed(hashes, chosen, request_id, time.monotonic())
         if pending_request is not None:  # retries of this one rank back off between attempts
+            self.chosen[request_id] = (chosen, time.monotonic())
             pending_request.routing_context.should_backoff = True
             if len(self.first_choice) > 100_000:  # requests cancelled before routing
                 self.first_choice.clear()
-            self.first_choice.setdefault(pending_request.metadata.internal_request_id, chosen)
+            self.first_choice.setdefault(request_id, chosen)
         return [[by_id[chosen]]]
+
+    def _loads(self, by_id: dict[str, RunningReplica]) -> dict[str, int]:
+        """Requests in flight per replica, those chosen and not yet routed included."""
+        loads = {rid: self.in_flight.get(rid, 0) for rid in by_id}
+        now = time.monotonic()
+        for request_id, (rid, at) in list(self.chosen.items()):
+            if now - at >= CHOSEN_TTL_S:
+                del self.chosen[request_id]
+            elif rid in loads:
+                loads[rid] += 1
+        return loads
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         request_id = pending_request.metadata.internal_request_id
+        self.chosen.pop(request_id, None)
         self.request_replica[request_id] = rid
         first = self.first_choice.pop(request_id, None)
         if first is not None:
             self.choices["kept" if first == rid else "changed"] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.routed.finished(internal_request_id, time.time())
         rid = self.request_replica.pop(internal_request_id, replica_id.unique_id)
         left = self.in_flight.get(rid, 0) - 1
         if left > 0:

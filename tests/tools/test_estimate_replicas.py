@@ -63,6 +63,29 @@ def test_load_threshold_spreads_a_hot_prefix(tmp_path: Path) -> None:
     assert min(shares) > 0 and sum(shares) == 40
 
 
+def test_the_balance_thresholds_are_the_flags(tmp_path: Path) -> None:
+    """The hot prefix again: with thresholds no load reaches, every request stays on the
+    replica holding it; with none, the second goes to the idle replica. (Planted: the flags
+    not passed to the router leave the default rule, which spreads some; both fail.)"""
+    path = tmp_path / "hot.jsonl"
+    path.write_text("".join(json.dumps({"input_length": PROMPT, "output_length": 1,
+                                        "hash_ids": [1, 2, 100 + i]}) + "\n" for i in range(40)))
+    flags = ("--routing", "prefix-aware", "--in-flight", "40")
+    kept = _run(path, tmp_path, *flags, "--balance-abs-threshold", "1000")
+    assert sorted(kept["prefix-aware"]["requests_per_replica"]) == [0, 40]
+    spread = _run(path, tmp_path, *flags, "--balance-abs-threshold", "0",
+                  "--balance-rel-threshold", "1")
+    assert sorted(spread["prefix-aware"]["requests_per_replica"]) == [20, 20]
+
+
+@pytest.mark.parametrize("flag,value", [("--balance-abs-threshold", "-1"),
+                                        ("--balance-rel-threshold", "0.5")])
+def test_bad_balance_thresholds_are_refused(trace: Path, flag: str, value: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", str(trace), "--replicas", "2", flag, value]) == 2
+    assert "--balance-abs-threshold must be >= 0" in capsys.readouterr().err
+
+
 def test_unknown_routing_is_refused(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", str(trace), "--replicas", "2", "--routing", "random"]) == 2
     assert "unknown routing 'random'" in capsys.readouterr().err

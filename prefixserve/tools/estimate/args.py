@@ -1,10 +1,13 @@
 """The ``prefixserve estimate`` command line: its parser, one function per argument group. Only
-argparse is imported here; ``estimate`` itself is imported when the command runs."""
+argparse and the router's defaults are imported here; ``estimate`` itself is imported when the
+command runs."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from prefixserve.router.policy import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL
 
 DESCRIPTION = """\
 Replays a prompt log or a block-hash trace, in file order, through the engine's own prefix-cache
@@ -176,6 +179,14 @@ def _add_replicas(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--in-flight", type=int, metavar="N",
                        help="requests taken to be in flight for the router's load balance: the "
                        "last N routed (default 8 per replica)")
+    group.add_argument("--balance-abs-threshold", type=int, default=DEFAULT_BALANCE_ABS,
+                       metavar="N",
+                       help="the router's load-balance rule, as `prefixserve serve "
+                       f"--balance-abs-threshold` (default {DEFAULT_BALANCE_ABS})")
+    group.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL,
+                       metavar="F",
+                       help="the rule's factor, as `prefixserve serve --balance-rel-threshold` "
+                       f"(default {DEFAULT_BALANCE_REL})")
 
 
 def _add_output(output: argparse._ArgumentGroup) -> None:

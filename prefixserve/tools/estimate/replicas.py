@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from prefixserve.core.hashing import hash_value_of
 from prefixserve.core.kv_events import KVEventPublisher
 from prefixserve.router import Router, RouteRequest
+from prefixserve.router.policy import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL
 from prefixserve.tools.estimate.replay import _PoolReplay, replay_pool
 from prefixserve.tools.estimate.results import CacheResult, ReplaySettings
 from prefixserve.tools.trace_formats import Workload
@@ -62,8 +63,12 @@ def _sum_results(capacity: int, parts: list[CacheResult]) -> CacheResult:
 
 def replay_replicas(workload: Workload, capacity: int, settings: ReplaySettings, routing: str,
                     replicas: int, in_flight: int | None = None,
-                    router: Router | None = None) -> ReplicaResult:
-    """Replays ``workload`` over ``replicas`` pools of ``capacity`` blocks routed by ``routing``."""
+                    router: Router | None = None,
+                    balance: tuple[int, float] = (DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL),
+                    ) -> ReplicaResult:
+    """Replays ``workload`` over ``replicas`` pools of ``capacity`` blocks routed by ``routing``
+    (a ``Router`` of that policy and the load-balance thresholds ``balance``, unless one is
+    given)."""
     parse_routings(routing)
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
@@ -73,7 +78,7 @@ def replay_replicas(workload: Workload, capacity: int, settings: ReplaySettings,
     ids = [f"replica-{i}" for i in range(replicas)]
     pools = [_PoolReplay(workload, capacity, settings) for _ in ids]
     if router is None:
-        router = Router(routing)
+        router = Router(routing, balance_abs=balance[0], balance_rel=balance[1])
     publishers = [KVEventPublisher(rid, workload.block_size) for rid in ids]
     for pool, publisher in zip(pools, publishers, strict=True):
         pool.manager.block_pool.event_sink = publisher
@@ -130,6 +135,10 @@ def estimate_replicas(args: argparse.Namespace) -> tuple[Workload, list[ReplicaR
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.in_flight is not None and args.in_flight < 1:
         raise ValueError(f"--in-flight must be at least 1, got {args.in_flight}")
+    if args.balance_abs_threshold < 0 or not args.balance_rel_threshold >= 1.0:
+        raise ValueError("--balance-abs-threshold must be >= 0 and --balance-rel-threshold "
+                         f">= 1, got {args.balance_abs_threshold} and "
+                         f"{args.balance_rel_threshold}")
     routings = parse_routings(args.routing)
     options = ReadOptions(format=args.format, block_size=args.block_size,
                           trace_block_size=args.trace_block_size, chain=args.chain,
@@ -142,8 +151,9 @@ def estimate_replicas(args: argparse.Namespace) -> tuple[Workload, list[ReplicaR
     if not capacities:
         distinct = replay_infinite(workload, settings).distinct_blocks or 1
         capacities = sorted({max(1, c // args.replicas) for c in default_capacities(distinct)})
+    balance = (args.balance_abs_threshold, args.balance_rel_threshold)
     results = [replay_replicas(workload, capacity, settings, routing, args.replicas,
-                               args.in_flight)
+                               args.in_flight, balance=balance)
                for capacity in capacities for routing in routings]
     return workload, results
 
