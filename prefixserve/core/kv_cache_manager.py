@@ -110,16 +110,16 @@ class KVCacheManager:
     def block_hashes(self, request: CacheRequest, num_full_blocks: int | None = None
                      ) -> Sequence[Hashable]:
         """The request's chain, extended (never recomputed) to cover ``num_full_blocks`` full
-        blocks (default: every full block of ``request.token_ids``). Precomputed hashes are used
-        as they are and never extended."""
+        blocks (default, and at most: every full block of ``request.token_ids``; a partial
+        block is never hashed). Precomputed hashes are used as they are and never extended."""
         if request.block_hashes is not None:
             return request.block_hashes
         rid = request.request_id
         chain = self.req_to_block_hashes.get(rid)
         if chain is None:
             chain = self.req_to_block_hashes[rid] = []
-        if num_full_blocks is None:
-            num_full_blocks = len(request.token_ids) // self.block_size
+        full = len(request.token_ids) // self.block_size
+        num_full_blocks = full if num_full_blocks is None else min(num_full_blocks, full)
         have = len(chain)
         if num_full_blocks > have:
             parent = hash_value_of(chain[-1]) if chain else self._hash_root

@@ -142,6 +142,17 @@ def test_the_managers_chain_equals_the_definition_with_every_extra_key(
     assert list(manager.block_hashes(request)) == _reference_chain(algo, tokens, bs, extras)
 
 
+def test_a_partial_block_is_never_hashed_whatever_is_asked() -> None:
+    """Asked for more blocks than the tokens fill, the chain covers the full blocks only: a
+    hash of a partial block would name content that the block's later tokens change."""
+    manager = KVCacheManager(4, 4)
+    request = CacheRequest("r", list(range(10)))
+    assert len(manager.block_hashes(request, 5)) == 2
+    request.token_ids = list(range(12))
+    assert list(manager.block_hashes(request, 5)) == list(
+        KVCacheManager(4, 4).block_hashes(CacheRequest("s", list(range(12)))))
+
+
 def test_extra_keys_of_a_multimodal_input_ending_on_a_block_boundary() -> None:
     """An input over tokens [2, 8) at block size 4 touches blocks 0 and 1, not block 2."""
     request = CacheRequest("r", list(range(12)), mm_inputs=[MultiModalInput(2, 6, "img")])
