@@ -10,11 +10,11 @@ ingress uses it to scrape each replica's ``/metrics``).
 The router's ``CacheIndex`` is fed from each replica's ``routing_stats`` (``EngineReplica.
 record_routing_stats``): batches are applied in sequence order, a gap marks the replica stale
 until a report brings a snapshot, and a new epoch (a restarted replica) clears it. Because the
-stats arrive only every ``request_routing_stats_period_s`` (and a busy replica's lag its requests
-by seconds), the router also remembers which replica it sent each prefix to until that replica's
-first report after the request finished (``prefixserve.router.routed``), as SGLang's router
-inserts a routed prompt into its tree at once; a prefix is taken to be cached where either says
-so.
+stats arrive only every ``request_routing_stats_period_s`` (and a busy replica's reports lag its
+requests by seconds), the router also remembers which replica it sent each prefix to, until
+that replica's first report after the request finished (``prefixserve.router.routed``), as
+SGLang's router inserts a routed prompt into its tree at once; a prefix is taken to be cached
+where either says so.
 
 Loads are the requests this router has in flight on each replica (counted from the moment it
 chooses the replica, released on completion), the figure the balance rule compares; a replica
