@@ -67,6 +67,15 @@ def test_only_replicas_that_may_be_chosen_are_matched() -> None:
     memory.routed(CHAIN, "r0", "req-2", now=1.0)
     assert memory.matched(CHAIN, ("r1",), now=1.5) == {}  # r0 overwrote the shared blocks
     assert memory.matched(CHAIN, ("r0",), now=1.5) == {"r0": 4}
+
+
+def test_forgetting_a_replica_drops_what_it_reported() -> None:
+    """Nothing of a removed replica stays behind (as in the cache index): its report times go,
+    so they can no longer end any memory."""
+    memory = RoutedPrefixes()
+    memory.routed(CHAIN, "r0", "req-1", now=0.0)
+    memory.finished("req-1", at=1_000.0)
+    memory.reported("r0", at=2_000.0)
+    assert memory.matched(CHAIN, BOTH, now=1.0) == {}
     memory.forget("r0")
-    memory.finished("req-2", at=1_000.0)
-    assert memory.matched(CHAIN, ("r0",), now=1.5) == {"r0": 4}  # no report since: remembered
+    assert memory.matched(CHAIN, BOTH, now=1.0) == {"r0": 4}
