@@ -526,8 +526,9 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
  * of 16-bit pairs (vpdpwssd where the CPU has AVX512-VNNI) leaves block b's sums in lanes 0-7
  * and block b + 1's in lanes 8-15, so one conversion and one multiply-add by the pair's scales
  * serve two blocks. The scales of 16 blocks come in one gather (fp16 d, and for Q4_1 the offset
- * m in the same 32 bits), converted and multiplied by the activation scales at once; each pair
- * then takes its two from them with one permute. Q8_0 blocks are one vector each.
+ * m in the same 32 bits; a whole group of Q4_0 blocks by two word permutes, q4_0_scales16),
+ * converted and multiplied by the activation scales at once; each pair then takes its two from
+ * them with one permute. Q8_0 blocks are one vector each.
  *
  * The sums run in another order than tile_q16's, so a row's result differs from it in the last
  * bits: only the row-dependent entry points use this (team_linear's one-row step and
