@@ -61,12 +61,14 @@ def test_a_request_that_never_finishes_is_forgotten_after_the_limit() -> None:
 
 
 def test_only_replicas_that_may_be_chosen_are_matched() -> None:
-    """A full or dead replica is left out; a shallower prefix routed elsewhere still counts."""
+    """A full or dead replica is left out, and a shallower prefix last routed to another
+    replica still counts there; each block remembers only its latest routing."""
     memory = RoutedPrefixes()
-    memory.routed(CHAIN[:2], "r1", "req-1", now=0.0)
-    memory.routed(CHAIN, "r0", "req-2", now=1.0)
-    assert memory.matched(CHAIN, ("r1",), now=1.5) == {}  # r0 overwrote the shared blocks
-    assert memory.matched(CHAIN, ("r0",), now=1.5) == {"r0": 4}
+    memory.routed(CHAIN, "r0", "req-1", now=0.0)
+    memory.routed(CHAIN[:2], "r1", "req-2", now=1.0)  # the first two blocks now on r1
+    assert memory.matched(CHAIN, ("r1",), now=1.5) == {"r1": 2}
+    assert memory.matched(CHAIN, BOTH, now=1.5) == {"r0": 4}
+    assert memory.matched(CHAIN[:2], ("r0",), now=1.5) == {}
 
 
 def test_forgetting_a_replica_drops_what_it_reported() -> None:
