@@ -80,13 +80,13 @@ def user(text: str) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------- structured outputs
 @pytest.mark.slow
-def test_json_schema_valid_in_50_of_50_samples_at_temperature_1(client: openai.OpenAI) -> None:
-    """Kills: the mask not applied (or applied to the wrong row) in a batch of 50."""
+def test_json_schema_valid_in_16_of_16_samples_at_temperature_1(client: openai.OpenAI) -> None:
+    """Kills: the mask not applied (or applied to the wrong row) in a batch of 16."""
     response = client.chat.completions.create(
-        model=MODEL, messages=user("Describe a user of a web shop."), n=50, temperature=1,
+        model=MODEL, messages=user("Describe a user of a web shop."), n=16, temperature=1,
         max_tokens=120, seed=7, response_format={"type": "json_schema", "json_schema": {
             "name": "person", "schema": PERSON, "strict": True}})
-    assert len(response.choices) == 50
+    assert len(response.choices) == 16
     for choice in response.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
