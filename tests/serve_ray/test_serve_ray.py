@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 from lora_helpers import default_config, write_peft_adapter
-from server_helpers import ServerProcess
+from server_helpers import HTTP, ServerProcess
 
 from prefixserve.cli import main
 from prefixserve.tools.bench.report import read_run
@@ -173,7 +173,7 @@ def test_prefix_aware_keeps_the_single_servers_cached_share(cluster: ServerProce
 
 @slow
 def test_metrics_are_merged_with_a_replica_label(cluster: ServerProcess) -> None:
-    text = httpx.get(cluster.url + "/metrics", timeout=60).text
+    text = HTTP.get(cluster.url + "/metrics", timeout=60).text
     lines = [line for line in text.splitlines()
              if line.startswith("prefixserve:kv_cache_num_blocks")]
     replicas = {line.split('replica="')[1].split('"')[0] for line in lines}
@@ -183,16 +183,16 @@ def test_metrics_are_merged_with_a_replica_label(cluster: ServerProcess) -> None
 
 @slow
 def test_bad_requests_get_the_single_servers_errors(cluster: ServerProcess) -> None:
-    response = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1},
+    response = HTTP.post(cluster.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1},
                           timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
-    assert httpx.get(cluster.url + "/routing/nope/v1/models", timeout=60).status_code == 404
+    assert HTTP.get(cluster.url + "/routing/nope/v1/models", timeout=60).status_code == 404
 
 
 # --------------------------------------------------------------------------- LoRA adapters
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
-    response = httpx.post(url + "/v1/completions", timeout=120, json={
+    response = HTTP.post(url + "/v1/completions", timeout=120, json={
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert response.status_code == 200, response.text
     return response.json()
@@ -223,20 +223,20 @@ def test_lora_adapters_loaded_through_the_ingress_reach_every_replica(
     """Loading an adapter is sent to every replica, so requests for it succeed on each (sent
     in turn; planted: forwarding the load to one replica gets the other's requests a 404)."""
     path = write_peft_adapter(tmp_path / "b", default_config(), seed=22, rank=2)
-    response = httpx.post(cluster.url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
+    response = HTTP.post(cluster.url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
                           json={"lora_name": "b", "lora_path": str(path)})
     assert response.status_code == 200, response.text
     for g in range(4):
         _complete(cluster.url + "/routing/round-robin", "b", [300 + 31 * g + i for i in range(8)])
-    response = httpx.post(cluster.url + "/v1/unload_lora_adapter", headers=ADMIN, timeout=120,
+    response = HTTP.post(cluster.url + "/v1/unload_lora_adapter", headers=ADMIN, timeout=120,
                           json={"lora_name": "b"})
     assert response.status_code == 200, response.text
-    assert httpx.get(cluster.url + "/router/replicas", timeout=60).status_code == 401
+    assert HTTP.get(cluster.url + "/router/replicas", timeout=60).status_code == 401
 
 
 # --------------------------------------------------------------------------- the replica set
 def _state(cluster: ServerProcess) -> dict[str, Any]:
-    response = httpx.get(cluster.url + "/router/replicas", headers=ADMIN, timeout=60)
+    response = HTTP.get(cluster.url + "/router/replicas", headers=ADMIN, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -345,7 +345,7 @@ def test_an_adapter_loaded_at_run_time_reaches_the_replicas(cluster: ServerProce
     replicas (their routing stats list it); the autoscaling test then finds it on the replicas
     Ray starts later, which the ingress loads it onto."""
     path = write_peft_adapter(tmp_path / "c", default_config(), seed=23, rank=2)
-    response = httpx.post(cluster.url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
+    response = HTTP.post(cluster.url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
                           json={"lora_name": "c", "lora_path": str(path)})
     assert response.status_code == 200, response.text
     adapter_replicas.extend(r["id"] for r in _live(cluster))

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import ServerProcess, openai_client, serve_for_module
+from server_helpers import HTTP, ServerProcess, openai_client, serve_for_module
 
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
@@ -71,7 +71,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=900)
+    return HTTP.post(server.url + path, json=body, timeout=900)
 
 
 def user(text: str) -> list[dict[str, Any]]:

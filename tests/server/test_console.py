@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from server_helpers import ServerProcess, idle, serve_for_module
+from server_helpers import HTTP, ServerProcess, idle, serve_for_module
 
 from prefixserve.server.console.routes import ASSETS
 
@@ -45,7 +44,7 @@ def auth(key: str) -> dict[str, str]:
 
 
 def view(server: ServerProcess, key: str) -> dict[str, Any]:
-    response = httpx.get(server.url + "/v1/cache/view", headers=auth(key), timeout=30)
+    response = HTTP.get(server.url + "/v1/cache/view", headers=auth(key), timeout=30)
     assert response.status_code == 200, response.text
     data: dict[str, Any] = response.json()
     return data
@@ -57,12 +56,12 @@ def view(server: ServerProcess, key: str) -> dict[str, Any]:
 def test_the_console_routes_ask_for_a_key_and_only_an_admin_gets_the_log(
         server: ServerProcess) -> None:
     for path in ("/v1/cache/view", "/v1/cache/requests", "/v1/cache/what_if"):
-        missing = httpx.get(server.url + path)
+        missing = HTTP.get(server.url + path)
         assert missing.status_code == 401 and missing.json()["error"]["code"] == \
             "missing_api_key"
-        assert httpx.get(server.url + path, headers=auth("wrong")).status_code == 401
+        assert HTTP.get(server.url + path, headers=auth("wrong")).status_code == 401
     for path in ("/v1/cache/requests", "/v1/cache/what_if"):
-        refused = httpx.get(server.url + path, headers=auth(KEY_A))
+        refused = HTTP.get(server.url + path, headers=auth(KEY_A))
         assert refused.status_code == 403, refused.text
         assert refused.json()["error"]["type"] == "permission_error"
 
@@ -71,12 +70,12 @@ def test_a_tenant_sees_only_its_own_namespace_and_an_admin_sees_both_by_name(
         server: ServerProcess) -> None:
     for key in (KEY_A, KEY_B):
         for question in ("Do you fix flat tyres?", "When do you open?"):
-            response = httpx.post(server.url + "/v1/chat/completions", headers=auth(key),
+            response = HTTP.post(server.url + "/v1/chat/completions", headers=auth(key),
                                   timeout=120, json={"max_tokens": 2, "messages": [
                                       {"role": "system", "content": f"{SYSTEM} ({key})"},
                                       {"role": "user", "content": question}]})
             assert response.status_code == 200, response.text
-    salted = httpx.post(server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+    salted = HTTP.post(server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
                         json={"prompt": "Hello there", "max_tokens": 1, "cache_salt": "team"})
     assert salted.status_code == 200, salted.text
     mine = view(server, KEY_A)
@@ -101,15 +100,15 @@ def test_the_what_if_equals_the_estimate_on_the_servers_request_log(
     documents = [[200 + 300 * d + i for i in range(180)] for d in range(12)]
     for round_ in range(2):
         for d, document in enumerate(documents):
-            response = httpx.post(server.url + "/v1/completions", headers=auth(KEY_A),
+            response = HTTP.post(server.url + "/v1/completions", headers=auth(KEY_A),
                                   timeout=120, json={"prompt": document + [9, round_, d],
                                                      "max_tokens": 1})
             assert response.status_code == 200, response.text
-    log = httpx.get(server.url + "/v1/cache/requests", headers=auth(ADMIN), timeout=30)
+    log = HTTP.get(server.url + "/v1/cache/requests", headers=auth(ADMIN), timeout=30)
     assert log.status_code == 200 and log.headers["content-type"] == "application/jsonl"
     path = tmp_path / "requests.jsonl"
     path.write_bytes(log.content)
-    answer = httpx.get(server.url + "/v1/cache/what_if", headers=auth(ADMIN),
+    answer = HTTP.get(server.url + "/v1/cache/what_if", headers=auth(ADMIN),
                        params={"replicas": 3}, timeout=300)
     assert answer.status_code == 200, answer.text
     what_if = answer.json()
@@ -141,18 +140,18 @@ def estimate(folder: Path, log: Path, *options: str) -> dict[str, Any]:
 
 def test_the_page_and_its_files_are_served_from_the_package_and_stay_small(
         server: ServerProcess) -> None:
-    page = httpx.get(server.url + "/")
+    page = HTTP.get(server.url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     total = len(page.content)
     for name, media_type in ASSETS.items():
-        asset = httpx.get(f"{server.url}/console/{name}")
+        asset = HTTP.get(f"{server.url}/console/{name}")
         assert asset.status_code == 200 and asset.headers["content-type"] == media_type
         assert f"/console/{name}" in page.text
         total += len(asset.content)
     assert total < 300_000
     assert "http://" not in page.text and "https://" not in page.text  # no CDN
-    assert httpx.get(server.url + "/console/..%2fserver.log").status_code == 404
-    assert httpx.get(server.url + "/console/routes.py").status_code == 404
+    assert HTTP.get(server.url + "/console/..%2fserver.log").status_code == 404
+    assert HTTP.get(server.url + "/console/routes.py").status_code == 404
 
 
 # ----------------------------------------------------------------------------- the browser
@@ -285,7 +284,7 @@ def test_another_tenant_sees_nothing_of_the_first_and_an_admin_sees_both(
     assert other and not other & {row[0] for row in seen["prefixes"]}
     assert not browser.find_element(By.ID, "tier-table").is_displayed()
     assert not browser.find_element(By.ID, "pin-table").is_displayed()
-    pinned = httpx.post(server.url + "/v1/pins", headers=auth(ADMIN), timeout=60, json={
+    pinned = HTTP.post(server.url + "/v1/pins", headers=auth(ADMIN), timeout=60, json={
         "id": "handbook", "prompt_token_ids": list(range(4000, 4040)), "for_api_key": KEY_A})
     assert pinned.status_code == 200, pinned.text
     open_with_key(browser, server, ADMIN)
@@ -297,7 +296,7 @@ def test_another_tenant_sees_nothing_of_the_first_and_an_admin_sees_both(
     browser.save_screenshot(str(shots / "console-cache-admin.png"))
     assert {"API key #1", "API key #2"} <= {row[0] for row in everything["namespaces"]}
     assert pins == [["handbook", "2", "40"]]
-    assert httpx.delete(server.url + "/v1/pins/handbook", headers=auth(ADMIN)).status_code == 200
+    assert HTTP.delete(server.url + "/v1/pins/handbook", headers=auth(ADMIN)).status_code == 200
 
 
 def test_an_admin_runs_the_what_if_on_the_page(server: ServerProcess, browser: Any,
@@ -305,7 +304,7 @@ def test_an_admin_runs_the_what_if_on_the_page(server: ServerProcess, browser: A
     from selenium.webdriver.common.by import By
 
     for _ in range(2):  # a log to replay, whichever tests ran before
-        assert httpx.post(server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+        assert HTTP.post(server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
                           json={"prompt": list(range(500, 540)), "max_tokens": 1}
                           ).status_code == 200
     open_with_key(browser, server, ADMIN)
@@ -314,7 +313,7 @@ def test_an_admin_runs_the_what_if_on_the_page(server: ServerProcess, browser: A
     wait_for(lambda: "replayed" in browser.find_element(By.ID, "whatif-status").text, 120)
     rows = [tr.text for tr in browser.find_elements(By.CSS_SELECTOR, "#whatif-table tbody tr")]
     browser.save_screenshot(str(shots / "console-what-if.png"))
-    expected = httpx.get(server.url + "/v1/cache/what_if", headers=auth(ADMIN), timeout=300)
+    expected = HTTP.get(server.url + "/v1/cache/what_if", headers=auth(ADMIN), timeout=300)
     assert len(rows) == len(expected.json()["sizes"]) + 1 + 2  # sizes, the tier, 2 routings
     assert rows[0].startswith("0.5x the KV memory 64")
     assert "prefixserve estimate requests.jsonl" in browser.find_element(

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from lora_helpers import default_config, write_peft_adapter
-from server_helpers import ServerProcess, idle, openai_client, serve_for_module
+from server_helpers import HTTP, ServerProcess, idle, openai_client, serve_for_module
 
 ADMIN = "root-key"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
@@ -53,7 +53,7 @@ def complete(client: openai.OpenAI, model: str, prompt: str | list[int], **kwarg
 
 def admin(server: ServerProcess, route: str, body: dict[str, object],
           headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(server.url + route, json=body, timeout=60,
+    return HTTP.post(server.url + route, json=body, timeout=60,
                       headers=ADMIN_HEADERS if headers is None else headers)
 
 
@@ -142,7 +142,7 @@ def test_unloading_an_adapter_in_use_is_refused(server: ServerProcess,
                  {"lora_name": "c", "lora_path": str(adapters["c"])}).status_code == 200
     body = {"model": "c", "prompt": f"[{uuid.uuid4().hex}] Tell me a story", "max_tokens": 48,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as stream:
+    with HTTP.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         refused = admin(server, "/v1/unload_lora_adapter", {"lora_name": "c"})

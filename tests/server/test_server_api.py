@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from server_helpers import ServerProcess, idle
+from server_helpers import HTTP, ServerProcess, idle
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -65,9 +65,9 @@ def chat(client: openai.OpenAI, system: str, question: str, **kwargs: object):
 def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["smol", "smollm2"]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-    assert httpx.get(server.url + "/version").json()["version"]
-    raw = httpx.get(server.url + "/v1/models").json()
+    assert HTTP.get(server.url + "/health").json() == {"status": "ok"}
+    assert HTTP.get(server.url + "/version").json()["version"]
+    raw = HTTP.get(server.url + "/v1/models").json()
     assert raw["data"][0]["max_model_len"] == MAX_MODEL_LEN
     for card in raw["data"]:  # no server path is revealed
         assert card["root"] == card["id"]
@@ -75,7 +75,7 @@ def test_models_health_version(server: ServerProcess, client: openai.OpenAI) -> 
 
 
 def test_openapi_document_has_no_422_and_describes_the_extras(server: ServerProcess) -> None:
-    schema = httpx.get(server.url + "/openapi.json").json()
+    schema = HTTP.get(server.url + "/openapi.json").json()
     assert "422" not in json.dumps(schema["paths"])
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                  "/version", "/metrics", "/reset_prefix_cache"):
@@ -233,13 +233,13 @@ def test_reset_prefix_cache_works_while_requests_run(server: ServerProcess) -> N
     started, stop = threading.Event(), threading.Event()
 
     def cached(text: str) -> int:
-        response = httpx.post(server.url + "/v1/completions", timeout=60,
+        response = HTTP.post(server.url + "/v1/completions", timeout=60,
                               json={"prompt": text, "max_tokens": 1})
         assert response.status_code == 200, response.text
         return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     def long_stream() -> None:  # runs until told to stop (closing it aborts the request)
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+        with HTTP.stream("POST", server.url + "/v1/completions", timeout=120,
                           json={"prompt": prompt, "max_tokens": 600,
                                 "ignore_eos": True, "stream": True}) as response:
             assert response.status_code == 200
@@ -253,7 +253,7 @@ def test_reset_prefix_cache_works_while_requests_run(server: ServerProcess) -> N
     try:
         assert started.wait(60)
         assert cached(prompt) >= 4 * BLOCK_SIZE  # the running request's blocks are found
-        reset = httpx.post(server.url + "/reset_prefix_cache")
+        reset = HTTP.post(server.url + "/reset_prefix_cache")
         assert reset.status_code == 200 and reset.json() == {"status": "reset"}
         running = server.metrics()["prefixserve:num_requests_running"]
         after_reset = cached(prompt)
@@ -318,7 +318,7 @@ def test_sixteen_concurrent_clients_get_their_own_answers(server: ServerProcess)
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServerProcess) -> None:
     before = server.metrics()
     aborted = "prefixserve:request_success_total{finished_reason=abort}"
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+    with HTTP.stream("POST", server.url + "/v1/chat/completions", timeout=120,
                       json={"messages": [{"role": "user", "content": "Tell me a long story."}],
                             "max_tokens": 400, "ignore_eos": True, "stream": True}) as response:
         assert response.status_code == 200
@@ -338,7 +338,7 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server: ServerProc
     before = server.metrics()
     aborted = "prefixserve:request_success_total{finished_reason=abort}"
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", timeout=1.5,
+        HTTP.post(server.url + "/v1/completions", timeout=1.5,
                    json={"prompt": "Write a poem:", "max_tokens": 400, "ignore_eos": True})
     after = server.wait_for_metrics(
         lambda s: idle(s) and s.get(aborted, 0) == before.get(aborted, 0) + 1)
@@ -397,7 +397,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize(("endpoint", "body", "param"), BAD_REQUESTS)
 def test_bad_requests_get_a_400_naming_the_problem(server: ServerProcess, endpoint: str,
                                                    body: dict, param: str | None) -> None:
-    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=30)
+    response = HTTP.post(f"{server.url}/v1/{endpoint}", json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -415,17 +415,17 @@ def test_bad_requests_get_a_400_naming_the_problem(server: ServerProcess, endpoi
 ])
 def test_malformed_bodies_get_a_400(server: ServerProcess, content: bytes, content_type: str,
                                     fragment: str) -> None:
-    response = httpx.post(server.url + "/v1/completions", content=content,
+    response = HTTP.post(server.url + "/v1/completions", content=content,
                           headers={"content-type": content_type})
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
 
 
 def test_unknown_routes_and_methods(server: ServerProcess) -> None:
-    missing = httpx.get(server.url + "/v1/engines")
+    missing = HTTP.get(server.url + "/v1/engines")
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "not_found_error"
-    wrong_method = httpx.get(server.url + "/v1/completions")
+    wrong_method = HTTP.get(server.url + "/v1/completions")
     assert wrong_method.status_code == 405
     assert "error" in wrong_method.json()
 
@@ -451,18 +451,18 @@ def test_fields_that_cannot_change_the_result_are_accepted_and_named(
     # both requests below then hit the same cached prefix, so that they compute the same way
     # (a hit and a miss may differ in the last bits of a logit, and this model's second token
     # here is a near tie)
-    httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    HTTP.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": messages, "max_tokens": 1, "temperature": 0})
-    plain = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    plain = HTTP.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": messages, "max_tokens": 4, "temperature": 0})
-    loose = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    loose = HTTP.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": messages, "max_tokens": 4, "temperature": 0, **extra, **neutral})
     assert loose.status_code == 200, loose.text
     assert loose.headers["x-ignored-fields"].split(",") == sorted(extra)
     assert "x-ignored-fields" not in plain.headers
     assert (loose.json()["choices"][0]["message"]["content"]
             == plain.json()["choices"][0]["message"]["content"])
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+    with HTTP.stream("POST", server.url + "/v1/completions", timeout=60, json={
             "prompt": "Hi", "max_tokens": 2, "stream": True, "store": True}) as streamed:
         assert streamed.status_code == 200
         assert streamed.headers["x-ignored-fields"] == "store"
@@ -474,7 +474,7 @@ def test_fields_that_cannot_change_the_result_are_accepted_and_named(
 
 def test_completions_without_max_tokens_generate_16(server: ServerProcess) -> None:
     for body in ({}, {"max_tokens": None}):
-        response = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        response = HTTP.post(server.url + "/v1/completions", timeout=60, json={
             "prompt": "Once upon a time", "ignore_eos": True, **body})
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 16
@@ -483,7 +483,7 @@ def test_completions_without_max_tokens_generate_16(server: ServerProcess) -> No
 
 def test_a_top_k_past_the_vocabulary_means_every_token(server: ServerProcess) -> None:
     def sample(top_k: int) -> str:
-        response = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        response = HTTP.post(server.url + "/v1/completions", timeout=60, json={
             "prompt": "The weather today is", "max_tokens": 12, "temperature": 1.0,
             "seed": 7, "top_k": top_k})
         assert response.status_code == 200, response.text
@@ -499,7 +499,7 @@ def test_chat_template_kwargs_are_accepted(server: ServerProcess) -> None:
     """SmolLM2's template reads no extra variable, so the same prompt comes out; a name the
     server sets itself is refused (see BAD_REQUESTS)."""
     def prompt_tokens(kwargs: dict | None) -> int:
-        response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        response = HTTP.post(server.url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
             "chat_template_kwargs": kwargs})
         assert response.status_code == 200, response.text

@@ -16,7 +16,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_helpers import ServerProcess, idle
+from server_helpers import HTTP, ServerProcess, idle
 
 API_KEY = "tenant-key"
 ADMIN_KEY = "admin-key"
@@ -172,7 +172,7 @@ def test_keys_and_unknown_models_in_anthropic_shape(server: ServerProcess) -> No
         good.messages.create(model="nope", max_tokens=1,
                              messages=[{"role": "user", "content": "x"}])
     assert caught_404.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
-    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "x"},
+    plain = HTTP.post(server.url + "/v1/completions", json={"prompt": "x"},
                        headers={"Authorization": "Bearer wrong"})
     assert plain.status_code == 401 and "error" in plain.json()  # OpenAI's shape stays
 
@@ -198,7 +198,7 @@ def flood(oai: openai.OpenAI) -> None:
 
 
 def admin(server: ServerProcess, method: str, path: str, **kwargs: object) -> httpx.Response:
-    return httpx.request(method, server.url + path, timeout=120,
+    return HTTP.request(method, server.url + path, timeout=120,
                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kwargs)
 
 
@@ -220,7 +220,7 @@ def flooded(oai: openai.OpenAI, server: ServerProcess) -> Flooded:
     pin (set, then kept through ``/reset_prefix_cache?keep_pins=true``). 15 + 15 protected or
     pinned blocks leave 34 for the flood's 68."""
     pinned = unique_ids(PIN_TOKENS)
-    tenant = httpx.post(server.url + "/v1/pins", json={"prompt_token_ids": pinned},
+    tenant = HTTP.post(server.url + "/v1/pins", json={"prompt_token_ids": pinned},
                         headers={"Authorization": f"Bearer {API_KEY}"})
     assert tenant.status_code == 403
     pin = admin(server, "POST", "/v1/pins",

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_helpers import ServerProcess, idle
+from server_helpers import HTTP, ServerProcess, idle
 
 KEY_A, KEY_B = "key-alpha", "key-beta"
 ADMIN_KEY, METRICS_KEY = "key-admin", "key-scraper"
@@ -46,7 +46,7 @@ def auth(key: str) -> dict[str, str]:
 
 
 def complete(server: ServerProcess, key: str, **body: object) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", headers=auth(key), timeout=60,
+    return HTTP.post(server.url + "/v1/completions", headers=auth(key), timeout=60,
                       json={"prompt": PROMPT, "max_tokens": 1, **body})
 
 
@@ -55,19 +55,19 @@ def complete(server: ServerProcess, key: str, **body: object) -> httpx.Response:
     ("POST", "/reset_prefix_cache"), ("GET", "/metrics")])
 def test_api_routes_need_a_key(guarded: ServerProcess, method: str, path: str) -> None:
     body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
-    missing = httpx.request(method, guarded.url + path, json=body if "comp" in path else None)
+    missing = HTTP.request(method, guarded.url + path, json=body if "comp" in path else None)
     assert missing.status_code == 401
     assert missing.json()["error"]["code"] == "missing_api_key"
     assert missing.headers["www-authenticate"] == "Bearer"
-    wrong = httpx.request(method, guarded.url + path, headers=auth("key-gamma"))
+    wrong = HTTP.request(method, guarded.url + path, headers=auth("key-gamma"))
     assert wrong.status_code == 401
     assert wrong.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_no_ui_serves_no_console_page_but_keeps_its_routes(guarded: ServerProcess) -> None:
-    assert httpx.get(guarded.url + "/").status_code == 404
-    assert httpx.get(guarded.url + "/console/console.js").status_code == 404
-    view = httpx.get(guarded.url + "/v1/cache/view", headers=auth(METRICS_KEY))
+    assert HTTP.get(guarded.url + "/").status_code == 404
+    assert HTTP.get(guarded.url + "/console/console.js").status_code == 404
+    view = HTTP.get(guarded.url + "/v1/cache/view", headers=auth(METRICS_KEY))
     assert view.status_code == 200 and view.json()["role"] == "operator"
 
 
@@ -82,13 +82,13 @@ def test_keys_from_the_command_line_and_the_file_work(guarded: ServerProcess) ->
 
 def test_only_an_admin_key_resets_the_cache(guarded: ServerProcess) -> None:
     for key in (KEY_A, KEY_B, METRICS_KEY):
-        refused = httpx.post(guarded.url + "/reset_prefix_cache", headers=auth(key))
+        refused = HTTP.post(guarded.url + "/reset_prefix_cache", headers=auth(key))
         assert refused.status_code == 403, refused.text
         assert refused.json()["error"]["type"] == "permission_error"
     assert complete(guarded, KEY_A, cache_salt="admin-test").status_code == 200
     assert complete(guarded, KEY_A, cache_salt="admin-test").json()["usage"][
         "prompt_tokens_details"]["cached_tokens"] == 16
-    reset = httpx.post(guarded.url + "/reset_prefix_cache", headers=auth(ADMIN_KEY))
+    reset = HTTP.post(guarded.url + "/reset_prefix_cache", headers=auth(ADMIN_KEY))
     assert reset.status_code == 200 and reset.json() == {"status": "reset"}
     assert complete(guarded, KEY_A, cache_salt="admin-test").json()["usage"][
         "prompt_tokens_details"]["cached_tokens"] == 0
@@ -96,18 +96,18 @@ def test_only_an_admin_key_resets_the_cache(guarded: ServerProcess) -> None:
 
 def test_metrics_need_the_metrics_or_the_admin_key(guarded: ServerProcess) -> None:
     for key in (KEY_A, KEY_B):
-        assert httpx.get(guarded.url + "/metrics", headers=auth(key)).status_code == 403
+        assert HTTP.get(guarded.url + "/metrics", headers=auth(key)).status_code == 403
     for key in (METRICS_KEY, ADMIN_KEY):
-        scraped = httpx.get(guarded.url + "/metrics", headers=auth(key))
+        scraped = HTTP.get(guarded.url + "/metrics", headers=auth(key))
         assert scraped.status_code == 200 and "num_requests_running" in scraped.text
-    assert httpx.post(guarded.url + "/v1/completions", headers=auth(METRICS_KEY),
+    assert HTTP.post(guarded.url + "/v1/completions", headers=auth(METRICS_KEY),
                       json={"prompt": PROMPT, "max_tokens": 1}).status_code == 401
 
 
 def test_open_routes_and_unknown_routes_need_no_key(guarded: ServerProcess) -> None:
     for path in ("/health", "/version", "/openapi.json"):
-        assert httpx.get(guarded.url + path).status_code == 200
-    assert httpx.get(guarded.url + "/v2/anything").status_code == 404
+        assert HTTP.get(guarded.url + path).status_code == 200
+    assert HTTP.get(guarded.url + "/v2/anything").status_code == 404
 
 
 def test_tenants_never_share_blocks(guarded: ServerProcess) -> None:
@@ -129,7 +129,7 @@ def test_tenants_never_share_blocks(guarded: ServerProcess) -> None:
 def both_slots_taken(server: ServerProcess) -> Iterator[Iterator[str]]:
     """A streamed request of two sequences of 60 tokens, holding both running slots until it
     ends; yields its remaining lines once its first event arrived."""
-    with httpx.stream("POST", server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+    with HTTP.stream("POST", server.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
                       json={"prompt": PROMPT[:3], "n": 2, "max_tokens": 60,
                             "ignore_eos": True, "stream": True}) as big:
         assert big.status_code == 200
@@ -213,7 +213,7 @@ def test_schemathesis_finds_no_server_error(guarded: ServerProcess, tmp_path: Pa
 
 def test_sigterm_lets_a_running_request_finish(guarded: ServerProcess) -> None:
     """Runs last: the server stops."""
-    with httpx.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
+    with HTTP.stream("POST", guarded.url + "/v1/completions", headers=auth(KEY_A), timeout=120,
                       json={"prompt": PROMPT[:3], "max_tokens": 20, "ignore_eos": True,
                             "stream": True}) as response:
         lines = response.iter_lines()

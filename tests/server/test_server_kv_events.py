@@ -9,10 +9,9 @@ import os
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import zmq
-from server_helpers import ServerProcess, free_port
+from server_helpers import HTTP, ServerProcess, free_port
 
 from prefixserve.core.kv_events import BlockStored, KVEventBatch, KVSnapshot
 from prefixserve.router import CacheIndex, PromptHasher
@@ -45,7 +44,7 @@ def _pull(server: ServerProcess, index: CacheIndex, epoch: str | None, after: in
     params: dict[str, str | int] = {"after": after}
     if epoch is not None:
         params["epoch"] = epoch
-    body = httpx.get(server.url + "/kv_events", params=params, headers=ADMIN, timeout=30).json()
+    body = HTTP.get(server.url + "/kv_events", params=params, headers=ADMIN, timeout=30).json()
     if "snapshot" in body:
         index.resync(KVSnapshot.from_wire(body["snapshot"]))
     for wire in body["batches"]:
@@ -59,7 +58,7 @@ def test_an_outside_router_follows_the_cache(server: ServerProcess) -> None:
     first = _pull(server, index, None, 0)
     assert "snapshot" in first and first["snapshot"]["blocks"] == []
     prompt = list(range(100, 150))  # 3 full blocks of 16
-    response = httpx.post(server.url + "/v1/completions", timeout=60,
+    response = HTTP.post(server.url + "/v1/completions", timeout=60,
                           json={"prompt": prompt, "max_tokens": 1, "cache_salt": "t1"})
     assert response.status_code == 200
     second = _pull(server, index, first["epoch"], first["seq"])
@@ -76,10 +75,10 @@ def test_an_outside_router_follows_the_cache(server: ServerProcess) -> None:
 
 
 def test_kv_events_are_an_admin_action(server: ServerProcess) -> None:
-    response = httpx.get(server.url + "/kv_events", timeout=30)
+    response = HTTP.get(server.url + "/kv_events", timeout=30)
     assert response.status_code == 401
     assert "admin key" in response.json()["error"]["message"]
-    bad = httpx.get(server.url + "/kv_events", params={"after": -1}, headers=ADMIN, timeout=30)
+    bad = HTTP.get(server.url + "/kv_events", params={"after": -1}, headers=ADMIN, timeout=30)
     assert bad.status_code == 400
 
 
@@ -96,7 +95,7 @@ def test_events_are_pushed_over_zmq(server: ServerProcess) -> None:
     try:
         time.sleep(0.5)  # ZMQ's slow joiner: the subscription must reach the server first
         prompt = list(range(300, 350))
-        assert httpx.post(server.url + "/v1/completions", timeout=60, json={
+        assert HTTP.post(server.url + "/v1/completions", timeout=60, json={
             "prompt": prompt, "max_tokens": 1, "cache_salt": "zmq"}).status_code == 200
         hashes = PromptHasher(16, "sha256", seed=SEED).hash_values(prompt, "zmq")
         index = CacheIndex()

@@ -15,10 +15,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-import httpx
 import pytest
 from prometheus_client import generate_latest
-from server_helpers import ServerProcess, serve_all
+from server_helpers import HTTP, ServerProcess, serve_all
 
 from prefixserve.core.tiers import TierStats
 from prefixserve.engine.async_llm import AsyncLLM
@@ -79,7 +78,7 @@ def fresh_prompt() -> list[int]:
 
 def complete(server: ServerProcess, ids: list[int]) -> dict[str, Any]:
     """The ``usage`` of a one-token completion of ``ids``."""
-    response = httpx.post(server.url + "/v1/completions", timeout=120,
+    response = HTTP.post(server.url + "/v1/completions", timeout=120,
                           json={"model": SERVED_NAME, "prompt": ids, "max_tokens": 1,
                                 "temperature": 0})
     assert response.status_code == 200, response.text

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, idle
+from server_helpers import HTTP, ServerProcess, idle
 
 SEED = 20261130
 CLIENTS = 12
@@ -209,7 +209,7 @@ async def soak(url: str) -> Tally:
 
 
 def greedy_text(server: ServerProcess) -> str:
-    response = httpx.post(server.url + COMPLETIONS, json=GREEDY, timeout=60)
+    response = HTTP.post(server.url + COMPLETIONS, json=GREEDY, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
 
@@ -227,7 +227,7 @@ def test_soak_with_hang_ups_and_malformed_requests_leaves_the_server_clean(
         assert set(MALFORMED) <= set(tally.kinds), tally.kinds
         assert tally.kinds["stream"] + tally.kinds["hang_up"] >= CLIENTS, tally.kinds
         assert tally.kinds["hang_up"] > 0, tally.kinds
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert HTTP.get(server.url + "/health", timeout=10).status_code == 200
         server.wait_for_metrics(idle)
         assert greedy_text(server) == before
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, serve_for_module
+from server_helpers import HTTP, ServerProcess, serve_for_module
 
 KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key"
 BIG = "The quick brown fox jumps over the lazy dog. " * (5 * 2**20 // 45)
@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 def _post(server: ServerProcess, path: str, key: str, body: dict[str, Any],
           timeout: float = 120) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=timeout,
+    return HTTP.post(server.url + path, json=body, timeout=timeout,
                       headers={"Authorization": f"Bearer {key}"})
 
 
@@ -83,7 +83,7 @@ def test_another_key_cannot_chain_to_a_stored_response(server: ServerProcess) ->
 
 
 def _request(server: ServerProcess, method: str, path: str, key: str) -> httpx.Response:
-    return httpx.request(method, server.url + path, timeout=30,
+    return HTTP.request(method, server.url + path, timeout=30,
                          headers={"Authorization": f"Bearer {key}"})
 
 
@@ -163,7 +163,7 @@ class _Stream:
     def _run(self) -> None:
         body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", self.server.url + "/v1/completions", json=body, timeout=300,
+        with HTTP.stream("POST", self.server.url + "/v1/completions", json=body, timeout=300,
                           headers={"Authorization": f"Bearer {KEY_B}"}) as response:
             for _ in response.iter_lines():
                 self.times.append(time.monotonic())
@@ -188,7 +188,7 @@ def test_a_5_mib_input_stalls_no_other_client(server: ServerProcess, path: str,
     chunk and ``/health`` answers at once. (Planted: encoding on the event loop stalls both
     for the 2-4 s it takes.)"""
     if "model" in body:
-        body = {**body, "model": httpx.get(server.url + "/v1/models", timeout=30, headers={
+        body = {**body, "model": HTTP.get(server.url + "/v1/models", timeout=30, headers={
             "Authorization": f"Bearer {KEY_A}"}).json()["data"][0]["id"]}
     stream = _Stream(server)
     stream.thread.start()

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, serve_all
+from server_helpers import HTTP, ServerProcess, serve_all
 
 READ_TIMEOUT = 1.0
 BODY_LIMIT = 1024
@@ -120,7 +120,7 @@ def test_slow_clients_are_dropped_after_the_read_timeout_and_others_are_served(
     kinds = ("headers", "body", "keep-alive")
     clients = [SlowClient(server.port, kinds[i % len(kinds)]) for i in range(SLOW_CLIENTS)]
     try:
-        response = httpx.get(server.url + "/v1/models", timeout=30)
+        response = HTTP.get(server.url + "/v1/models", timeout=30)
         assert response.status_code == 200, response.text
         served_after = time.monotonic() - clients[-1].started
         deadline = time.monotonic() + READ_TIMEOUT + CLOSE_MARGIN
@@ -144,7 +144,7 @@ def test_a_body_over_the_limit_gets_a_413_json_error(server: ServerProcess,
         content: bytes | Iterator[bytes] = body
         if chunked:
             content = iter([body[:500], body[500:]])
-        return httpx.post(server.url + "/v1/completions", content=content, timeout=30,
+        return HTTP.post(server.url + "/v1/completions", content=content, timeout=30,
                           headers={"Content-Type": "application/json"})
 
     at_limit = post(padded(BODY_LIMIT))
@@ -164,7 +164,7 @@ def test_a_body_over_the_limit_gets_a_413_json_error(server: ServerProcess,
 ])
 def test_a_trailing_slash_routes_like_the_route(server: ServerProcess, method: str, path: str,
                                                 body: dict[str, Any] | None) -> None:
-    response = httpx.request(method, server.url + path, json=body, timeout=30,
+    response = HTTP.request(method, server.url + path, json=body, timeout=30,
                              follow_redirects=False)
     assert response.status_code == 200, (response.status_code, response.text)
 
@@ -182,9 +182,9 @@ def test_sigterm_ends_requests_still_running_at_the_shutdown_timeout(
     event and ``[DONE]``; a plain request a 503; and the process exits 0."""
     long = completion(max_tokens=4000, ignore_eos=True)
     plain: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: plain.setdefault("response", httpx.post(
+    thread = threading.Thread(target=lambda: plain.setdefault("response", HTTP.post(
         server.url + "/v1/completions", json=long, timeout=60)))
-    with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True},
+    with HTTP.stream("POST", server.url + "/v1/completions", json={**long, "stream": True},
                       timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))

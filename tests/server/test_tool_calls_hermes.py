@@ -13,12 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 import torch
-from server_helpers import ServerProcess, openai_client, serve_for_module
+from server_helpers import HTTP, ServerProcess, openai_client, serve_for_module
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -98,7 +97,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def call_token(server: ServerProcess) -> int:
-    [token] = httpx.post(server.url + "/tokenize", json={"prompt": "<tool_call>"}).json()["tokens"]
+    [token] = HTTP.post(server.url + "/tokenize", json={"prompt": "<tool_call>"}).json()["tokens"]
     return token
 
 
@@ -123,7 +122,7 @@ def test_auto_tool_call_round_trips_through_the_template(
     jsonschema.validate(arguments, schemas[call.function.name] or {"maxProperties": 0})
     messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": "3 results"}]
-    rendered = httpx.post(server.url + "/detokenize", json={"tokens": httpx.post(
+    rendered = HTTP.post(server.url + "/detokenize", json={"tokens": HTTP.post(
         server.url + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]})
     prompt = rendered.json()["prompt"]
     assert '{"type": "function", "function": {"name": "search"' in prompt  # the template's

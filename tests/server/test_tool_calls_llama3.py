@@ -15,12 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 import torch
-from server_helpers import ServerProcess, openai_client, serve_for_module
+from server_helpers import HTTP, ServerProcess, openai_client, serve_for_module
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -114,9 +113,9 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]], **kwargs: Any) ->
 
 
 def rendered(server: ServerProcess, messages: list[dict[str, Any]]) -> str:
-    tokens = httpx.post(server.url + "/tokenize",
+    tokens = HTTP.post(server.url + "/tokenize",
                         json={"messages": messages, "tools": TOOLS}).json()["tokens"]
-    return str(httpx.post(server.url + "/detokenize", json={"tokens": tokens}).json()["prompt"])
+    return str(HTTP.post(server.url + "/detokenize", json={"tokens": tokens}).json()["prompt"])
 
 
 def test_named_call_round_trips_through_the_template(server: ServerProcess,
@@ -153,7 +152,7 @@ def test_named_call_round_trips_through_the_template(server: ServerProcess,
     assert final.choices[0].message.tool_calls in (None, [])
     assert final.choices[0].message.content
     assert final.choices[0].finish_reason in ("stop", "length")
-    assert final.usage.prompt_tokens == len(httpx.post(server.url + "/tokenize", json={
+    assert final.usage.prompt_tokens == len(HTTP.post(server.url + "/tokenize", json={
         "messages": messages, "tools": TOOLS}).json()["tokens"])
     # the system turn and the tools of turn one are a cached prefix of turn two
     cached = final.usage.prompt_tokens_details.cached_tokens

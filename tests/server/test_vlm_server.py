@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 from PIL import Image
-from server_helpers import ServerProcess, free_port, serve_all
+from server_helpers import HTTP, ServerProcess, free_port, serve_all
 from vlm_helpers import (
     IMAGE_TOKEN,
     TOKENS_PER_IMAGE,
@@ -298,7 +297,7 @@ def test_metrics_count_encoder_runs_and_hits(servers: dict[str, ServerProcess],
 
 
 def test_tokenize_takes_no_images(servers: dict[str, ServerProcess]) -> None:
-    response = httpx.post(servers["vlm"].url + "/tokenize", timeout=60, json={
+    response = HTTP.post(servers["vlm"].url + "/tokenize", timeout=60, json={
         "model": "vlm", "messages": [user("What is it?", data_url(picture(6)))]})
     assert response.status_code == 400
     error = response.json()["error"]

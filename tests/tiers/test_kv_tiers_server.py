@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from redis_helpers import RedisServer
-from server_helpers import ServerProcess, idle, remount, small_filesystem
+from server_helpers import HTTP, ServerProcess, idle, remount, small_filesystem
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ FULL_BLOCKS = (len(PROMPT) - 1) // 16  # the lookup leaves the last token to com
 
 def complete(server: ServerProcess, prompt: list[int], key: str = "tenant-one",
              max_tokens: int = 8) -> dict[str, Any]:
-    response = httpx.post(server.url + "/v1/completions", timeout=300,
+    response = HTTP.post(server.url + "/v1/completions", timeout=300,
                           headers={"Authorization": f"Bearer {key}"},
                           json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert response.status_code == 200, response.text
@@ -99,7 +99,7 @@ def test_a_restart_finds_the_prompt_on_disk_and_a_corrupt_file_is_skipped(
         data = bytearray(damaged.read_bytes())
         data[len(data) // 2] ^= 0xFF
         damaged.write_bytes(bytes(data))
-        reset = httpx.post(server.url + "/reset_prefix_cache", timeout=30,
+        reset = HTTP.post(server.url + "/reset_prefix_cache", timeout=30,
                            headers={"Authorization": "Bearer admin"})
         assert reset.status_code == 200
         third = complete(server, PROMPT)
@@ -269,7 +269,7 @@ def test_a_full_disk_stops_the_writes_and_serving_goes_on(tmp_path: Path) -> Non
         assert "KV tier disk is full (ENOSPC" in server.log
         for prompt in prompts[1:]:
             complete(server, prompt, max_tokens=2)
-        reset = httpx.post(server.url + "/reset_prefix_cache", timeout=30,
+        reset = HTTP.post(server.url + "/reset_prefix_cache", timeout=30,
                            headers={"Authorization": "Bearer admin"})
         assert reset.status_code == 200
         again = complete(server, prompts[0], max_tokens=2)
@@ -314,7 +314,7 @@ def test_a_disk_tier_made_read_only_while_serving_keeps_its_hits_and_writes_agai
         assert refused["prefixserve:kv_tier_down_events_total{tier=disk}"] == 0
         assert refused["prefixserve:kv_tier_full_events_total{tier=disk}"] == 1
         assert "KV tier disk is read-only (EROFS" in server.log
-        reset = httpx.post(server.url + "/reset_prefix_cache", timeout=30,
+        reset = HTTP.post(server.url + "/reset_prefix_cache", timeout=30,
                            headers={"Authorization": "Bearer admin"})
         assert reset.status_code == 200
         again = complete(server, prompts[0], max_tokens=2)
