@@ -58,9 +58,11 @@ def load_weights(folder: str, dtype: Any) -> Any:
     """The model :func:`save_weights` wrote, weights tied again."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = AutoConfig.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # (buffers made here)
+    with no_init_weights():  # every weight is loaded below: no random values drawn first
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # (buffers made here)
     result = model.load_state_dict(load_file(os.path.join(folder, "weights.safetensors")),
                                    strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
