@@ -105,10 +105,10 @@ def main() -> None:
               f"| {mib(rss['VmRSS'] - last)} |")
         last = rss["VmRSS"]
     print(f"\nweights {mib(parts['weights'])} MiB, KV pool {mib(parts['kv'])} MiB: "
-          f"{mib(held)} MiB held")
+          f"{mib(held)} MiB held (the pool's pages are resident only once blocks are written: "
+          f"prefixserve/model/kv_pool.py)")
     print(f"served and idle: RSS {mib(served['VmRSS'])} MiB (anon {mib(served['RssAnon'])}, "
-          f"file {mib(served['RssFile'])}) = {served['VmRSS'] / held:.2f}x weights + KV; "
-          f"the rest {mib(served['VmRSS'] - held)} MiB")
+          f"file {mib(served['RssFile'])}) = {served['VmRSS'] / held:.2f}x weights + KV")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from prefixserve.model.attention import prompt as prompt_attention
 from prefixserve.model.attention.paged import AttentionMetadata, TableRows, build_metadata
 from prefixserve.model.attention.window import build_window_metadata
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
+from prefixserve.model.kv_pool import zeroed_pool
 from prefixserve.model.weights.dtypes import cpu_has_amx
 
 MIN_SPLIT_CONTEXT = 1024
@@ -145,17 +146,9 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.layout = kv_layout(config)
-        self.kv_cache = torch.zeros(
-            (
-                self.layout.group_size,
-                2,
-                num_blocks * block_size,
-                config.num_key_value_heads,
-                config.head_dim,
-            ),
-            dtype=kv_dtype,
-            device=self.device,
-        )
+        self.kv_cache = zeroed_pool(
+            (self.layout.group_size, 2, num_blocks * block_size, config.num_key_value_heads,
+             config.head_dim), kv_dtype, self.device)
         self.block_tables = [BlockTables(num_blocks, self.device) for _ in self.layout.groups]
         self.lora: LoRAModel | None = None
         """The adapter slots of the model (``install_lora``), or None without LoRA."""

@@ -1,0 +1,51 @@
+"""The KV pool's memory (``prefixserve/model/kv_pool.py``): zeros, aligned, and resident only
+where blocks are written, so that start-up clears nothing and an idle server holds no pool."""
+
+from __future__ import annotations
+
+import torch
+from model_helpers import dense_model, tiny_config
+
+from prefixserve.model.kv_pool import zeroed_pool
+from prefixserve.model.runner import ModelRunner, SeqBatchInput
+
+MIB = 2**20
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / MIB
+
+
+def test_a_cpu_pool_reads_zero_and_is_resident_only_where_written() -> None:
+    """256 MiB of bfloat16: made without touching a page (torch.zeros makes all 256 resident),
+    64-byte aligned like torch's own tensors, zero wherever read, and a written block costs
+    its pages only."""
+    shape = (2, 2, 16 * 1024, 8, 256)
+    before = resident_mib()
+    pool = zeroed_pool(shape, torch.bfloat16, torch.device("cpu"))
+    assert resident_mib() - before < 8
+    assert pool.shape == shape and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert pool.data_ptr() % 64 == 0
+    assert not pool[1, 1, -16:].any() and not pool[0, 0, :16].any()
+    pool[0, 0, :16] = 1.5
+    assert float(pool[0, 0, :16].float().mean()) == 1.5 and not pool[0, 0, 16:32].any()
+    assert resident_mib() - before < 16
+
+
+def test_the_runner_allocates_its_kv_cache_untouched() -> None:
+    """A runner with a 192 MiB float32 pool on a tiny model: its start leaves the pool out of
+    the resident set, and a prompt then computes as usual into its blocks."""
+    config = tiny_config()
+    model = dense_model(config)
+    block_size = 16
+    per_block = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim \
+        * 4 * block_size  # K and V of every layer, float32
+    num_blocks = 192 * MIB // per_block
+    before = resident_mib()
+    runner = ModelRunner(config, model, num_blocks, block_size, torch.float32, "cpu")
+    assert runner.kv_cache.numel() * 4 >= 190 * MIB
+    assert resident_mib() - before < 32
+    out = runner.execute([SeqBatchInput(list(range(1, 40)), 0, [0, 1, 2])])
+    assert out.logits.shape[-1] == config.vocab_size
+    assert runner.kv_cache[:, :, :39].abs().sum() > 0 and not runner.kv_cache[:, :, 48:].any()
