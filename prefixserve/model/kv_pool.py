@@ -10,10 +10,13 @@ fills. The values are the same zeros either way. Other devices keep ``torch.zero
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 ALIGNMENT = 64
 """Bytes the pool's first element is aligned to, as torch's own CPU allocator aligns (glibc
@@ -26,6 +29,29 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)
+    available = _available_bytes()
+    if available is not None and nbytes > available:
+        logger.warning("the KV pool (%d MiB) is larger than the memory available now (%d MiB): "
+                       "the process may run out of memory as its blocks fill; a smaller "
+                       "--kv-cache-memory or --num-blocks avoids it", nbytes >> 20,
+                       available >> 20)
+    try:
+        raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)
+    except MemoryError as exc:
+        raise ValueError(f"the KV pool ({nbytes >> 20} MiB) cannot be allocated: the system "
+                         "refuses that much memory; use a smaller --kv-cache-memory or "
+                         "--num-blocks") from exc
     skip = -raw.ctypes.data % ALIGNMENT
     return torch.from_numpy(raw[skip:skip + nbytes]).view(dtype).view(shape)
+
+
+def _available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

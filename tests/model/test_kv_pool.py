@@ -3,9 +3,13 @@ where blocks are written, so that start-up clears nothing and an idle server hol
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 from model_helpers import dense_model, tiny_config
 
+from prefixserve.model import kv_pool
 from prefixserve.model.kv_pool import zeroed_pool
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 
@@ -49,3 +53,25 @@ def test_the_runner_allocates_its_kv_cache_untouched() -> None:
     out = runner.execute([SeqBatchInput(list(range(1, 40)), 0, [0, 1, 2])])
     assert out.logits.shape[-1] == config.vocab_size
     assert runner.kv_cache[:, :, :39].abs().sum() > 0 and not runner.kv_cache[:, :, 48:].any()
+
+
+def test_a_pool_the_system_refuses_is_a_clear_error_naming_the_flags() -> None:
+    """256 TiB, past any x86-64 process's address space: refused at start, by name."""
+    with pytest.raises(ValueError, match="--kv-cache-memory or --num-blocks"):
+        zeroed_pool((2**47,), torch.bfloat16, torch.device("cpu"))
+
+
+def test_a_pool_larger_than_the_memory_available_is_warned_of(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Its pages are taken only as blocks fill, so the server starts; the log says it may run
+    out of memory later (the machine's available memory stands in at 1 MiB)."""
+    monkeypatch.setattr(kv_pool, "_available_bytes", lambda: MIB)
+    with caplog.at_level(logging.WARNING, logger="prefixserve.model.kv_pool"):
+        pool = zeroed_pool((4 * MIB,), torch.uint8, torch.device("cpu"))
+    assert pool.numel() == 4 * MIB
+    assert "larger than the memory available now" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(kv_pool, "_available_bytes", lambda: 64 * MIB)
+    with caplog.at_level(logging.WARNING, logger="prefixserve.model.kv_pool"):
+        zeroed_pool((4 * MIB,), torch.uint8, torch.device("cpu"))
+    assert caplog.text == ""
