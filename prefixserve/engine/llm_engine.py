@@ -70,6 +70,7 @@ from prefixserve.model.text.tokenizer import Tokenizer, load_tokenizer
 from prefixserve.model.vision.image import DecodedImage
 from prefixserve.model.vision.loader import load_vision_model
 from prefixserve.model.weights.dtypes import resolve_dtype, resolve_kv_cache_dtype
+from prefixserve.model.weights.gguf_file import GGUFFile
 from prefixserve.model.weights.loader import load_model
 from prefixserve.outputs import RequestOutput
 from prefixserve.sampling_params import SamplingParams
@@ -139,9 +140,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.tokenizer: Tokenizer = load_tokenizer(config.model)
+        path = resolve_model_path(config.model)
+        gguf = GGUFFile(path) if path.endswith(".gguf") else None  # parsed once for both
+        self.tokenizer: Tokenizer = load_tokenizer(config.model, gguf)
         self.model_config, model = load_model(config.model, self.dtype, config.device,
-                                                config.weights)
+                                                config.weights, gguf)
         self.images = ImageInputs(load_vision_model(config.model, self.dtype, config.device),
                                   config.limit_mm_per_prompt, config.encoder_cache_size,
                                   config.device)

@@ -85,8 +85,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     weights: str = "auto",
+    gguf: GGUFFile | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
-    """Load ``model`` (a ``.gguf`` path, an HF directory, or None for the default model).
+    """Load ``model`` (a ``.gguf`` path, an HF directory, or None for the default model;
+    ``gguf``: its GGUF file already opened).
 
     Returns the config and a :class:`CausalLM` in eval mode with activations in ``dtype`` on
     ``device`` and matmul weights held as ``weights`` says (see the module docstring). Raises
@@ -98,7 +100,8 @@ def load_model(
     device = torch.device(device)
     packing = _packing_mode(weights, device)
     if path.endswith(".gguf"):
-        config, state, freq_factors = _gguf_state(path, dtype, device, packing)
+        config, state, freq_factors = _gguf_state(gguf or GGUFFile(path), dtype, device,
+                                                  packing)
     else:
         config, state = _hf_state(path, dtype, device, packing)
         freq_factors = None
@@ -416,9 +419,8 @@ def _page_releaser(gguf: GGUFFile, used: set[str]) -> Callable[[dict[str, Weight
 
 
 def _gguf_state(
-    path: str, dtype: torch.dtype, device: torch.device, packing: str | None
+    gguf: GGUFFile, dtype: torch.dtype, device: torch.device, packing: str | None
 ) -> tuple[ModelConfig, dict[str, Weight], torch.Tensor | None]:
-    gguf = GGUFFile(path)
     available = set(gguf.tensors)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, available)
     gguf.release(0, gguf.data_start)  # the header: parsed
@@ -455,7 +457,7 @@ def _gguf_state(
     for type_name, count in sorted(requantized.items()):
         logger.info("%d %s tensors requantized (%s)", count, type_name, why)
     freq_factors = read("rope_freqs.weight") if "rope_freqs.weight" in available else None
-    _check_all_used(available, used, {"rope_freqs.weight"}, path)
+    _check_all_used(available, used, {"rope_freqs.weight"}, gguf.path)
     return config, state, freq_factors
 
 
