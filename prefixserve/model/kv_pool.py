@@ -1,7 +1,7 @@
 """The KV pool's memory: zeros that cost neither time nor memory until a block is written.
 
-``torch.zeros`` clears every byte of the pool at start-up (about 0.3 s of one core for the
-default 1 GiB pool here) and so makes all of it resident at once, used or not. On the CPU the
+``torch.zeros`` clears every byte of the pool at start-up (about half a second of one core for
+the default 1 GiB pool here) and so makes all of it resident at once, used or not. On the CPU the
 pool is taken instead from ``calloc`` (numpy's zeros): an allocation of this size is a fresh
 anonymous mapping, whose pages the kernel hands out already zeroed on their first write, so the
 server starts without clearing anything and its resident memory grows with the blocks it
