@@ -2,10 +2,12 @@
 
 ``torch.zeros`` clears every byte of the pool at start-up (about half a second of one core for
 the default 1 GiB pool here) and so makes all of it resident at once, used or not. On the CPU the
-pool is taken instead from ``calloc`` (numpy's zeros): an allocation of this size is a fresh
-anonymous mapping, whose pages the kernel hands out already zeroed on their first write, so the
-server starts without clearing anything and its resident memory grows with the blocks it
-fills. The values are the same zeros either way. Other devices keep ``torch.zeros``.
+pool is taken instead from ``calloc`` (numpy's zeros): an allocation over 32 MiB (glibc's
+largest heap threshold, which ``engine/host_allocator.py`` sets) is a fresh anonymous mapping,
+whose pages the kernel hands out already zeroed on their first write, so the server starts
+without clearing anything and its resident memory grows with the blocks it fills. A smaller
+pool may come from the heap, where calloc clears it. The values are the same zeros either way.
+Other devices keep ``torch.zeros``.
 """
 
 from __future__ import annotations
