@@ -490,3 +490,23 @@ def test_a_request_on_a_prefix_being_prefilled_waits_for_it_and_answers_as_alone
         assert [outputs["first"], outputs["second"]] == alone
         assert_idle(llm)
     assert cached_counts[0] == 512 and cached_counts[1] < 512 - 128, cached_counts
+
+
+def test_the_model_file_is_parsed_once_for_the_tokenizer_and_the_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine opens the GGUF file once and hands it to both loaders (parsing a vocabulary
+    twice cost a quarter of a second a start for Gemma 3), and the tokenizer so built works."""
+    from prefixserve.model.weights.gguf_file import GGUFFile
+
+    opened: list[str] = []
+    original = GGUFFile.__init__
+
+    def counting(self: GGUFFile, path: str) -> None:
+        opened.append(path)
+        original(self, path)
+
+    monkeypatch.setattr(GGUFFile, "__init__", counting)
+    llm = LLM(num_blocks=16, block_size=16, dtype="float32")
+    assert len(opened) == 1 and opened[0].endswith(".gguf")
+    assert llm.get_tokenizer().decode(llm.get_tokenizer().encode("Hello there")).strip() \
+        == "Hello there"
