@@ -615,20 +615,23 @@ def test_quant_linear_input_layouts_and_bias(lib) -> None:
     assert layer(torch.empty(0, COLS)).shape == (0, ROWS)
 
 
-@pytest.mark.parametrize("build", ("portable", "avx2"))
+@pytest.mark.parametrize("build", ("portable", "avx2", "avx512-no-vnni"))
 def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
     """quant.c built for another ISA than the native one gives the same products within the
     same bounds, and the same bfloat16 expansion: ``portable`` without ``-march=native`` (no
     AVX2/F16C: the scalar code and the software fp16 decode), ``avx2`` native without AVX-512
-    (the AVX2 kernels, which an AVX-512 machine's own build leaves out; skipped elsewhere)."""
+    (the AVX2 kernels, which an AVX-512 machine's own build leaves out; skipped elsewhere),
+    ``avx512-no-vnni`` native without AVX512-VNNI (the byte products' pairs summed in 16 bits
+    first, as on CPUs before Cascade Lake; skipped without AVX-512)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
     x86 = platform.machine() in ("x86_64", "AMD64")
-    if build == "avx2" and not has_avx512_and_avx2():
+    if build != "portable" and not has_avx512_and_avx2():
         pytest.skip("the native build is the AVX2 one, or there is none")
     flags = {"portable": ["-mno-avx2", "-mno-f16c"] if x86 else [],
-             "avx2": ["-march=native", *AVX2_BUILD]}[build]
+             "avx2": ["-march=native", *AVX2_BUILD],
+             "avx512-no-vnni": ["-march=native", "-mno-avx512vnni"]}[build]
     target = tmp_path / f"{build}.so"
     subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-fopenmp", "-std=c11", *flags,
                     str(quant_kernels._SOURCE), "-o", str(target), "-lm"],

@@ -194,7 +194,9 @@ typedef struct {
     int16_t *xq; /* 16-bit integers per block, or bfloat16 bits when bf16 is set */
     float *xd, *xs, *dT, *sT;
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
-    int bf16, amx;
+    uint8_t *xb;  /* a one-row step's activations split into bytes: SPLIT_Q4 (split_q16) in
+                     [0, 2 K), then split_k's where K is a multiple of 256 */
+    int bf16, amx, split; /* split: whether xb holds the last rounded row (512-bit builds) */
 } Quantized;
 
 /* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch or the AMX
@@ -224,6 +226,14 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     int64_t nb = K / QK;
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
+    q->split = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (b0 == 0 && n == 1) { /* a step of one row: the 4-bit one-row kernels take bytes */
+        split_q16(q->xq, K, SPLIT_Q4, q->xb);
+        if (K % QK_K == 0) split_k(q->xq, K, q->xb + 2 * K);
+        q->split = 1;
+    }
+#endif
 }
 
 /* y [B, N] (row stride ldy) = x [B, K] W^T (+ bias), W packed in format fmt, x as
@@ -239,7 +249,8 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
         for (int64_t n = 0; n < N; n += 4) {
             int64_t end = n + 4 < N ? n + 4 : N;
             if (B == 1) {
-                kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->xd, q->xs, y);
+                kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->split ? q->xb + 2 * K : NULL,
+                            q->xd, q->xs, y);
             } else {
                 kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, ldy);
             }
@@ -254,7 +265,8 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
     if (B == 1 && rows_fast_fits(N)) {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += ROWS) {
-            rows_fast(W, (int)fmt, row_bytes, n, q->xq, q->xd, q->xs, nb, y);
+            rows_fast(W, (int)fmt, row_bytes, n, q->xq, q->split ? q->xb : NULL, q->xd, q->xs,
+                      nb, y);
             for (int r = 0; bias && r < ROWS; r++) y[n + r] += bias[n + r];
         }
         return;
@@ -1318,7 +1330,8 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
                      + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows;
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
-                    + B * widest * (int64_t)sizeof(int16_t) + 64;
+                    + B * widest * (int64_t)sizeof(int16_t) + 2 * widest
+                    + SPLIT_K_BYTES(widest) + 128;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;
     sc->base = p;
@@ -1341,6 +1354,8 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->low = f; f += B * m->lora_max_rows;
     sc->q.xv = (uint32_t *)f; f += words;
     sc->q.xq = (int16_t *)f;
+    sc->q.xb = (uint8_t *)(((uintptr_t)(sc->q.xq + B * widest) + 63) & ~(uintptr_t)63);
+    sc->q.split = 0;
     return 0;
 }
 

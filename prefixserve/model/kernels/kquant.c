@@ -313,7 +313,8 @@ static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *
 
 
 /* The factors of one super-block of four Q4_K rows (row_bytes apart; after prefetching ahead
- * of them): t[r] lanes 0-7 d * sc_j, lanes 8-15 dmin * m_j of row r. The four 16-byte headers
+ * of them: three lines a row, a Q4_K or Q5_K super-block's 144 or 176 bytes): t[r] lanes 0-7
+ * d * sc_j, lanes 8-15 dmin * m_j of row r. The four 16-byte headers
  * share one vector, a row per 128-bit lane, so the 6-bit scales unpack for all four at once:
  * per lane the dwords d|dmin, a (bytes 0-3 of the scales), b (4-7), c (8-11) become sc_j for
  * j < 4 (a & 63), j >= 4 ((c & 15) | (a >> 6) << 4), and the same for m_j from b and c >> 4. */
@@ -323,8 +324,9 @@ static inline void kq4_factors4(const uint8_t *w, int64_t row_bytes, __m512 *t) 
         v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(w + r * row_bytes)), r);
     }
     for (int r = 0; r < 4; r++) {
-        _mm_prefetch((const char *)(w + r * row_bytes + ROW_PREFETCH), ROW_PREFETCH_HINT);
-        _mm_prefetch((const char *)(w + r * row_bytes + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
+        _mm_prefetch((const char *)(w + r * row_bytes + WIDE_PREFETCH), ROW_PREFETCH_HINT);
+        _mm_prefetch((const char *)(w + r * row_bytes + WIDE_PREFETCH + 64), ROW_PREFETCH_HINT);
+        _mm_prefetch((const char *)(w + r * row_bytes + WIDE_PREFETCH + 128), ROW_PREFETCH_HINT);
     }
     __m512i ab = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0xa5); /* dwords a, a, b, b */
     __m512i cc = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)0xff); /* c, c, c, c */
@@ -337,51 +339,78 @@ static inline void kq4_factors4(const uint8_t *w, int64_t row_bytes, __m512 *t) 
     __m512i scales = _mm512_mask_blend_epi32((__mmask16)0xaaaa, low6, _mm512_or_si512(nib, top2));
     const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                             2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m128i lanes[4] = {_mm512_castsi512_si128(scales), _mm512_extracti32x4_epi32(scales, 1),
+                              _mm512_extracti32x4_epi32(scales, 2),
+                              _mm512_extracti32x4_epi32(scales, 3)};
     for (int r = 0; r < 4; r++) {
         uint32_t dm;
         memcpy(&dm, w + r * row_bytes, 4);
-        __m128i lane = r == 0 ? _mm512_castsi512_si128(scales)
-                              : _mm512_extracti32x4_epi32(scales, r);
+        __m128i lane = lanes[r];
         __m512 dmf = _mm512_cvtph_ps(_mm256_shuffle_epi8(_mm256_set1_epi32((int)dm), spread));
         t[r] = _mm512_mul_ps(dmf, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane)));
     }
 }
 
-/* Outputs y[0 .. 4) of four Q4_K rows (row_bytes apart) for one activation row: the products of
- * kq4_row_wide, each pair of sub-blocks' activations loaded once for the four rows, two
- * accumulators a row (even and odd sub-blocks; the four rows' chains are independent). The
- * factors come from kq4_factors4 (the four headers unpacked together, in about a quarter of
- * the instructions of four kq4_factors) times the activations' xd (lanes 0-7: the units) and
- * xs (lanes 8-15: the mins' terms, summed in the upper half of mins), in kq4_factors' order
- * of operations, so the sums are bit for bit those of kq4_row_wide's factors. */
-static void kq4_rows4_wide(const uint8_t *w, int64_t row_bytes, const int16_t *xq,
-                           const float *xd, const float *xs, int64_t supers, float *y) {
+/* Outputs y[0 .. 4) of four Q4_K (five = 0) or Q5_K rows (row_bytes apart) for one activation row, from the
+ * activations split into bytes (split_q16, SPLIT_K4: low bytes at xb, high bytes at xb + K):
+ * each 64-byte load of a row's nibbles holds sub-blocks 0 and 2 (low nibbles) and 1 and 3
+ * (high nibbles) of a half super-block; their sums with the high bytes (vpdpbusd), shifted
+ * left by 8 bits, take the sums with the low bytes, the 16-bit products exactly. Lanes 0-7
+ * then hold one sub-block's sums and lanes 8-15 the other's, so one conversion and one
+ * multiply-add by their two factors (one permute) serve 64 weights. The factors come from
+ * kq4_factors4 (the four headers unpacked together) times the activations' xd (lanes 0-7)
+ * and xs (lanes 8-15: the mins' terms, summed in the upper half of mins), in kq4_factors'
+ * order of operations. Each activation vector is loaded once for the four rows. */
+static inline __attribute__((always_inline)) void kq45_rows4_split(
+    const uint8_t *w, int five, int64_t row_bytes, const uint8_t *xb, const float *xd,
+    const float *xs, int64_t supers, float *y) {
     __m512 acc[4][2], mins[4];
     for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = mins[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi16(0x0f);
+    const __m512i low = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    __m512i pick[4]; /* the factors of sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) */
+    __m512i bit[4];  /* Q5_K: the bit of qh of those sub-blocks, per half */
+    for (int c = 0; c < 4; c++) {
+        int j = c / 2 * 4 + c % 2;
+        __m512i first = _mm512_set1_epi32(j);
+        pick[c] = _mm512_mask_add_epi32(first, (__mmask16)0xff00, first, _mm512_set1_epi32(2));
+        bit[c] = _mm512_mask_blend_epi8((__mmask64)0xffffffff00000000ull,
+                                        _mm512_set1_epi8((char)(1 << j)),
+                                        _mm512_set1_epi8((char)(1 << (j + 2))));
+    }
+    int64_t bytes = five ? Q5_K_BYTES : Q4_K_BYTES, at = five ? 48 : 16;
+    const uint8_t *xl = xb, *xh = xb + supers * QK_K;
     for (int64_t s = 0; s < supers; s++) {
-        float unit[4][8];
-        const uint8_t *blk = w + s * Q4_K_BYTES;
+        const uint8_t *blk = w + s * bytes;
         __m512 both_scales = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(xd + s * 8)),
                                                 _mm256_loadu_ps(xs + s * 8), 1);
         __m512 t[4];
         kq4_factors4(blk, row_bytes, t);
-        for (int r = 0; r < 4; r++) {
-            _mm256_storeu_ps(unit[r], _mm512_castps512_ps256(_mm512_mul_ps(t[r], both_scales)));
-            mins[r] = _mm512_fmadd_ps(t[r], both_scales, mins[r]);
+        __m512i l[4], h[4];
+        for (int c = 0; c < 4; c++) {
+            l[c] = _mm512_loadu_si512(xl + s * QK_K + 64 * c);
+            h[c] = _mm512_loadu_si512(xh + s * QK_K + 64 * c);
         }
-        const int16_t *a = xq + s * QK_K;
-        for (int i = 0; i < 4; i++) {
-            __m512i a_lo = _mm512_loadu_si512(a + 64 * i), a_hi = _mm512_loadu_si512(a + 64 * i + 32);
-            for (int r = 0; r < 4; r++) {
-                __m512i both = _mm512_cvtepu8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(blk + r * row_bytes + 16 + 32 * i)));
-                __m512i p0 = DPWSSD(_mm512_setzero_si512(), _mm512_and_si512(both, low), a_lo);
-                __m512i p1 = DPWSSD(_mm512_setzero_si512(), _mm512_srli_epi16(both, 4), a_hi);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_set1_ps(unit[r][2 * i]),
-                                            acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1),
-                                            _mm512_set1_ps(unit[r][2 * i + 1]), acc[r][1]);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *row = blk + r * row_bytes;
+            __m512i qh = _mm512_setzero_si512();
+            if (five) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16)));
+            __m512 units = _mm512_mul_ps(t[r], both_scales);
+            mins[r] = _mm512_fmadd_ps(t[r], both_scales, mins[r]);
+            for (int k = 0; k < 2; k++) {
+                __m512i v = _mm512_loadu_si512(row + at + 64 * k);
+                __m512i q[2] = {_mm512_and_si512(v, low),
+                                _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+                for (int j = 0; j < 2; j++) {
+                    int c = 2 * k + j;
+                    if (five) {
+                        q[j] = _mm512_mask_add_epi8(q[j], _mm512_test_epi8_mask(qh, bit[c]), q[j],
+                                                    bit4);
+                    }
+                    __m512i p = DPBUSD(_mm512_setzero_si512(), q[j], h[c]);
+                    p = DPBUSD(_mm512_slli_epi32(p, 8), l[c], q[j]);
+                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                                _mm512_permutexvar_ps(pick[c], units), acc[r][j]);
+                }
             }
         }
     }
@@ -389,6 +418,28 @@ static void kq4_rows4_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
         y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]))
                - hsum(_mm512_extractf32x8_ps(mins[r], 1));
     }
+}
+
+static void kq4_rows4_wide(const uint8_t *w, int64_t row_bytes, const uint8_t *xb,
+                           const float *xd, const float *xs, int64_t supers, float *y) {
+    kq45_rows4_split(w, 0, row_bytes, xb, xd, xs, supers, y);
+}
+
+/* As kq4_rows4_wide for four Q5_K rows: each sub-block's fifth bits (qh, in both halves of a
+ * vector) tested per byte and added as 16. */
+static void kq5_rows4_wide(const uint8_t *w, int64_t row_bytes, const uint8_t *xb,
+                           const float *xd, const float *xs, int64_t supers, float *y) {
+    kq45_rows4_split(w, 1, row_bytes, xb, xd, xs, supers, y);
+}
+
+/* The 16 factors d * scale_g * xd of one Q6_K super-block (lane g: the scale of weights 16 g
+ * to 16 g + 15), after prefetching `ahead` bytes past it. */
+static inline __m512 kq6_units(const uint8_t *w, const float *xd, int64_t ahead) {
+    for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(w + ahead + 64 * k), ROW_PREFETCH_HINT);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    __m512 scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192))));
+    __m512 xdv = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(xd)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(fp16_to_float(w + 208)), scale), xdv);
 }
 
 /* One output of a Q6_K row for one activation row: per 32 weights, q - 32 (16-bit) times the
@@ -401,19 +452,13 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
     for (int t = 0; t < 4; t++) acc[t] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi16(0x0f), top = _mm512_set1_epi16(0x30);
     const __m512i bias = _mm512_set1_epi16(32);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     __m512i pick[8]; /* scale pair g = 4 h + t: lanes 0-7 take unit 2 g, lanes 8-15 2 g + 1 */
     for (int g = 0; g < 8; g++) {
         pick[g] = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                    _mm512_set1_epi32(2 * g));
     }
     for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
-        for (int k = 0; k < 4; k++) {
-            _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
-        }
-        __m512 scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192))));
-        __m512 xdv = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s * 8)));
-        __m512 units = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(fp16_to_float(w + 208)), scale), xdv);
+        __m512 units = kq6_units(w, xd + s * 8, ROW_PREFETCH);
         const int16_t *a = xq + s * QK_K;
         for (int h = 0; h < 2; h++) {
             __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
@@ -435,6 +480,53 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
     }
     acc[0] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
     return _mm512_reduce_add_ps(acc[0]);
+}
+/* kq6_row_wide from the activations split into bytes (split_q16, SPLIT_PLAIN: low bytes at
+ * xb, high bytes at xb + K, then the float sums of each 16 activations, s16): a half
+ * super-block's 64 bytes ql and its 32 bytes qh (in both halves of a vector) give two vectors
+ * of 64 weights q + 32 in element order (the nibbles, and each byte's two bits of qh moved to
+ * bits 4 and 5 by a shift per half), multiplied as unsigned bytes; the 32 of q - 32 comes off
+ * at the end, 32 times the sums s16 by the same factors. Lanes 4 j to 4 j + 3 hold the sums
+ * of one scale's 16 weights, so one conversion and one multiply-add (one permute of the
+ * super-block's 16 factors) serve 64 weights. */
+static float kq6_row_split(const uint8_t *w, const uint8_t *xb, const float *xd,
+                           int64_t supers) {
+    int64_t K = supers * QK_K;
+    const uint8_t *xl = xb, *xh = xb + K;
+    const float *s16 = (const float *)(xb + 2 * K);
+    __m512 acc[4], bias = _mm512_setzero_ps();
+    for (int c = 0; c < 4; c++) acc[c] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    /* qh bits 0-1 (first half) and 2-3 (second) to bits 4-5; bits 4-5 and 6-7 likewise */
+    const __m512i up = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+    const __m512i down = _mm512_mask_blend_epi16(0xffff0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    __m512i pick[4]; /* elements 64 c .. 64 c + 63: scales 4 c .. 4 c + 3, four lanes each */
+    for (int c = 0; c < 4; c++) {
+        pick[c] = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                   _mm512_set1_epi32(4 * c));
+    }
+    for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
+        __m512 units = kq6_units(w, xd + s * 8, WIDE_PREFETCH);
+        bias = _mm512_fmadd_ps(units, _mm512_loadu_ps(s16 + s * 16), bias);
+        for (int h = 0; h < 2; h++) {
+            __m512i ql = _mm512_loadu_si512(w + 64 * h);
+            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+            __m512i q[2] = {
+                _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_and_si512(_mm512_sllv_epi16(qh, up), top)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                _mm512_and_si512(_mm512_srlv_epi16(qh, down), top))};
+            for (int j = 0; j < 2; j++) {
+                int c = 2 * h + j;
+                int64_t e = s * QK_K + 64 * c;
+                __m512i p = DPBUSD(_mm512_setzero_si512(), q[j], _mm512_loadu_si512(xh + e));
+                p = DPBUSD(_mm512_slli_epi32(p, 8), _mm512_loadu_si512(xl + e), q[j]);
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                         _mm512_permutexvar_ps(pick[c], units), acc[c]);
+            }
+        }
+    }
+    acc[0] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    return _mm512_reduce_add_ps(acc[0]) - 32.0f * _mm512_reduce_add_ps(bias);
 }
 #elif defined(__AVX2__)
 /* As kq45_row_wide at 256 bits: per sub-block, two 16-element halves of 16-bit products. */
@@ -526,15 +618,31 @@ static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
 #endif
 
 /* Outputs y[n0 .. n1) of a one-row product (y indexed by output), the fastest way the build
- * has: four Q4_K rows through kq4_rows4_wide (512 bits), else kq4_row_wide / kq5_row_wide /
+ * has: four Q4_K or Q5_K rows through kq4_rows4_wide / kq5_rows4_wide and Q6_K rows through
+ * kq6_row_split (512 bits;
+ * xb the activations split by split_k, or NULL), else kq4_row_wide / kq5_row_wide /
  * kq6_row_wide at 512 or 256 bits (sums in another order than kq_rows), else kq_rows. */
 static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
-                        const int16_t *xq, const float *xd, const float *xs, float *y) {
+                        const int16_t *xq, const uint8_t *xb, const float *xd, const float *xs,
+                        float *y) {
+    (void)xb;
 #ifdef __AVX2__
     int64_t row_bytes = fmt_row_bytes(fmt, K);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (fmt == FMT_Q4_K && n1 - n0 == 4) {
-        kq4_rows4_wide(W + n0 * row_bytes, row_bytes, xq, xd, xs, K / QK_K, y + n0);
+    if (fmt == FMT_Q4_K && n1 - n0 == 4 && xb) {
+        kq4_rows4_wide(W + n0 * row_bytes, row_bytes, xb, xd, xs, K / QK_K, y + n0);
+        return;
+    }
+    if (fmt == FMT_Q5_K && n1 - n0 == 4 && xb) {
+        kq5_rows4_wide(W + n0 * row_bytes, row_bytes, xb, xd, xs, K / QK_K, y + n0);
+        return;
+    }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (fmt == FMT_Q6_K && xb) {
+        for (int64_t n = n0; n < n1; n++) {
+            y[n] = kq6_row_split(W + n * row_bytes, xb + 2 * K, xd, K / QK_K);
+        }
         return;
     }
 #endif

@@ -37,6 +37,8 @@
 #include <omp.h>
 
 #define QK 32
+/* Bytes split_k writes for a row of K activations (512-bit builds). */
+#define SPLIT_K_BYTES(K) (4 * (K) + (K) / 4)
 #define Q4_1_BYTES 20
 #define Q4_0_BYTES 18
 #define Q8_0_BYTES 34
@@ -421,6 +423,12 @@ static void tile_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *
 #ifndef ROW_PREFETCH_HINT
 #define ROW_PREFETCH_HINT _MM_HINT_T1
 #endif
+/* The byte-split 512-bit kernels (rows_q4_wide, rows_q8_0_wide, kq4_rows4_wide,
+ * kq5_rows4_wide, kq6_row_split) ask 16 KB ahead: on the AMX Xeon a 1B-shape Q4_K_M model
+ * decoded 1.07x as fast as at 8 KB (median of 30 alternating rounds). */
+#ifndef WIDE_PREFETCH
+#define WIDE_PREFETCH 16384
+#endif
 /* v with its 16-bit lane r (0-3) set to x; r is a constant once the caller's loop unrolls. */
 static inline __m128i insert16(__m128i v, uint16_t x, int r) {
     switch (r) {
@@ -520,15 +528,15 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
  * The one-row product at 512 bits (decode steps of one sequence): outputs y[0 .. ROWS) of
  * ROWS weight rows (row_bytes apart) for one 16-bit activation row, K a multiple of 64.
  *
- * Two blocks of a row share one vector: the 32 nibble bytes of blocks b and b + 1 widen to 32
- * int16, whose low nibbles are elements 0-15 of both blocks and high nibbles elements 16-31;
- * the activations of the pair are regrouped the same way once for all ROWS rows. A multiply-add
- * of 16-bit pairs (vpdpwssd where the CPU has AVX512-VNNI) leaves block b's sums in lanes 0-7
- * and block b + 1's in lanes 8-15, so one conversion and one multiply-add by the pair's scales
- * serve two blocks. The scales of 16 blocks come in one gather (fp16 d, and for Q4_1 the offset
- * m in the same 32 bits; a whole group of Q4_0 blocks by two word permutes, q4_0_scales16),
- * converted and multiplied by the activation scales at once; each pair then takes its two from
- * them with one permute. Q8_0 blocks are one vector each.
+ * The 4-bit formats multiply bytes, not 16-bit words: each 16-bit activation x is split once
+ * per product into its high byte (signed) and low byte (unsigned), x = 256 high + low
+ * (split_q16), so that a 4-bit weight meets 64 activations per instruction (vpdpbusd) with no
+ * widening, and the integer sums are the 16-bit products' exactly (rows_q4_wide). The scales
+ * of 16 blocks come in one gather (fp16 d, and for Q4_1 the offset m in the same 32 bits; a
+ * whole group of Q4_0 blocks by two word permutes, q4_0_scales16), converted and multiplied by
+ * the activation scales at once; each group of blocks then takes its own from them with one
+ * permute. Q8_0 blocks are one vector of 16-bit words each (vpdpwssd where the CPU has
+ * AVX512-VNNI).
  *
  * The sums run in another order than tile_q16's, so a row's result differs from it in the last
  * bits: only the row-dependent entry points use this (team_linear's one-row step and
@@ -540,9 +548,63 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
 #else
 #define DPWSSD(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #endif
+/* acc plus the sums of four products of unsigned bytes a and signed bytes b per 32-bit lane.
+ * Without AVX512-VNNI, pairs are first summed into 16 bits with saturation, exact only where
+ * no pair exceeds 32767: here one factor is a weight of at most 6 bits (63) and the other a
+ * byte (at most 255 unsigned, 128 signed), so a pair stays within 32,130. */
+#ifdef __AVX512VNNI__
+#define DPBUSD(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
+#else
+#define DPBUSD(acc, a, b)                                                                      \
+    _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)))
+#endif
 
 /* The fp16 scales of 16 Q4_0 blocks (18 bytes apart from w: words 0, 9, .. 135) by two word
  * permutes of four loads, in place of a gather: each permute picks 8 of 64 words. */
+/* Layouts of split_q16. SPLIT_Q4 (Q4_0, Q4_1): per group of four blocks (fewer at the end of a
+ * row), elements 0-15 of each block, then elements 16-31 of each. SPLIT_K4 (Q4_K): per
+ * super-block, the sub-blocks of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7 (a 64-byte load of
+ * nibbles holds sub-blocks 0 and 2 in its low nibbles, 1 and 3 in its high ones). */
+#define SPLIT_Q4 0
+#define SPLIT_K4 1
+#define SPLIT_PLAIN 2 /* Q6_K: in element order */
+
+/* One row of 16-bit activations xq [K] (K a multiple of 32; of 256 for SPLIT_K4) as its low
+ * bytes xb[0, K) (unsigned) and high bytes xb[K, 2 K) (signed), x = 256 high + low, each
+ * run of 16 moved where the layout puts it. */
+static void split_q16(const int16_t *xq, int64_t K, int layout, uint8_t *xb) {
+    static const int sub_at[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    const __m256i mask = _mm256_set1_epi16(0xff);
+    for (int64_t e = 0; e < K; e += 16) {
+        int64_t to;
+        if (layout == SPLIT_PLAIN) {
+            to = e;
+        } else if (layout == SPLIT_K4) {
+            to = e / (8 * QK) * (8 * QK) + sub_at[e % (8 * QK) / QK] * QK + e % QK;
+        } else {
+            int64_t b = e / QK, g = b / 4, c = K / QK - 4 * g < 4 ? K / QK - 4 * g : 4;
+            to = 4 * QK * g + 16 * c * (e % QK / 16) + 16 * (b % 4);
+        }
+        __m256i v = _mm256_loadu_si256((const __m256i *)(xq + e));
+        _mm_storeu_si128((__m128i *)(xb + to), _mm256_cvtepi16_epi8(_mm256_and_si256(v, mask)));
+        _mm_storeu_si128((__m128i *)(xb + K + to), _mm256_cvtepi16_epi8(_mm256_srai_epi16(v, 8)));
+    }
+}
+
+/* A row of K activations (K a multiple of 256) split for the K-quant one-row kernels: SPLIT_K4
+ * in xb[0, 2 K), SPLIT_PLAIN in xb[2 K, 4 K), then the sum of each 16 activations as a float
+ * (exact: at most 16 x 32767) at xb + 4 K. */
+static void split_k(const int16_t *xq, int64_t K, uint8_t *xb) {
+    split_q16(xq, K, SPLIT_K4, xb);
+    split_q16(xq, K, SPLIT_PLAIN, xb + 2 * K);
+    float *s16 = (float *)(xb + 4 * K);
+    for (int64_t g = 0; g < K / 16; g++) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += xq[16 * g + i];
+        s16[g] = (float)t;
+    }
+}
+
 static inline __m256i q4_0_scales16(const uint8_t *w) {
     static const uint16_t at[2][32] = {{0, 9, 18, 27, 36, 45, 54, 63},
                                        {0, 0, 0, 0, 0, 0, 0, 0, 0, 9, 18, 27, 36, 45, 54, 63}};
@@ -581,16 +643,52 @@ static inline __m512 group_scales(const uint8_t *w, int64_t bytes, int64_t b0, i
     return _mm512_mul_ps(d, _mm512_maskz_loadu_ps(mask, xd + b0));
 }
 
+/* The sums of c (4, or 2 at the end of a row) consecutive blocks of one 4-bit row (nibbles at
+ * blk, bytes apart) with one group of split activations (l: low bytes, h: high bytes, elements
+ * 0-15 of each block in [0], 16-31 in [1]): block j's in lanes 4 j to 4 j + 3. Block j's 16
+ * nibble bytes are 128-bit lane j of one vector (from two loads by one byte permute, gather,
+ * for four blocks); the sums with the high bytes (vpdpbusd: nibble times signed byte),
+ * shifted left by 8 bits, plus the sums with the low bytes (unsigned byte times nibble) are
+ * the 16-bit products exactly. */
+static inline __attribute__((always_inline)) __m512i q4_sums(const uint8_t *blk, int64_t bytes,
+                                                            int nib, int c, __m512i gather,
+                                                            const __m512i *l, const __m512i *h) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i v;
+    if (c == 4) {
+        v = _mm512_permutex2var_epi8(_mm512_loadu_si512(blk), gather,
+                                     _mm512_loadu_si512(blk + 4 * bytes - 64));
+    } else {
+        v = _mm512_zextsi256_si512(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + nib))),
+            _mm_loadu_si128((const __m128i *)(blk + bytes + nib)), 1));
+    }
+    __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    __m512i s = DPBUSD(DPBUSD(_mm512_setzero_si512(), q0, h[0]), q1, h[1]);
+    return DPBUSD(DPBUSD(_mm512_slli_epi32(s, 8), l[0], q0), l[1], q1);
+}
+
+/* As the vpdpwssd kernel it replaced, from the activations split into bytes (split_q16,
+ * SPLIT_Q4: per group of four blocks, elements 0-15 of each block, then elements 16-31, as
+ * low bytes at xb and high bytes at xb + K). Four blocks of a row share one vector (q4_sums),
+ * so one conversion and one multiply-add by the four blocks' scales (one permute of the
+ * group's, group_scales) serve 128 weights. */
 static inline __attribute__((always_inline)) void rows_q4_wide(const uint8_t *w, int fmt,
                                                                int64_t row_bytes,
-                                                               const int16_t *xq, const float *xd,
-                                                               const float *xs, int64_t nb,
-                                                               float *y) {
-    int64_t bytes = block_bytes(fmt);
+                                                               const uint8_t *xb,
+                                                               const float *xd, const float *xs,
+                                                               int64_t nb, float *y) {
+    int64_t bytes = block_bytes(fmt), K = nb * QK;
     int nib = nibbles_at(fmt);
+    const uint8_t *xl = xb, *xh = xb + K;
     __m512 acc[WIDE_ROWS], off[WIDE_ROWS];
     for (int r = 0; r < WIDE_ROWS; r++) acc[r] = off[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi16(0x0f);
+    uint8_t at[64]; /* byte o = 16 j + i of four blocks: the load at 0 or at 4 bytes - 64 */
+    for (int o = 0; o < 64; o++) {
+        int src = (int)(o / 16 * bytes) + nib + o % 16;
+        at[o] = (uint8_t)(src < 64 ? src : src - 4 * (int)bytes + 128);
+    }
+    const __m512i gather = _mm512_loadu_si512(at);
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         int n = nb - b0 < 16 ? (int)(nb - b0) : 16;
         __m512 scales[WIDE_ROWS];
@@ -598,21 +696,31 @@ static inline __attribute__((always_inline)) void rows_q4_wide(const uint8_t *w,
             scales[r] = group_scales(w + r * row_bytes, bytes, b0, n, xd, xs, fmt == FMT_Q4_0,
                                      &off[r]);
         }
-        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        for (int p = 0; p < n; p += 2, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2))) {
-            int64_t b = b0 + p;
-            __m512i x0 = _mm512_loadu_si512(xq + b * QK), x1 = _mm512_loadu_si512(xq + b * QK + QK);
-            __m512i a_lo = _mm512_shuffle_i64x2(x0, x1, 0x44), a_hi = _mm512_shuffle_i64x2(x0, x1, 0xee);
+        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        int p = 0;
+        for (; p + 4 <= n; p += 4, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(4))) {
+            int64_t e = (b0 + p) * QK;
+            __m512i l[2] = {_mm512_loadu_si512(xl + e), _mm512_loadu_si512(xl + e + 64)};
+            __m512i h[2] = {_mm512_loadu_si512(xh + e), _mm512_loadu_si512(xh + e + 64)};
             for (int r = 0; r < WIDE_ROWS; r++) {
-                const uint8_t *blk = w + r * row_bytes + b * bytes;
-                _mm_prefetch((const char *)(blk + ROW_PREFETCH), ROW_PREFETCH_HINT);
-                __m256i pair = _mm256_inserti128_si256(
-                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + nib))),
-                    _mm_loadu_si128((const __m128i *)(blk + bytes + nib)), 1);
-                __m512i both = _mm512_cvtepu8_epi16(pair);
-                __m512i sums = DPWSSD(_mm512_setzero_si512(), _mm512_and_si512(both, low), a_lo);
-                sums = DPWSSD(sums, _mm512_srli_epi16(both, 4), a_hi);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                const uint8_t *blk = w + r * row_bytes + (b0 + p) * bytes;
+                _mm_prefetch((const char *)(blk + WIDE_PREFETCH), ROW_PREFETCH_HINT);
+                _mm_prefetch((const char *)(blk + WIDE_PREFETCH + 64), ROW_PREFETCH_HINT);
+                __m512i s = q4_sums(blk, bytes, nib, 4, gather, l, h);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                         _mm512_permutexvar_ps(pick, scales[r]), acc[r]);
+            }
+        }
+        if (p < n) { /* two blocks left: half a group, lanes 8-15 zero */
+            int64_t e = (b0 + p) * QK;
+            __m512i l[2] = {_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xl + e))),
+                            _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xl + e + 32)))};
+            __m512i h[2] = {_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xh + e))),
+                            _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xh + e + 32)))};
+            for (int r = 0; r < WIDE_ROWS; r++) {
+                __m512i s = q4_sums(w + r * row_bytes + (b0 + p) * bytes, bytes, nib, 2, gather,
+                                    l, h);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
                                          _mm512_permutexvar_ps(pick, scales[r]), acc[r]);
             }
         }
@@ -636,7 +744,7 @@ static void rows_q8_0_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
             __m512i x = _mm512_loadu_si512(xq + b * QK);
             for (int r = 0; r < WIDE_ROWS; r++) {
                 const uint8_t *blk = w + r * row_bytes + b * Q8_0_BYTES;
-                _mm_prefetch((const char *)(blk + ROW_PREFETCH), ROW_PREFETCH_HINT);
+                _mm_prefetch((const char *)(blk + WIDE_PREFETCH), ROW_PREFETCH_HINT);
                 __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
                 __m512i sums = DPWSSD(_mm512_setzero_si512(), q, x);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
@@ -665,25 +773,46 @@ static inline int rows_fast_fits(int64_t N) {
  * kernels where K is a multiple of 64, whose sums run in another order, else rows_q16): for the
  * row-dependent products. */
 static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64_t n,
-                             const int16_t *xq, const float *xd, const float *xs, int64_t nb,
-                             float *y) {
+                             const int16_t *xq, const uint8_t *xb, const float *xd,
+                             const float *xs, int64_t nb, float *y) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (nb % 2 == 0 && fmt == FMT_Q4_1) {
-        rows_q4_wide(W + n * row_bytes, FMT_Q4_1, row_bytes, xq, xd, xs, nb, y + n);
+    if (xb && nb % 2 == 0 && fmt == FMT_Q4_1) {
+        rows_q4_wide(W + n * row_bytes, FMT_Q4_1, row_bytes, xb, xd, xs, nb, y + n);
         return;
     }
-    if (nb % 2 == 0 && fmt == FMT_Q4_0) {
-        rows_q4_wide(W + n * row_bytes, FMT_Q4_0, row_bytes, xq, xd, xs, nb, y + n);
+    if (xb && nb % 2 == 0 && fmt == FMT_Q4_0) {
+        rows_q4_wide(W + n * row_bytes, FMT_Q4_0, row_bytes, xb, xd, xs, nb, y + n);
         return;
     }
     if (fmt == FMT_Q8_0) {
         rows_q8_0_wide(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
         return;
     }
+#else
+    (void)xb;
 #endif
     rows_q16(W, fmt, row_bytes, n, xq, xd, xs, nb, y);
 }
 #endif
+
+/* The activation row xq [K] split into bytes for the one-row kernels of format fmt
+ * (split_q16; the caller frees it), or NULL where they take 16-bit words or the build has no
+ * 512-bit kernels (or no memory: the 16-bit kernels then run). */
+static uint8_t *split_row(const int16_t *xq, int64_t K, int fmt) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    int kquant = fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
+    if (!kquant && fmt != FMT_Q4_0 && fmt != FMT_Q4_1) return NULL;
+    uint8_t *xb = malloc((size_t)(kquant ? SPLIT_K_BYTES(K) : 2 * K));
+    if (xb && kquant) split_k(xq, K, xb);
+    if (xb && !kquant) split_q16(xq, K, SPLIT_Q4, xb);
+    return xb;
+#else
+    (void)xq;
+    (void)K;
+    (void)fmt;
+    return NULL;
+#endif
+}
 
 /* As gemm_quant, with activations from quantize_q16. */
 void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
@@ -852,10 +981,12 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
                         const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
     int64_t nb = K / QK, tiles = M / 8;
     if (is_kquant(fmt) && M == 1) {
+        uint8_t *xb = split_row(xq, K, fmt);
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
         for (int64_t n = 0; n < N; n += 4) {
-            kq_rows_one(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xd, xs, y);
+            kq_rows_one(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xb, xd, xs, y);
         }
+        free(xb);
         return;
     }
     if (is_kquant(fmt)) {
@@ -866,8 +997,12 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
     if (M == 1 && rows_fast_fits(N)) {
         int64_t row_bytes = nb * block_bytes(fmt);
         int parallel = N * K >= (1 << 17);
+        uint8_t *xb = split_row(xq, K, fmt);
 #pragma omp parallel for schedule(static) if (parallel)
-        for (int64_t n = 0; n < N; n += ROWS) rows_fast(W, fmt, row_bytes, n, xq, xd, xs, nb, y);
+        for (int64_t n = 0; n < N; n += ROWS) {
+            rows_fast(W, fmt, row_bytes, n, xq, xb, xd, xs, nb, y);
+        }
+        free(xb);
         return;
     }
 #endif
