@@ -1,6 +1,7 @@
 """Top-1 agreement of packed weights with the float32 dequantized reference of the same file.
 
     .venv/bin/python benchmarks/agreement.py [MODEL ...] [--positions 2048] [--chunk 512]
+        [--step-tokens 1]
 
 For each model (a GGUF path or a named model; default: the default model and gemma-3-270m):
 the engine in float32 with the file's packed weights (``--weights auto``: what the kernels
@@ -8,6 +9,9 @@ compute) and with dense float32 weights (``--weights bf16`` in float32: every te
 dequantized, products in torch), teacher-forced over ``--positions`` tokens of this
 repository's docs in prompts of ``--chunk`` tokens (``prompt_logprobs=1``). Prints the share of
 positions whose most likely next token is the same, and the packed formats the file holds.
+``--step-tokens 1`` caps the packed engine's steps at one token (chunked prefill,
+``max_num_batched_tokens=1``), so that every product has one row and runs the one-row
+kernels of decode steps; otherwise prompt steps run the batch products.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ def formats(llm: LLM) -> str:
     return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items()))
 
 
-def measure(model: str | None, positions: int, chunk: int) -> None:
-    packed = LLM(model, dtype="float32", weights="auto", kv_cache_memory="256MiB")
+def measure(model: str | None, positions: int, chunk: int, step_tokens: int | None) -> None:
+    budget = {} if step_tokens is None else {"max_num_batched_tokens": step_tokens}
+    packed = LLM(model, dtype="float32", weights="auto", kv_cache_memory="256MiB", **budget)
     text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
     ids = packed.get_tokenizer().encode(text)
     count = positions // (chunk - 1) + 1
@@ -68,11 +73,12 @@ def main() -> None:
     parser.add_argument("models", nargs="*", default=[None, "gemma-3-270m"])
     parser.add_argument("--positions", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--step-tokens", type=int, default=None)
     args = parser.parse_args()
     print("| model | packed formats | top-1 agreement with float32 dequantized |")
     print("|---|---|---|")
     for model in args.models:
-        measure(model, args.positions, args.chunk)
+        measure(model, args.positions, args.chunk, args.step_tokens)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,13 @@ per file (so that load time and RSS are the file's alone): load time, RSS growth
 after ``LLM(...)`` returns; split into anonymous memory and mapped file pages, which weights
 kept as views of the file are and which the page cache shares with other processes) and after
 the decode and prefill runs (when every weight has been read), the time to the first token
-(``LLM(...)`` plus one completion of one token for a short text prompt), decode tokens/s of
-one greedy sequence (64 tokens after a 32-token prompt), prefill tokens/s of a 512-token
-prompt, the weight bytes one decode step streams (every matmul weight and the output head,
-from the loaded model) and the rate that makes at the measured step time, against the read
+(``LLM(...)`` plus one completion of one token for a short text prompt), decode tokens/s of one
+greedy sequence (64 tokens after a 32-token prompt), prefill tokens/s of a 512-token prompt,
+the weight bytes one decode step streams (every matmul weight and the output head, from the
+loaded model) and the rate that makes at the measured step time, against the best read
 bandwidth of the same machine measured in the same run (a torch sum over 512 MiB with the same
-threads). With ``--llama-bench``: ``llama-bench -p 512 -n 64`` on the same file, and
+threads, at the start and again in the file's process right before each decode run: the shared
+host's rate drifts). With ``--llama-bench``: ``llama-bench -p 512 -n 64`` on the same file, and
 the ratios. With ``--llama-server``: llama.cpp's time to the first token on the same file (the
 server started on a free local port with ``-t THREADS -c 2048``, ``/health`` polled until it
 answers 200, one completion of one token for the same prompt; then the server is stopped), and
@@ -109,13 +110,15 @@ def measure_file(path: str, threads: int, repeats: int) -> dict[str, float | lis
     first_token = time.perf_counter() - start
     top = min(llm.get_tokenizer().vocab_size, 40000)
     rng = random.Random(0)
-    decode, prefill = [], []
+    decode, prefill, reads = [], [], []
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for i in range(repeats + 1):
         llm.reset_prefix_cache()
         prompt = [rng.randrange(1000, top) for _ in range(PROMPT_TOKENS)]
         llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        if i:
+            reads.append(read_bandwidth(threads, 3))
         start = time.perf_counter()
         llm.generate(prompt + [7], params)
         spent = time.perf_counter() - start
@@ -130,7 +133,8 @@ def measure_file(path: str, threads: int, repeats: int) -> dict[str, float | lis
             "rss_anon": parts["RssAnon"], "rss_file": parts["RssFile"],
             "settled_anon": settled["RssAnon"], "settled_file": settled["RssFile"],
             "file_bytes": os.path.getsize(path),
-            "streamed": streamed_bytes(llm), "decode": decode, "prefill": prefill}
+            "streamed": streamed_bytes(llm), "decode": decode, "prefill": prefill,
+            "reads": reads}
 
 
 def llama_bench(binary: str, path: str, threads: int, repeats: int) -> dict[str, float]:
@@ -211,9 +215,11 @@ def report(path: str, mine: dict, bandwidth: float, peer: dict[str, float] | Non
         print(f"llama-server first token: {server['first_token_s']:.2f} s (ready after "
               f"{server['ready_s']:.2f} s); ours / llama.cpp's = "
               f"{mine['first_token_s'] / server['first_token_s']:.2f}x")
+    best = max([bandwidth, *mine["reads"]])
     print(f"decode 1 seq: {summary(mine['decode'])} tok/s; {mine['streamed'] / 2**20:.0f} MiB "
-          f"streamed per token = {gbs:.1f} GB/s, {gbs / bandwidth:.0%} of the {bandwidth:.1f} "
-          f"GB/s read rate")
+          f"streamed per token = {gbs:.1f} GB/s, {gbs / best:.0%} of the best read rate "
+          f"({best:.1f} GB/s; before each decode run {min(mine['reads']):.1f}-"
+          f"{max(mine['reads']):.1f})")
     print(f"prefill {PREFILL_TOKENS}: {summary(mine['prefill'])} tok/s")
     if peer:
         print(f"llama-bench: tg{DECODE_TOKENS} {peer['decode']:.1f} tok/s "

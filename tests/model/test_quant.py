@@ -621,8 +621,9 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
     same bounds, and the same bfloat16 expansion: ``portable`` without ``-march=native`` (no
     AVX2/F16C: the scalar code and the software fp16 decode), ``avx2`` native without AVX-512
     (the AVX2 kernels, which an AVX-512 machine's own build leaves out; skipped elsewhere),
-    ``avx512-no-vnni`` native without AVX512-VNNI (the byte products' pairs summed in 16 bits
-    first, as on CPUs before Cascade Lake; skipped without AVX-512)."""
+    ``avx512-no-vnni`` native without AVX512-VNNI and VBMI (the byte products' pairs summed
+    in 16 bits first, nibbles gathered without byte permutes, as on CPUs before Cascade Lake;
+    skipped without AVX-512)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
@@ -631,7 +632,7 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
         pytest.skip("the native build is the AVX2 one, or there is none")
     flags = {"portable": ["-mno-avx2", "-mno-f16c"] if x86 else [],
              "avx2": ["-march=native", *AVX2_BUILD],
-             "avx512-no-vnni": ["-march=native", "-mno-avx512vnni"]}[build]
+             "avx512-no-vnni": ["-march=native", "-mno-avx512vnni", "-mno-avx512vbmi"]}[build]
     target = tmp_path / f"{build}.so"
     subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-fopenmp", "-std=c11", *flags,
                     str(quant_kernels._SOURCE), "-o", str(target), "-lm"],

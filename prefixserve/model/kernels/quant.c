@@ -559,8 +559,6 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
     _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)))
 #endif
 
-/* The fp16 scales of 16 Q4_0 blocks (18 bytes apart from w: words 0, 9, .. 135) by two word
- * permutes of four loads, in place of a gather: each permute picks 8 of 64 words. */
 /* Layouts of split_q16. SPLIT_Q4 (Q4_0, Q4_1): per group of four blocks (fewer at the end of a
  * row), elements 0-15 of each block, then elements 16-31 of each. SPLIT_K4 (Q4_K): per
  * super-block, the sub-blocks of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7 (a 64-byte load of
@@ -605,6 +603,8 @@ static void split_k(const int16_t *xq, int64_t K, uint8_t *xb) {
     }
 }
 
+/* The fp16 scales of 16 Q4_0 blocks (18 bytes apart from w: words 0, 9, .. 135) by two word
+ * permutes of four loads, in place of a gather: each permute picks 8 of 64 words. */
 static inline __m256i q4_0_scales16(const uint8_t *w) {
     static const uint16_t at[2][32] = {{0, 9, 18, 27, 36, 45, 54, 63},
                                        {0, 0, 0, 0, 0, 0, 0, 0, 0, 9, 18, 27, 36, 45, 54, 63}};
@@ -646,22 +646,27 @@ static inline __m512 group_scales(const uint8_t *w, int64_t bytes, int64_t b0, i
 /* The sums of c (4, or 2 at the end of a row) consecutive blocks of one 4-bit row (nibbles at
  * blk, bytes apart) with one group of split activations (l: low bytes, h: high bytes, elements
  * 0-15 of each block in [0], 16-31 in [1]): block j's in lanes 4 j to 4 j + 3. Block j's 16
- * nibble bytes are 128-bit lane j of one vector (from two loads by one byte permute, gather,
- * for four blocks); the sums with the high bytes (vpdpbusd: nibble times signed byte),
+ * nibble bytes are 128-bit lane j of one vector (for four blocks, with AVX512-VBMI, from two
+ * loads by one byte permute, gather; else one load per block); the sums with the high bytes (vpdpbusd: nibble times signed byte),
  * shifted left by 8 bits, plus the sums with the low bytes (unsigned byte times nibble) are
  * the 16-bit products exactly. */
 static inline __attribute__((always_inline)) __m512i q4_sums(const uint8_t *blk, int64_t bytes,
                                                             int nib, int c, __m512i gather,
                                                             const __m512i *l, const __m512i *h) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512i v;
+    __m512i v = _mm512_zextsi256_si512(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + nib))),
+        _mm_loadu_si128((const __m128i *)(blk + bytes + nib)), 1));
     if (c == 4) {
+#ifdef __AVX512VBMI__
+        (void)v;
         v = _mm512_permutex2var_epi8(_mm512_loadu_si512(blk), gather,
                                      _mm512_loadu_si512(blk + 4 * bytes - 64));
-    } else {
-        v = _mm512_zextsi256_si512(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + nib))),
-            _mm_loadu_si128((const __m128i *)(blk + bytes + nib)), 1));
+#else
+        (void)gather;
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 2 * bytes + nib)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(blk + 3 * bytes + nib)), 3);
+#endif
     }
     __m512i q0 = _mm512_and_si512(v, low), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     __m512i s = DPBUSD(DPBUSD(_mm512_setzero_si512(), q0, h[0]), q1, h[1]);
