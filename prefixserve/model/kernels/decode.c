@@ -196,7 +196,9 @@ typedef struct {
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
     uint8_t *xb;  /* a one-row step's activations split into bytes: SPLIT_Q4 (split_q16) in
                      [0, 2 K), then split_k's where K is a multiple of 256 */
-    int bf16, amx, split; /* split: whether xb holds the last rounded row (512-bit builds) */
+    int bf16, amx;
+    int need_q4, need_k;   /* whether the model has Q4_0/Q4_1, K-quant products (512-bit builds) */
+    int split_q4, split_k; /* whether xb holds those splits of the last rounded row */
 } Quantized;
 
 /* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch or the AMX
@@ -226,13 +228,12 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     int64_t nb = K / QK;
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
-    q->split = 0;
+    /* a step of one row: the one-row kernels of the model's 4- and 6-bit formats take bytes */
+    q->split_q4 = b0 == 0 && n == 1 && q->need_q4;
+    q->split_k = b0 == 0 && n == 1 && q->need_k && K % QK_K == 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (b0 == 0 && n == 1) { /* a step of one row: the 4-bit one-row kernels take bytes */
-        split_q16(q->xq, K, SPLIT_Q4, q->xb);
-        if (K % QK_K == 0) split_k(q->xq, K, q->xb + 2 * K);
-        q->split = 1;
-    }
+    if (q->split_q4) split_q16(q->xq, K, SPLIT_Q4, q->xb);
+    if (q->split_k) split_k(q->xq, K, q->xb + 2 * K);
 #endif
 }
 
@@ -249,7 +250,7 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
         for (int64_t n = 0; n < N; n += 4) {
             int64_t end = n + 4 < N ? n + 4 : N;
             if (B == 1) {
-                kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->split ? q->xb + 2 * K : NULL,
+                kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->split_k ? q->xb + 2 * K : NULL,
                             q->xd, q->xs, y);
             } else {
                 kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, ldy);
@@ -265,7 +266,7 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
     if (B == 1 && rows_fast_fits(N)) {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += ROWS) {
-            rows_fast(W, (int)fmt, row_bytes, n, q->xq, q->split ? q->xb : NULL, q->xd, q->xs,
+            rows_fast(W, (int)fmt, row_bytes, n, q->xq, q->split_q4 ? q->xb : NULL, q->xd, q->xs,
                       nb, y);
             for (int r = 0; bias && r < ROWS; r++) y[n + r] += bias[n + r];
         }
@@ -1322,6 +1323,28 @@ typedef struct {
     void *base;
 } Scratch;
 
+/* Which byte splits a one-row step's products take (Quantized.need_q4, need_k): every part
+ * of every layer's products looked at once per step; none without the 512-bit kernels. */
+static void split_needs(const DecodeModel *m, Quantized *q) {
+    q->need_q4 = q->need_k = q->split_q4 = q->split_k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const DecodeLayer *L = &m->layers[i];
+        int64_t fmts[8] = {L->qkv_fmt, L->o_fmt, L->gate_up_fmt, L->down_fmt, -1, -1, -1, -1};
+        for (int j = 0; j < 2; j++) {
+            if (L->qkv_rows[j + 1] > 0) fmts[4 + j] = L->qkv_more_fmt[j];
+            if (L->gate_up_rows[j + 1] > 0) fmts[6 + j] = L->gate_up_more_fmt[j];
+        }
+        for (int j = 0; j < 8; j++) {
+            q->need_q4 |= fmts[j] == FMT_Q4_0 || fmts[j] == FMT_Q4_1;
+            q->need_k |= fmts[j] == FMT_Q4_K || fmts[j] == FMT_Q5_K || fmts[j] == FMT_Q6_K;
+        }
+    }
+#else
+    (void)m;
+#endif
+}
+
 static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratch *sc) {
     int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D, widest = I > H ? I : H;
@@ -1355,7 +1378,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->q.xv = (uint32_t *)f; f += words;
     sc->q.xq = (int16_t *)f;
     sc->q.xb = (uint8_t *)(((uintptr_t)(sc->q.xq + B * widest) + 63) & ~(uintptr_t)63);
-    sc->q.split = 0;
+    split_needs(m, &sc->q);
     return 0;
 }
 
