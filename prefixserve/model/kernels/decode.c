@@ -1336,8 +1336,8 @@ static void split_needs(const DecodeModel *m, Quantized *q) {
             if (L->gate_up_rows[j + 1] > 0) fmts[6 + j] = L->gate_up_more_fmt[j];
         }
         for (int j = 0; j < 8; j++) {
-            q->need_q4 |= fmts[j] == FMT_Q4_0 || fmts[j] == FMT_Q4_1;
-            q->need_k |= fmts[j] == FMT_Q4_K || fmts[j] == FMT_Q5_K || fmts[j] == FMT_Q6_K;
+            q->need_q4 |= bytes_split(fmts[j]) == BYTES_Q4;
+            q->need_k |= bytes_split(fmts[j]) == BYTES_K;
         }
     }
 #else

@@ -351,8 +351,9 @@ static inline void kq4_factors4(const uint8_t *w, int64_t row_bytes, __m512 *t) 
     }
 }
 
-/* Outputs y[0 .. 4) of four Q4_K (five = 0) or Q5_K rows (row_bytes apart) for one activation row, from the
- * activations split into bytes (split_q16, SPLIT_K4: low bytes at xb, high bytes at xb + K):
+/* Outputs y[0 .. 4) of four Q4_K (five = 0) or Q5_K rows (row_bytes apart) for one activation
+ * row, from the activations split into bytes (split_q16, SPLIT_K4: low bytes at xb, high bytes
+ * at xb + K):
  * each 64-byte load of a row's nibbles holds sub-blocks 0 and 2 (low nibbles) and 1 and 3
  * (high nibbles) of a half super-block; their sums with the high bytes (vpdpbusd), shifted
  * left by 8 bits, take the sums with the low bytes, the 16-bit products exactly. Lanes 0-7
@@ -437,7 +438,8 @@ static void kq5_rows4_wide(const uint8_t *w, int64_t row_bytes, const uint8_t *x
 static inline __m512 kq6_units(const uint8_t *w, const float *xd, int64_t ahead) {
     for (int k = 0; k < 4; k++) _mm_prefetch((const char *)(w + ahead + 64 * k), ROW_PREFETCH_HINT);
     const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512 scale = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192))));
+    __m512 scale = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 192))));
     __m512 xdv = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(_mm256_loadu_ps(xd)));
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(fp16_to_float(w + 208)), scale), xdv);
 }
@@ -481,12 +483,13 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, 
     acc[0] = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
     return _mm512_reduce_add_ps(acc[0]);
 }
+
 /* kq6_row_wide from the activations split into bytes (split_q16, SPLIT_PLAIN: low bytes at
  * xb, high bytes at xb + K, then the float sums of each 16 activations, s16): a half
  * super-block's 64 bytes ql and its 32 bytes qh (in both halves of a vector) give two vectors
- * of 64 weights q + 32 in element order (the nibbles, and each byte's two bits of qh moved to
- * bits 4 and 5 by a shift per half), multiplied as unsigned bytes; the 32 of q - 32 comes off
- * at the end, 32 times the sums s16 by the same factors. Lanes 4 j to 4 j + 3 hold the sums
+ * of 64 stored values q (0-63; the weight is q - 32) in element order (the nibbles, and each
+ * byte's two bits of qh moved to bits 4 and 5 by a shift per half), multiplied as unsigned
+ * bytes; the 32 comes off at the end, 32 times the sums s16 by the same factors. Lanes 4 j to 4 j + 3 hold the sums
  * of one scale's 16 weights, so one conversion and one multiply-add (one permute of the
  * super-block's 16 factors) serve 64 weights. */
 static float kq6_row_split(const uint8_t *w, const uint8_t *xb, const float *xd,
@@ -498,23 +501,24 @@ static float kq6_row_split(const uint8_t *w, const uint8_t *xb, const float *xd,
     for (int c = 0; c < 4; c++) acc[c] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
     /* qh bits 0-1 (first half) and 2-3 (second) to bits 4-5; bits 4-5 and 6-7 likewise */
-    const __m512i up = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
-    const __m512i down = _mm512_mask_blend_epi16(0xffff0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    const __m512i up = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4),
+                                               _mm512_set1_epi16(2));
+    const __m512i down = _mm512_mask_blend_epi16(0xffff0000u, _mm512_setzero_si512(),
+                                                 _mm512_set1_epi16(2));
     __m512i pick[4]; /* elements 64 c .. 64 c + 63: scales 4 c .. 4 c + 3, four lanes each */
-    for (int c = 0; c < 4; c++) {
-        pick[c] = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                   _mm512_set1_epi32(4 * c));
-    }
+    const __m512i four = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    for (int c = 0; c < 4; c++) pick[c] = _mm512_add_epi32(four, _mm512_set1_epi32(4 * c));
     for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
         __m512 units = kq6_units(w, xd + s * 8, WIDE_PREFETCH);
         bias = _mm512_fmadd_ps(units, _mm512_loadu_ps(s16 + s * 16), bias);
         for (int h = 0; h < 2; h++) {
             __m512i ql = _mm512_loadu_si512(w + 64 * h);
-            __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
-            __m512i q[2] = {
-                _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_and_si512(_mm512_sllv_epi16(qh, up), top)),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
-                                _mm512_and_si512(_mm512_srlv_epi16(qh, down), top))};
+            __m512i qh = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)));
+            __m512i q[2] = {_mm512_or_si512(_mm512_and_si512(ql, low),
+                                            _mm512_and_si512(_mm512_sllv_epi16(qh, up), top)),
+                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                                            _mm512_and_si512(_mm512_srlv_epi16(qh, down), top))};
             for (int j = 0; j < 2; j++) {
                 int c = 2 * h + j;
                 int64_t e = s * QK_K + 64 * c;
@@ -619,9 +623,9 @@ static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
 
 /* Outputs y[n0 .. n1) of a one-row product (y indexed by output), the fastest way the build
  * has: four Q4_K or Q5_K rows through kq4_rows4_wide / kq5_rows4_wide and Q6_K rows through
- * kq6_row_split (512 bits;
- * xb the activations split by split_k, or NULL), else kq4_row_wide / kq5_row_wide /
- * kq6_row_wide at 512 or 256 bits (sums in another order than kq_rows), else kq_rows. */
+ * kq6_row_split (512 bits; xb the activations split by split_k, or NULL), else kq4_row_wide /
+ * kq5_row_wide / kq6_row_wide at 512 or 256 bits (sums in another order than kq_rows), else
+ * kq_rows. */
 static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
                         const int16_t *xq, const uint8_t *xb, const float *xd, const float *xs,
                         float *y) {
@@ -637,8 +641,6 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
         kq5_rows4_wide(W + n0 * row_bytes, row_bytes, xb, xd, xs, K / QK_K, y + n0);
         return;
     }
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
     if (fmt == FMT_Q6_K && xb) {
         for (int64_t n = n0; n < n1; n++) {
             y[n] = kq6_row_split(W + n * row_bytes, xb + 2 * K, xd, K / QK_K);

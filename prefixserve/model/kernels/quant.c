@@ -647,9 +647,9 @@ static inline __m512 group_scales(const uint8_t *w, int64_t bytes, int64_t b0, i
  * blk, bytes apart) with one group of split activations (l: low bytes, h: high bytes, elements
  * 0-15 of each block in [0], 16-31 in [1]): block j's in lanes 4 j to 4 j + 3. Block j's 16
  * nibble bytes are 128-bit lane j of one vector (for four blocks, with AVX512-VBMI, from two
- * loads by one byte permute, gather; else one load per block); the sums with the high bytes (vpdpbusd: nibble times signed byte),
- * shifted left by 8 bits, plus the sums with the low bytes (unsigned byte times nibble) are
- * the 16-bit products exactly. */
+ * loads by one byte permute, gather; else one load per block); the sums with the high bytes
+ * (vpdpbusd: nibble times signed byte), shifted left by 8 bits, plus the sums with the low
+ * bytes (unsigned byte times nibble) are the 16-bit products exactly. */
 static inline __attribute__((always_inline)) __m512i q4_sums(const uint8_t *blk, int64_t bytes,
                                                             int nib, int c, __m512i gather,
                                                             const __m512i *l, const __m512i *h) {
@@ -718,10 +718,11 @@ static inline __attribute__((always_inline)) void rows_q4_wide(const uint8_t *w,
         }
         if (p < n) { /* two blocks left: half a group, lanes 8-15 zero */
             int64_t e = (b0 + p) * QK;
-            __m512i l[2] = {_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xl + e))),
-                            _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xl + e + 32)))};
-            __m512i h[2] = {_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xh + e))),
-                            _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(xh + e + 32)))};
+            const __mmask64 half = 0xffffffffu;
+            __m512i l[2] = {_mm512_maskz_loadu_epi8(half, xl + e),
+                            _mm512_maskz_loadu_epi8(half, xl + e + 32)};
+            __m512i h[2] = {_mm512_maskz_loadu_epi8(half, xh + e),
+                            _mm512_maskz_loadu_epi8(half, xh + e + 32)};
             for (int r = 0; r < WIDE_ROWS; r++) {
                 __m512i s = q4_sums(w + r * row_bytes + (b0 + p) * bytes, bytes, nib, 2, gather,
                                     l, h);
@@ -762,6 +763,14 @@ static void rows_q8_0_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
 #endif
 
 #include "kquant.c"
+
+/* Which split the 512-bit one-row kernels of format fmt take: BYTES_Q4 (split_q16's
+ * SPLIT_Q4), BYTES_K (split_k) or none (0: Q8_0 keeps 16-bit words). */
+#define BYTES_Q4 1
+#define BYTES_K 2
+static inline int bytes_split(int64_t fmt) {
+    return is_q4((int)fmt) ? BYTES_Q4 : is_kquant((int)fmt) ? BYTES_K : 0;
+}
 
 /* Whether rows_fast takes groups of ROWS weight rows of an N-row product. */
 static inline int rows_fast_fits(int64_t N) {
@@ -805,11 +814,11 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
  * 512-bit kernels (or no memory: the 16-bit kernels then run). */
 static uint8_t *split_row(const int16_t *xq, int64_t K, int fmt) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    int kquant = fmt == FMT_Q4_K || fmt == FMT_Q5_K || fmt == FMT_Q6_K;
-    if (!kquant && fmt != FMT_Q4_0 && fmt != FMT_Q4_1) return NULL;
-    uint8_t *xb = malloc((size_t)(kquant ? SPLIT_K_BYTES(K) : 2 * K));
-    if (xb && kquant) split_k(xq, K, xb);
-    if (xb && !kquant) split_q16(xq, K, SPLIT_Q4, xb);
+    int split = bytes_split(fmt);
+    if (!split) return NULL;
+    uint8_t *xb = malloc((size_t)(split == BYTES_K ? SPLIT_K_BYTES(K) : 2 * K));
+    if (xb && split == BYTES_K) split_k(xq, K, xb);
+    if (xb && split == BYTES_Q4) split_q16(xq, K, SPLIT_Q4, xb);
     return xb;
 #else
     (void)xq;
