@@ -8,17 +8,24 @@ the same file, saved with ``save_pretrained`` under
 read back with ``from_pretrained`` in seconds. The key names the file's bytes (SHA-256) and
 transformers' version, so a new file or a new transformers converts again. Delete the folder
 to force a conversion.
+
+What a reference computes from fixed inputs (a tokenizer's ids, a model's logits) is kept the
+same way by :func:`cached_outputs`, keyed also by the inputs, so that a test whose inputs did not
+change loads no reference at all.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def cache_root() -> Path:
@@ -27,14 +34,21 @@ def cache_root() -> Path:
     return Path(root) / "test-references"
 
 
-def _key(kind: str, gguf_path: str) -> str:
+@functools.cache
+def _digest(gguf_path: str, size: int, mtime_ns: int) -> str:
+    with open(gguf_path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _key(kind: str, gguf_path: str, inputs: object = None) -> str:
     """The file's SHA-256 (not its path: every clone installs the default model into its own
-    .venv) and transformers' version. Hashing takes about a second for either model."""
+    .venv; hashed once per process, about a second for either model), transformers' version
+    and, for outputs, the inputs' ``repr``."""
     import transformers
 
-    with open(gguf_path, "rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
-    text = "\0".join((kind, digest, transformers.__version__))
+    stat = os.stat(gguf_path)
+    digest = _digest(os.path.realpath(gguf_path), stat.st_size, stat.st_mtime_ns)
+    text = "\0".join((kind, digest, transformers.__version__, repr(inputs)))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -96,3 +110,21 @@ def cached_reference(kind: str, gguf_path: str, build: Callable[[], Any],
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return built
+
+
+def cached_outputs(kind: str, gguf_path: str, inputs: object, compute: Callable[[], T]) -> T:
+    """``compute()``'s result (tensors, lists, strings: what ``torch.save`` keeps) for these
+    ``inputs`` of a reference of this file, computed on the first call and read back after. The
+    caller's ``compute`` must depend on nothing but the file, transformers and ``inputs``."""
+    import torch
+
+    path = cache_root() / f"{kind}-{_key(kind, gguf_path, inputs)}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
+    result = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{kind}-", dir=path.parent)
+    with os.fdopen(handle, "wb") as file:
+        torch.save(result, file)
+    os.replace(partial, path)  # whole or absent, whoever writes it last
+    return result

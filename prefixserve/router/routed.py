@@ -61,6 +61,11 @@ class RoutedPrefixes:
         """The index has applied a report of ``replica`` whose events were read at ``at``."""
         self._reported[replica] = max(at, self._reported.get(replica, at))
 
+    def reported_at(self, replica: str) -> float | None:
+        """Wall time at which ``replica``'s latest applied report read its events (None before
+        its first): a prefix whose request finished earlier is the index's alone."""
+        return self._reported.get(replica)
+
     def forget(self, replica: str) -> None:
         """``replica`` is gone: what it reported goes (entries naming it are never matched, as
         routing only offers live replicas)."""

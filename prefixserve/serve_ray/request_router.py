@@ -168,6 +168,7 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
                 "epoch": cache.epoch if cache else None, "seq": cache.seq if cache else 0,
                 "stale": bool(cache and cache.stale),
                 "cached_blocks": len(cache.blocks) if cache else 0,
+                "reported_at": self.routed.reported_at(rid),
                 "loras": sorted(self.loras.get(rid, {}))})
         return {"policy": self.router.policy, "replicas": replicas,
                 "indexed": sorted(index.replicas), "removed": list(self.removed),

@@ -15,13 +15,15 @@ prompts: max difference 0.0). The 1,500-token prompt compares every 7th position
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from reference_cache import cached_reference, load_weights, save_weights
+from reference_cache import cached_outputs, cached_reference, load_weights, save_weights
 
 from prefixserve.core import CacheRequest
 from prefixserve.engine.kv_cache_setup import capacity_report
@@ -78,16 +80,23 @@ def packed() -> Any:
 
 
 @pytest.fixture(scope="module")
-def reference(path: str) -> Any:
+def reference(path: str) -> Callable[[], Any]:
     """transformers' float32 model of the GGUF file (converted once per machine:
-    ``tests/reference_cache.py``)."""
+    ``tests/reference_cache.py``), loaded at the first call: where a test's reference outputs
+    are kept from an earlier run (``cached_outputs``), it is not loaded at all."""
     transformers = pytest.importorskip("transformers")
-    model = cached_reference(
-        "gemma3-model", path,
-        lambda: transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32),
-        lambda folder: load_weights(folder, torch.float32), save_weights)
-    return model.eval()
+
+    @functools.cache
+    def load() -> Any:
+        model = cached_reference(
+            "gemma3-model", path,
+            lambda: transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path),
+                dtype=torch.float32),
+            lambda folder: load_weights(folder, torch.float32), save_weights)
+        return model.eval()
+
+    return load
 
 
 def test_config_from_gguf(path: str) -> None:
@@ -117,18 +126,23 @@ def test_kv_blocks_of_an_8000_token_request(path: str) -> None:
 @pytest.mark.slow
 def test_tokenizer_agrees_with_transformers(path: str, llm: Any) -> None:
     transformers = pytest.importorskip("transformers")
-    ref = cached_reference(
-        "gemma3-tokenizer", path,
-        lambda: transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                           gguf_file=os.path.basename(path)),
-        transformers.AutoTokenizer.from_pretrained)
+
+    def reference() -> tuple[list[list[int]], list[str]]:
+        ref = cached_reference(
+            "gemma3-tokenizer", path,
+            lambda: transformers.AutoTokenizer.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path)),
+            transformers.AutoTokenizer.from_pretrained)
+        encoded = [ref.encode(text) for text in CORPUS]
+        return encoded, [ref.decode(ids, skip_special_tokens=True) for ids in encoded]
+
+    encoded, decoded = cached_outputs("gemma3-tokenizer-out", path, CORPUS, reference)
     ours = llm.get_tokenizer()
     mismatched = []
-    for text in CORPUS:
-        ids = ours.encode(text)
-        if ids != ref.encode(text):
+    for text, ids, text_back in zip(CORPUS, encoded, decoded, strict=True):
+        if ours.encode(text) != ids:
             mismatched.append(("encode", text))
-        if ours.decode(ids) != ref.decode(ids, skip_special_tokens=True):
+        if ours.decode(ids) != text_back:
             mismatched.append(("decode", text))
     assert not mismatched, f"{len(mismatched)} of {2 * len(CORPUS)} differ: {mismatched}"
 
@@ -152,47 +166,63 @@ def _prompt(llm: Any, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+def _reference_run(reference: Any, ids: list[int], rows: list[int], columns: slice
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The reference's logits at ``rows`` (those of the last 20 positions whole, the others at
+    ``columns``) and its 6 greedy tokens after ``ids``, decoded from its own cache of the
+    prompt (one forward pass of the prompt, not the two that generate() would add)."""
+    tail = [r for r in rows if r >= len(ids) - 20]
+    with torch.no_grad():
+        ref_out = reference.model(torch.tensor([ids]), use_cache=True)
+        hidden, cache = ref_out.last_hidden_state[0], ref_out.past_key_values
+        spread = reference.lm_head(hidden[rows[:len(rows) - len(tail)]])[:, columns]
+        whole = reference.lm_head(hidden[tail])
+        expected: list[int] = []
+        for _ in range(6):
+            expected.append(int(reference.lm_head(hidden[-1]).argmax()))
+            step_out = reference.model(torch.tensor([expected[-1:]]), past_key_values=cache,
+                                       use_cache=True)
+            hidden, cache = step_out.last_hidden_state[0], step_out.past_key_values
+    return spread.float().contiguous(), whole.float(), expected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [40, 1500])
-def test_logits_and_greedy_match_transformers(llm: Any, reference: Any, num_tokens: int) -> None:
+def test_logits_and_greedy_match_transformers(llm: Any, path: str, reference: Any,
+                                              num_tokens: int) -> None:
     """Prompts shorter and three times longer than the 512-token window; the long one in
     chunks of 600 so that cached prefill reads windows across chunks, then 6 greedy tokens
-    decoded one by one."""
+    decoded one by one. Logits compared: every 7th position at every 16th of the 262,144
+    vocabulary columns, the last 20 positions at every column (all of them, for both models,
+    would take several GB; the reference's are kept per machine, ~35 MB)."""
     runner = _runner(llm)
     ids = _prompt(llm, num_tokens)
     tables = _tables(runner, num_tokens + 8)
-    # every 7th position and the last 20: the logits of all 1,500 positions of both models
-    # would take several GB (262,144 columns each)
     rows = sorted({*range(0, num_tokens, 7), *range(max(0, num_tokens - 20), num_tokens)})
-    got = []
+    columns = slice(None, None, 16)
+    spread_rows = [r for r in rows if r < num_tokens - 20]
+    spread, whole = [], []
     for start in range(0, num_tokens, 600):
         chunk = ids[start:start + 600]
         out = runner.execute([SeqBatchInput(chunk, start, tables[0], need_prompt_logits=True,
                                             extra_block_tables=tuple(tables[1:]))])
         logits = out.prompt_logits[0]
         assert logits is not None
-        got.append(logits[[r - start for r in rows if start <= r < start + len(chunk)]])
+        spread.append(logits[[r - start for r in spread_rows if start <= r < start + 600]])
+        whole.append(logits[[r - start for r in rows
+                             if r >= num_tokens - 20 and start <= r < start + 600]])
         del out, logits
-    with torch.no_grad():
-        ref_out = reference.model(torch.tensor([ids]), use_cache=True)
-        hidden, cache = ref_out.last_hidden_state[0], ref_out.past_key_values
-        want = reference.lm_head(hidden[rows]).float()
-    torch.testing.assert_close(torch.cat(got), want, **LOGITS_TOL)
+    want_spread, want_whole, expected = cached_outputs(
+        "gemma3-logits", path, (ids, rows, columns),
+        lambda: _reference_run(reference(), ids, rows, columns))
+    torch.testing.assert_close(torch.cat(spread)[:, columns], want_spread, **LOGITS_TOL)
+    torch.testing.assert_close(torch.cat(whole), want_whole, **LOGITS_TOL)
     tokens = list(ids)
     for _ in range(6):
         # the last token again at its position (rewriting its K/V), then each new one
         step = runner.execute([SeqBatchInput(tokens[-1:], len(tokens) - 1, tables[0],
                                              extra_block_tables=tuple(tables[1:]))])
         tokens.append(int(step.logits[0].argmax()))
-    # the reference's greedy tokens, decoded from its own cache of the prompt (one forward
-    # pass of the prompt, not the two that generate() would add)
-    expected = []
-    with torch.no_grad():
-        for _ in range(6):
-            expected.append(int(reference.lm_head(hidden[-1]).argmax()))
-            step_out = reference.model(torch.tensor([expected[-1:]]), past_key_values=cache,
-                                       use_cache=True)
-            hidden, cache = step_out.last_hidden_state[0], step_out.past_key_values
     assert tokens[num_tokens:] == expected
 
 
@@ -235,8 +265,8 @@ def _check_prefix_caching(llm: Any, prefix_len: int, max_tokens: int) -> None:
 @pytest.mark.slow
 def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any, packed: Any) -> None:
     """The default weights (``--weights auto``: Q4_K/Q5_0/Q6_K/Q8_0 tensors kept packed, the
-    quantized kernels of docs/kernels.md), float32 activations, a 2,000-token shared prefix
-    (four windows): the matmuls are packed modules, the first greedy tokens are the dense
+    quantized kernels of docs/kernels.md), float32 activations, a 1,100-token shared prefix
+    (past two windows): the matmuls are packed modules, the first greedy tokens are the dense
     model's, greedy output is the same with and without the hit (although the warm suffix
     takes the small-M integer kernel and the cold prompt the expand-and-GEMM path), and every
     group hits. (The cache path does not depend on how weights are held, so the dense engine
@@ -257,7 +287,7 @@ def test_prefix_caching_hits_every_group_and_changes_no_output(llm: Any, packed:
     params = SamplingParams(temperature=0, max_tokens=16)
     assert llm.generate([ids], params)[0].outputs[0].token_ids == \
         dense_llm.generate([ids], params)[0].outputs[0].token_ids
-    _check_prefix_caching(llm, 2000, 6)
+    _check_prefix_caching(llm, 1100, 6)
 
 
 def test_estimate_sizes_pools_with_the_hybrid_layout(tmp_path: Any) -> None:

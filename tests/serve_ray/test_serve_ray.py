@@ -211,7 +211,13 @@ def test_lora_traffic_routes_by_the_adapters_chain(cluster: ServerProcess) -> No
     for prefix in prefixes:  # consecutive round-robin picks: the two replicas
         _complete(cluster.url + "/routing/round-robin", "a", [*prefix, 11, 12])
         _complete(cluster.url + "/routing/round-robin", "smol", [*prefix, 11, 12])
-    time.sleep(6.0)  # a dozen report periods of the idle replicas
+    finished = time.time()
+
+    def reported() -> bool:  # a routed request (no whole block) applies the latest reports
+        _complete(cluster.url + "/routing/round-robin", "smol", [7, 8, 9])
+        return all((r["reported_at"] or 0) > finished for r in _live(cluster))
+
+    _wait("a report of each replica since the requests finished", reported, 60, cluster)
     for prefix in prefixes:
         usage = _complete(cluster.url, "a", [*prefix, 13, 14])["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 48, usage
