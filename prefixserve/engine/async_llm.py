@@ -97,6 +97,7 @@ class AsyncLLM:
         loading thread and 23-31 ms from another one (``benchmarks/bench_quant.py --parts 5``)."""
         try:
             self.engine = LLMEngine(config)
+            self.engine.warm_up()  # the first request's steps are then a request's
             self.engine.hooks.append(_PublishStats(self))
         except BaseException as exc:  # handed to the constructor, which raises it
             self._build_error = exc

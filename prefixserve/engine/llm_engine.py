@@ -190,6 +190,18 @@ class LLMEngine:
         self.spec_accepted_tokens = 0
         self.hooks.append(CleanupHook(self.scheduler, self.structured))
 
+    def warm_up(self) -> None:
+        """Runs the model once on two blocks taken from the pool and given back
+        (``ModelRunner.warm_up``), so that the first request does not pay for the first steps'
+        set-up. Called by the server's engine before it serves; no request, token or cached
+        block is counted."""
+        pool = self.kv_cache_manager.block_pool
+        blocks = pool.get_new_blocks(2)
+        try:
+            self.runner.warm_up([block.block_id for block in blocks])
+        finally:
+            pool.free_blocks(blocks)
+
     def _num_blocks(self, config: EngineConfig) -> int:
         """The KV pool's blocks: ``num_blocks``, or what ``kv_cache_memory`` holds (a
         ValueError under two)."""

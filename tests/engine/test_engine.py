@@ -335,6 +335,38 @@ def test_the_stats_show_a_long_prefill_as_running_while_it_computes() -> None:
     assert samples[0][1:] == (0, 0)  # the request had not reached the engine yet
 
 
+def test_the_server_engine_warms_up_before_serving_and_counts_nothing(cached: LLM) -> None:
+    """``AsyncLLM`` (the server's engine) runs the model once before it serves
+    (``LLMEngine.warm_up``): a decode step has run (the fused layers are built, or the reason
+    they are not is known), yet no request, token or cached block is counted, every block is
+    free, and its first requests, which take every block of the pool (the two the warm-up
+    wrote included), answer as the offline engine does. (Planted: the warm-up left out, no
+    decode step has run; its blocks not given back, the pool is short of two.)"""
+    llm = AsyncLLM(EngineConfig(num_blocks=8, block_size=16, dtype="float32"),
+                   log_stats_interval=None)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ids = [list(range(100 + 7 * i, 150 + 7 * i)) for i in range(2)]  # 2 x 60 tokens: 8 blocks
+
+    async def answer(prompt: list[int], request_id: str) -> list[int]:
+        tokens: list[int] = []
+        async for output in llm.generate(prompt, params, request_id):
+            tokens += output.outputs[0].token_ids  # each output holds the new tokens
+        return tokens
+
+    async def both() -> list[list[int]]:
+        return list(await asyncio.gather(answer(ids[0], "a"), answer(ids[1], "b")))
+
+    try:
+        runner, stats = llm.engine.runner, llm.stats()
+        assert runner._fused is not None or runner.fused_decode_reason is not None
+        assert runner.model_seconds == 0.0
+        assert stats.num_free_blocks == 8 and stats.prompt_tokens == 0
+        assert stats.generation_tokens == 0 and stats.prefix_cache_queries == 0
+        assert asyncio.run(both()) == token_outputs(cached.generate(ids, params))
+    finally:
+        llm.shutdown()
+
+
 def test_a_request_cancelled_before_the_engine_thread_queued_it_never_runs() -> None:
     """A client that goes away while its request waits for the engine thread (busy: here a
     command that holds it) leaves nothing running and the engine alive: the cancelled call is
