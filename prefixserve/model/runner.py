@@ -214,7 +214,6 @@ class ModelRunner:
                                  f"{len(seq.token_ids)} new tokens of {self.config.hidden_size}")
         return needed
 
-    @torch.inference_mode()
     def warm_up(self, table: list[int]) -> None:
         """A short prompt and one decode step in the blocks of ``table`` (two or more, that no
         one reads: the caller's to give), before any request: what a model's first steps build
@@ -227,6 +226,7 @@ class ModelRunner:
         self.execute([SeqBatchInput([1], len(tokens), table, extra_block_tables=tables)])
         self.model_seconds = 0.0
 
+    @torch.inference_mode()
     def execute(self, seqs: list[SeqBatchInput]) -> ExecuteOutput:
         """Compute the new tokens of all ``seqs`` in one forward pass.
 

@@ -340,8 +340,10 @@ def test_the_server_engine_warms_up_before_serving_and_counts_nothing(cached: LL
     (``LLMEngine.warm_up``): a decode step has run (the fused layers are built, or the reason
     they are not is known), yet no request, token or cached block is counted, every block is
     free, and its first requests, which take every block of the pool (the two the warm-up
-    wrote included), answer as the offline engine does. (Planted: the warm-up left out, no
-    decode step has run; its blocks not given back, the pool is short of two.)"""
+    wrote included), answer as the offline engine does, a prompt within the warm-up's shapes
+    first. (Planted: the warm-up left out, no decode step has run; its blocks not given back,
+    the pool is short of two; the model's step outside inference mode after a warm-up inside
+    it, the short prompt's step fails.)"""
     llm = AsyncLLM(EngineConfig(num_blocks=8, block_size=16, dtype="float32"),
                    log_stats_interval=None)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -362,6 +364,9 @@ def test_the_server_engine_warms_up_before_serving_and_counts_nothing(cached: LL
         assert runner.model_seconds == 0.0
         assert stats.num_free_blocks == 8 and stats.prompt_tokens == 0
         assert stats.generation_tokens == 0 and stats.prefix_cache_queries == 0
+        short = list(range(100, 105))  # within the warm-up's shapes: its buffers are reused
+        assert asyncio.run(answer(short, "s")) == token_outputs(cached.generate([short],
+                                                                                params))[0]
         assert asyncio.run(both()) == token_outputs(cached.generate(ids, params))
     finally:
         llm.shutdown()
