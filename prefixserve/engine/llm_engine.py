@@ -191,12 +191,15 @@ class LLMEngine:
         self.hooks.append(CleanupHook(self.scheduler, self.structured))
 
     def warm_up(self) -> None:
-        """Runs the model once on two blocks taken from the pool and given back
+        """Runs the model once on a block taken from the pool and given back
         (``ModelRunner.warm_up``), so that the first request does not pay for the first steps'
         set-up. Called by the server's engine before it serves; no request, token or cached
         block is counted."""
         pool = self.kv_cache_manager.block_pool
-        blocks = pool.get_new_blocks(2)
+        needed = 2 if self.config.block_size == 1 else 1  # its positions: 1 + block_size // 2
+        if pool.get_num_free_blocks() < needed:
+            return
+        blocks = pool.get_new_blocks(needed)
         try:
             self.runner.warm_up([block.block_id for block in blocks])
         finally:

@@ -215,11 +215,11 @@ class ModelRunner:
         return needed
 
     def warm_up(self, table: list[int]) -> None:
-        """A short prompt and one decode step in the blocks of ``table`` (two or more, that no
-        one reads: the caller's to give), before any request: what a model's first steps build
-        or load (the fused decode layers, the C kernels' first calls, torch's first operator
-        calls) is then ready, and the first request takes a request's time. ``model_seconds``
-        starts after it."""
+        """A short prompt and one decode step (``1 + block_size // 2`` positions) in the blocks
+        of ``table``, which no one reads (the caller's to give), before any request: what a
+        model's first steps build or load (the fused decode layers, the C kernels' first calls,
+        torch's first operator calls) is then ready, and the first request takes a request's
+        time. ``model_seconds`` starts after it."""
         tables = (table,) * (len(self.layout.groups) - 1)
         tokens = list(range(1, 1 + max(1, self.block_size // 2)))
         self.execute([SeqBatchInput(tokens, 0, table, extra_block_tables=tables)])

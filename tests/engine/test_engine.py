@@ -339,10 +339,10 @@ def test_the_server_engine_warms_up_before_serving_and_counts_nothing(cached: LL
     """``AsyncLLM`` (the server's engine) runs the model once before it serves
     (``LLMEngine.warm_up``): a decode step has run (the fused layers are built, or the reason
     they are not is known), yet no request, token or cached block is counted, every block is
-    free, and its first requests, which take every block of the pool (the two the warm-up
+    free, and its first requests, which take every block of the pool (the one the warm-up
     wrote included), answer as the offline engine does, a prompt within the warm-up's shapes
-    first. (Planted: the warm-up left out, no decode step has run; its blocks not given back,
-    the pool is short of two; the model's step outside inference mode after a warm-up inside
+    first. (Planted: the warm-up left out, no decode step has run; its block not given back,
+    the pool is short of one; the model's step outside inference mode after a warm-up inside
     it, the short prompt's step fails.)"""
     llm = AsyncLLM(EngineConfig(num_blocks=8, block_size=16, dtype="float32"),
                    log_stats_interval=None)
