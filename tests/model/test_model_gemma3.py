@@ -166,11 +166,16 @@ def _prompt(llm: Any, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+GREEDY_STEPS = 6
+"""Greedy tokens decoded one by one after the prompt in the logits test."""
+
+
 def _reference_run(reference: Any, ids: list[int], rows: list[int], columns: slice
                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The reference's logits at ``rows`` (those of the last 20 positions whole, the others at
-    ``columns``) and its 6 greedy tokens after ``ids``, decoded from its own cache of the
-    prompt (one forward pass of the prompt, not the two that generate() would add)."""
+    ``columns``) and its ``GREEDY_STEPS`` greedy tokens after ``ids``, decoded from its own
+    cache of the prompt (one forward pass of the prompt, not the two that generate() would
+    add)."""
     tail = [r for r in rows if r >= len(ids) - 20]
     with torch.no_grad():
         ref_out = reference.model(torch.tensor([ids]), use_cache=True)
@@ -178,7 +183,7 @@ def _reference_run(reference: Any, ids: list[int], rows: list[int], columns: sli
         spread = reference.lm_head(hidden[rows[:len(rows) - len(tail)]])[:, columns]
         whole = reference.lm_head(hidden[tail])
         expected: list[int] = []
-        for _ in range(6):
+        for _ in range(GREEDY_STEPS):
             expected.append(int(reference.lm_head(hidden[-1]).argmax()))
             step_out = reference.model(torch.tensor([expected[-1:]]), past_key_values=cache,
                                        use_cache=True)
@@ -191,7 +196,7 @@ def _reference_run(reference: Any, ids: list[int], rows: list[int], columns: sli
 def test_logits_and_greedy_match_transformers(llm: Any, path: str, reference: Any,
                                               num_tokens: int) -> None:
     """Prompts shorter and over twice as long as the 512-token window; the long one in
-    chunks of 600 so that cached prefill reads windows across chunks, then 6 greedy tokens
+    chunks of 600 so that cached prefill reads windows across chunks, then greedy tokens
     decoded one by one. Logits compared: every 7th position at every 16th of the 262,144
     vocabulary columns, the last 20 positions at every column (all of them, for both models,
     would take several GB; the reference's are kept per machine, ~50 MB)."""
@@ -213,12 +218,12 @@ def test_logits_and_greedy_match_transformers(llm: Any, path: str, reference: An
                              if r >= num_tokens - 20 and start <= r < start + 600]])
         del out, logits
     want_spread, want_whole, expected = cached_outputs(
-        "gemma3-logits", path, (ids, rows, columns),
+        "gemma3-logits", path, (ids, rows, columns, GREEDY_STEPS),  # all the reference reads
         lambda: _reference_run(reference(), ids, rows, columns))
     torch.testing.assert_close(torch.cat(spread)[:, columns], want_spread, **LOGITS_TOL)
     torch.testing.assert_close(torch.cat(whole), want_whole, **LOGITS_TOL)
     tokens = list(ids)
-    for _ in range(6):
+    for _ in range(GREEDY_STEPS):
         # the last token again at its position (rewriting its K/V), then each new one
         step = runner.execute([SeqBatchInput(tokens[-1:], len(tokens) - 1, tables[0],
                                              extra_block_tables=tuple(tables[1:]))])
