@@ -3,12 +3,15 @@ its ``/metrics``."""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +37,107 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class ForkedServer:
+    """A server that ``tests/server_zygote.py`` forked, with the calls of ``subprocess.Popen``
+    that the tests make (``pid``, ``returncode``, ``poll``, ``wait``, signals)."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.exits.get(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.zygote.changed:
+            if not self.zygote.changed.wait_for(lambda: self.pid in self.zygote.exits
+                                                or not self.zygote.alive, timeout):
+                raise subprocess.TimeoutExpired(f"server {self.pid}", timeout or 0.0)
+        if self.returncode is None:
+            raise RuntimeError(f"the zygote ended before server {self.pid}")
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """``tests/server_zygote.py`` for this test process: servers forked from one process that
+    imported the server once (its docstring says why and how). Used for a server only while
+    this process's environment is the one the zygote started with (``fits``)."""
+
+    IGNORED = ("PYTEST_CURRENT_TEST",)
+    """Set by pytest for each test: not part of what a server's imports read."""
+
+    def __init__(self) -> None:
+        self.env = self._environment()
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("server_zygote.py"))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.exits: dict[int, int] = {}
+        self.alive = True
+        self.changed = threading.Condition()
+        self.started: queue.Queue[int] = queue.Queue()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _environment(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k not in self.IGNORED}
+
+    def fits(self) -> bool:
+        return self.alive and self._environment() == self.env
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            kind, *numbers = line.split()
+            if kind == b"started":
+                self.started.put(int(numbers[0]))
+            else:
+                with self.changed:
+                    self.exits[int(numbers[0])] = int(numbers[1])
+                    self.changed.notify_all()
+        with self.changed:
+            self.alive = False
+            self.changed.notify_all()
+
+    def fork(self, argv: Sequence[str], log_path: Path) -> ForkedServer:
+        request = {"argv": list(argv), "log": str(log_path), "cwd": os.getcwd(),
+                   "env": {**os.environ, "PYTHONUNBUFFERED": "1"}}
+        assert self.process.stdin is not None
+        with self.lock:
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+            return ForkedServer(self, self.started.get(timeout=STARTUP_TIMEOUT))
+
+
+_zygotes: list[Zygote] = []
+"""This test process's zygote, once a server has needed it."""
+
+
+def _fork_server(argv: Sequence[str], log_path: Path) -> ForkedServer | None:
+    """The server forked by this process's zygote, or None where it must be started anew: a
+    zygote turned off (``PREFIXSERVE_TEST_FORK=0``) or started in another environment."""
+    if os.environ.get("PREFIXSERVE_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    if not _zygotes or not _zygotes[-1].alive:
+        _zygotes.append(Zygote())
+    zygote = _zygotes[-1]
+    return zygote.fork(argv, log_path) if zygote.fits() else None
+
+
 class ServerProcess:
     """``python -m prefixserve serve ARGS`` on a free port, its output in ``log_path``.
 
@@ -41,10 +145,14 @@ class ServerProcess:
     ``/health`` answers 200 (or fails with the log if the process dies
     or does not come up in time); ``stop`` sends SIGTERM and returns the exit status.
     ``wrapper`` is a command that runs the server as its arguments and ends with ``exec`` of
-    them (so that ``process`` is the server itself), e.g. one that mounts a file system first."""
+    them (so that ``process`` is the server itself), e.g. one that mounts a file system first.
 
-    def __init__(self, args: Sequence[str], log_path: Path,
-                 metrics_key: str | None = None, wrapper: Sequence[str] = ()) -> None:
+    Without a wrapper or ``--replicas`` (Ray starts its own processes), the server is forked
+    from this test process's ``Zygote``, which imported it once: the same server, seconds
+    sooner. ``fork=False`` runs the command itself."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, metrics_key: str | None = None,
+                 wrapper: Sequence[str] = (), fork: bool = True) -> None:
         self.port = free_port()
         self.metrics_headers = {"Authorization": f"Bearer {metrics_key}"} if metrics_key else {}
         self.url = f"http://127.0.0.1:{self.port}"
@@ -52,9 +160,11 @@ class ServerProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         command = [*wrapper, sys.executable, "-m", "prefixserve", "serve", "--host", "127.0.0.1",
                    "--port", str(self.port), "--disable-access-log", *args]
+        forked = None if wrapper or not fork or "--replicas" in args else _fork_server(
+            command[3:], log_path)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env)
+        self.process: subprocess.Popen[bytes] | ForkedServer = forked or subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     @property
     def log(self) -> str:

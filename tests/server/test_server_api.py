@@ -34,12 +34,14 @@ def system_prompt() -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    # float32: results do not depend on batch shapes or on the path (cache hit or not).
+    # float32: results do not depend on batch shapes or on the path (cache hit or not). The
+    # command itself, not forked (server_helpers.ServerProcess): this file also tests the start
+    # of `python -m prefixserve serve` as a user runs it.
     process = ServerProcess(["--dtype", "float32", "--num-blocks", "256", "--block-size",
                              str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
                              "--served-model-name", "smol", "smollm2",
                              "--log-stats-interval", "1"],
-                            tmp_path_factory.mktemp("server") / "server.log").start()
+                            tmp_path_factory.mktemp("server") / "server.log", fork=False).start()
     yield process
     status = process.stop()
     assert status == 0, process.log  # a graceful stop on SIGTERM
