@@ -14,12 +14,14 @@ greedy sequence (64 tokens after a 32-token prompt), prefill tokens/s of a 512-t
 the weight bytes one decode step streams (every matmul weight and the output head, from the
 loaded model) and the rate that makes at the measured step time, against the best read
 bandwidth of the same machine measured in the same run (a torch sum over 512 MiB with the same
-threads, at the start and again in the file's process right before each decode run: the shared
-host's rate drifts). With ``--llama-bench``: ``llama-bench -p 512 -n 64`` on the same file, and
-the ratios. With ``--llama-server``: llama.cpp's time to the first token on the same file (the
-server started on a free local port with ``-t THREADS -c 2048``, ``/health`` polled until it
-answers 200, one completion of one token for the same prompt; then the server is stopped), and
-our time against it. Prints a table; median of the repeats with the range.
+threads, at the start and again in the file's process right before and right after each
+decode run: the shared host's rate drifts, so each decode run is also divided by the mean of
+the two reads around it, and the median of those paired ratios is printed). With
+``--llama-bench``: ``llama-bench -p 512 -n 64`` on the same file, and the ratios. With
+``--llama-server``: llama.cpp's time to the first token on the same file (the server started on
+a free local port with ``-t THREADS -c 2048``, ``/health`` polled until it answers 200, one
+completion of one token for the same prompt; then the server is stopped), and our time against
+it. Prints a table; median of the repeats with the range.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def measure_file(path: str, threads: int, repeats: int) -> dict[str, float | lis
     first_token = time.perf_counter() - start
     top = min(llm.get_tokenizer().vocab_size, 40000)
     rng = random.Random(0)
-    decode, prefill, reads = [], [], []
+    decode, prefill, reads, reads_after = [], [], [], []
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for i in range(repeats + 1):
@@ -122,6 +124,8 @@ def measure_file(path: str, threads: int, repeats: int) -> dict[str, float | lis
         start = time.perf_counter()
         llm.generate(prompt + [7], params)
         spent = time.perf_counter() - start
+        if i:
+            reads_after.append(read_bandwidth(threads, 3))
         long = [rng.randrange(1000, top) for _ in range(PREFILL_TOKENS)]
         start = time.perf_counter()
         llm.generate(long, one)
@@ -134,7 +138,7 @@ def measure_file(path: str, threads: int, repeats: int) -> dict[str, float | lis
             "settled_anon": settled["RssAnon"], "settled_file": settled["RssFile"],
             "file_bytes": os.path.getsize(path),
             "streamed": streamed_bytes(llm), "decode": decode, "prefill": prefill,
-            "reads": reads}
+            "reads": reads, "reads_after": reads_after}
 
 
 def llama_bench(binary: str, path: str, threads: int, repeats: int) -> dict[str, float]:
@@ -220,6 +224,10 @@ def report(path: str, mine: dict, bandwidth: float, peer: dict[str, float] | Non
           f"streamed per token = {gbs:.1f} GB/s, {gbs / best:.0%} of the best read rate "
           f"({best:.1f} GB/s; before each decode run {min(mine['reads']):.1f}-"
           f"{max(mine['reads']):.1f})")
+    paired = [100 * mine["streamed"] * rate / 1e9 / ((before + after) / 2) for rate, before, after
+              in zip(mine["decode"], mine["reads"], mine["reads_after"], strict=True)]
+    print(f"weights streamed / the read rate around the same decode run (paired, per run): "
+          f"{summary(paired)}%")
     print(f"prefill {PREFILL_TOKENS}: {summary(mine['prefill'])} tok/s")
     if peer:
         print(f"llama-bench: tg{DECODE_TOKENS} {peer['decode']:.1f} tok/s "
