@@ -364,8 +364,9 @@ def test_speculation_on_sliding_windows_changes_no_greedy_token(packed: Any) -> 
     the 512-token window, so blocks slide out while drafts are verified), a short one and a
     mid-length one, 60 greedy tokens each in float32: the same tokens as without drafts,
     most drafts accepted, and every block back in the pool when idle. Kills a window release
-    that counts held drafts as computed (planted, 64 positions per draft freed early: the
-    tokens changed), and drafts that change the output. (A release bug of both runs alike is
+    that counts held drafts as computed (planted in the hybrid manager's ``allocate_slots``, 64
+    positions per draft freed early: the third prompt's tokens changed), and drafts that change
+    the output. (A release bug of both runs alike is
     for ``_check_prefix_caching``'s window checks.) The run without drafts is the shared
     engine's."""
     from prefixserve import LLM
