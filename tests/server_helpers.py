@@ -129,8 +129,9 @@ _zygotes: list[Zygote] = []
 
 def _fork_server(argv: Sequence[str], log_path: Path) -> ForkedServer | None:
     """The server forked by this process's zygote, or None where it must be started anew: a
-    zygote turned off (``PREFIXSERVE_TEST_FORK=0``) or started in another environment."""
-    if os.environ.get("PREFIXSERVE_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+    zygote turned off (``PREFIXSERVE_TEST_FORK=0``) or started in another environment, or an
+    OS other than Linux (macOS's system libraries are not safe to use after a fork)."""
+    if os.environ.get("PREFIXSERVE_TEST_FORK", "1") == "0" or sys.platform != "linux":
         return None
     if not _zygotes or not _zygotes[-1].alive:
         _zygotes.append(Zygote())
