@@ -196,7 +196,7 @@ class LLMEngine:
         set-up. Called by the server's engine before it serves; no request, token or cached
         block is counted."""
         pool = self.kv_cache_manager.block_pool
-        needed = 2 if self.config.block_size == 1 else 1  # its positions: 1 + block_size // 2
+        needed = -(-self.runner.warm_up_positions() // self.config.block_size)
         if pool.get_num_free_blocks() < needed:
             return
         blocks = pool.get_new_blocks(needed)

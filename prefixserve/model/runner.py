@@ -214,14 +214,19 @@ class ModelRunner:
                                  f"{len(seq.token_ids)} new tokens of {self.config.hidden_size}")
         return needed
 
+    def warm_up_positions(self) -> int:
+        """KV positions ``warm_up`` writes: a prompt of half a block (at least one token) and
+        one decoded token."""
+        return max(1, self.block_size // 2) + 1
+
     def warm_up(self, table: list[int]) -> None:
-        """A short prompt and one decode step (``1 + block_size // 2`` positions) in the blocks
-        of ``table``, which no one reads (the caller's to give), before any request: what a
+        """A short prompt and one decode step (``warm_up_positions``) in the blocks of
+        ``table``, which no one reads (the caller's to give), before any request: what a
         model's first steps build or load (the fused decode layers, the C kernels' first calls,
         torch's first operator calls) is then ready, and the first request takes a request's
         time. ``model_seconds`` starts after it."""
         tables = (table,) * (len(self.layout.groups) - 1)
-        tokens = list(range(1, 1 + max(1, self.block_size // 2)))
+        tokens = list(range(1, self.warm_up_positions()))
         self.execute([SeqBatchInput(tokens, 0, table, extra_block_tables=tables)])
         self.execute([SeqBatchInput([1], len(tokens), table, extra_block_tables=tables)])
         self.model_seconds = 0.0
