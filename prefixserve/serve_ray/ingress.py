@@ -13,9 +13,11 @@ their adapters in their routing stats), so its route matches the blocks the repl
 adding a ``replica`` label to every sample. ``POST /v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter`` go to every replica; the ingress keeps the adapters loaded so and
 loads them onto replicas that start later (autoscaling, a restart) before it routes the next
-generation request. ``GET /router/replicas`` (an admin action) is answered here: the replicas
-the router knows, with their pid, requests in flight, event stream position, indexed blocks and
-adapters, and the ids it removed. Other paths go to any replica. With
+generation request. An ingress that Ray Serve started after another died reads them back from
+the replicas, which keep what they took. ``GET /router/replicas`` (an admin action) is answered
+here: the replicas the router knows, with their pid, requests in flight, event stream position,
+indexed blocks and adapters, the ids it removed, and the run-time adapters the ingress replays
+(``runtime_adapters``). Other paths go to any replica. With
 ``--routing-override``, a path under ``/routing/<policy>/`` is served as the rest of the path,
 routed by that policy instead of ``--routing``.
 """
@@ -83,6 +85,8 @@ class Ingress:
         that start later."""
         self.replicas_with_adapters: set[str] = set()
         """Replicas that have seen every request of ``adapters``."""
+        self.adapters_restored = False
+        """Whether ``adapters`` was read back from the replicas (``_restore_adapters``)."""
         self.adapter_lock = asyncio.Lock()
 
     # ----------------------------------------------------------------- routes
@@ -230,7 +234,8 @@ class Ingress:
             return error_response(error)
         await self._replicas()
         states = router_module.routers_state()
-        return Response(json.dumps(states[0] if len(states) == 1 else {"routers": states}),
+        state = states[0] if len(states) == 1 else {"routers": states}
+        return Response(json.dumps({**state, "runtime_adapters": sorted(self.adapters)}),
                         media_type="application/json")
 
     async def on_every_replica(self, request: Request, body: bytes, path: str) -> Response:
@@ -241,6 +246,7 @@ class Ingress:
         answer = Response(status_code=503)
         async with self.adapter_lock:
             replicas = await self._replicas()
+            await self._restore_adapters(replicas)
             for rid in replicas:
                 answer = await self._on_replica(forwarded, rid)
                 if answer.status_code >= 400:
@@ -263,10 +269,11 @@ class Ingress:
         (autoscaling, a restart: a new replica starts with the ``--lora-modules`` adapters). A
         load a replica refuses (its file gone) is logged and not asked again; an unload of an
         adapter the replica never had is nothing to do."""
-        if not self.adapters or \
-                set(router_module.known_replicas()) <= self.replicas_with_adapters:
+        if self.adapters_restored and (not self.adapters or set(
+                router_module.known_replicas()) <= self.replicas_with_adapters):
             return
         async with self.adapter_lock:
+            await self._restore_adapters(await self._replicas())
             for rid in router_module.known_replicas():
                 if rid in self.replicas_with_adapters:
                     continue
@@ -277,6 +284,33 @@ class Ingress:
                         logger.warning("replica %s refused adapter %r: %s", rid, name,
                                        bytes(answer.body)[:200].decode(errors="replace"))
                 self.replicas_with_adapters.add(rid)
+
+    async def _restore_adapters(self, replicas: list[str]) -> None:
+        """Once per ingress process (under ``adapter_lock``): the run-time loads and unloads
+        the live replicas took (``EngineReplica.adapter_requests``), so that an ingress Ray
+        Serve started after another died still loads them onto replicas that start later. Per
+        adapter the first replica's request is kept (every replica took the same ones, in the
+        order the ingress sent them); a replica that holds exactly these is up to date, the
+        others get them replayed."""
+        from ray.exceptions import RayActorError
+
+        if self.adapters_restored or not replicas:
+            return
+        held: dict[str, dict[str, Any]] = {}
+        for rid in replicas:
+            try:
+                held[rid] = await self.engine.adapter_requests.remote(replica=rid)
+            except RayActorError:  # died meanwhile: Ray Serve's replacement gets the replays
+                continue
+        for requests in held.values():
+            for name, forwarded in requests.items():
+                self.adapters.setdefault(name, forwarded)
+        self.replicas_with_adapters |= {rid for rid, requests in held.items()
+                                        if requests == self.adapters}
+        self.adapters_restored = True
+        if self.adapters:
+            logger.info("run-time adapters read back from the replicas: %s",
+                        ", ".join(sorted(self.adapters)))
 
     async def _replicas(self) -> list[str]:
         """The engine replicas' ids, from this process's request routers (made with the first

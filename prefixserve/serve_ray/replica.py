@@ -15,12 +15,16 @@ batches kept since ``STATS_BATCHES`` reports ago and, every ``SNAPSHOT_EVERY``
 reports, a snapshot for routers that found a gap; also the process id (operators' view, ``GET
 /router/replicas``) and the LoRA adapters served (name -> content id, which the ingress folds
 into the prompt's block hashes as the core does).
+
+Each replica also keeps the LoRA loads and unloads it took at run time (``adapter_requests``):
+a restarted ingress reads them back, so that replicas started after it still get them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator, MutableMapping
@@ -50,6 +54,8 @@ class EngineReplica:
         self.epoch = ""
         self._reports = 0
         self._reported_seq = 0
+        self._adapter_requests: dict[str, dict[str, Any]] = {}
+        """Adapter name -> the latest run-time load or unload this replica took, as forwarded."""
 
     async def ready(self) -> str:
         """This replica's id, once its KV events are on."""
@@ -87,10 +93,30 @@ class EngineReplica:
         task = asyncio.ensure_future(self.app(scope, receive, send))
         try:
             async for item in _drain(queue, task):
+                if isinstance(item, dict) and item["status"] < 400:
+                    self._took(request)
                 yield item
         finally:
             if not task.done():
                 task.cancel()
+
+    def _took(self, request: dict[str, Any]) -> None:
+        """Remembers a run-time LoRA load or unload the application accepted."""
+        from prefixserve.serve_ray.ingress import LORA_ADMIN_PATHS
+
+        if request["method"] != "POST" or request["path"] not in LORA_ADMIN_PATHS:
+            return
+        try:
+            name = json.loads(request["body"]).get("lora_name")
+        except (ValueError, AttributeError):
+            return
+        self._adapter_requests.pop(str(name), None)  # the latest last
+        self._adapter_requests[str(name)] = request
+
+    async def adapter_requests(self, replica: str | None = None) -> dict[str, dict[str, Any]]:
+        """The run-time LoRA loads and unloads this replica took, the latest per adapter name,
+        in the order taken, as forwarded (``replica`` pins the call for the request router)."""
+        return dict(self._adapter_requests)
 
     async def lora_ids(self) -> dict[str, str]:
         """The adapters served: name -> content id."""

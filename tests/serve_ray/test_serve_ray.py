@@ -451,13 +451,17 @@ def test_idle_replicas_are_removed_and_forgotten(cluster: ServerProcess, load: L
 
 @slow
 def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
-        cluster: ServerProcess) -> None:
+        cluster: ServerProcess, adapter_replicas: list[str]) -> None:
     """The router's index lives in the ingress process. Four prefixes are cached two on each
     replica (round-robin), then the ingress is killed (SIGKILL) and Ray Serve starts another:
     its new router, with no memory of where it sent anything, fills the index from the
     replicas' KV event snapshots (within ``SNAPSHOT_EVERY`` reports), and prefix-aware routing
-    sends each prefix back to its replica (a hit of the whole prefix). (Planted: a router that
-    ignores the snapshots keeps both replicas stale, routes by load, and misses.)"""
+    sends each prefix back to its replica (a hit of the whole prefix). The new ingress also
+    reads back from the replicas the adapters loaded at run time through the one that died
+    (``c`` among them), which it replays onto replicas that start later (the autoscaling test
+    shows the replay).
+    (Planted: a router that ignores the snapshots keeps both replicas stale, routes by load,
+    and misses; an ingress that does not read the adapters back lists none.)"""
     from prefixserve.serve_ray.replica import STATS_BATCHES
 
     prefixes = [[400 + 113 * g + (i * 7919) % 20000 for i in range(48)] for g in range(4)]
@@ -478,6 +482,8 @@ def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
                 break
             list(pool.map(filler, range(first, first + 20)))
     assert min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8, _live(cluster)
+    adapters = _state(cluster)["runtime_adapters"]
+    assert adapter_replicas and "c" in adapters
     title = "ray::ServeReplica:prefixserve:PrefixserveIngress"
     [ingress] = _processes_titled(title)
     os.kill(int(ingress.name), signal.SIGKILL)
@@ -493,6 +499,7 @@ def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
 
     _wait("a new ingress with the replicas' blocks", rebuilt, 120, cluster)
     assert [p.name for p in _processes_titled(title)] != [ingress.name]
+    assert _state(cluster)["runtime_adapters"] == adapters
     for prefix in prefixes:
         usage = _complete(cluster.url, "smol", [*prefix, 13, 14])["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 48, usage
@@ -758,6 +765,7 @@ def test_the_ingress_replays_run_time_adapter_requests_onto_new_replicas_only(
 
     ingress = ingress_module.Ingress.__new__(ingress_module.Ingress)
     ingress.adapters, ingress.replicas_with_adapters = {}, {"r0", "r1"}
+    ingress.adapters_restored = True  # this ingress took the loads itself
     ingress.adapter_lock = asyncio.Lock()
     ingress._on_replica = on_replica  # type: ignore[method-assign]
     for path, name in ((load, "x"), (load, "y"), (unload, "x")):
@@ -774,3 +782,55 @@ def test_the_ingress_replays_run_time_adapter_requests_onto_new_replicas_only(
         asyncio.run(ingress._replay_adapters())
     assert sent[2:] == [("r3", unload, "x"), ("r3", load, "y")]
     assert [r.getMessage() for r in caplog.records] == ["replica r3 refused adapter 'y': gone"]
+
+
+def test_a_new_ingress_reads_the_run_time_adapters_back_from_the_replicas(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ingress Ray Serve started after another died knows no run-time adapter: before its
+    first replay it asks every live replica what it took (``EngineReplica.adapter_requests``),
+    once. A replica that holds all of them is up to date; one that lacks some (it started
+    while no ingress ran) gets them replayed; a replica that died meanwhile is skipped.
+    (Planted: no read-back replays nothing and fails; reading on every request fails the
+    count of calls.)"""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+    from starlette.responses import Response
+
+    from prefixserve.serve_ray import ingress as ingress_module
+
+    load = ingress_module.LORA_ADMIN_PATHS[0]
+    x, y = ({"path": load, "body": json.dumps({"lora_name": name})} for name in "xy")
+    held = {"r0": {"x": x, "y": y}, "r1": {}, "r2": {"x": x, "y": y}}
+    asked: list[str] = []
+
+    async def adapter_requests(replica: str) -> dict[str, Any]:
+        asked.append(replica)
+        if replica == "r2":
+            raise RayActorError()
+        return held[replica]
+
+    sent: list[tuple[str, str]] = []
+
+    async def on_replica(forwarded: dict[str, Any], rid: str) -> Response:
+        sent.append((rid, json.loads(forwarded["body"])["lora_name"]))
+        return Response(b"{}")
+
+    replicas = ["r0", "r1", "r2"]
+    monkeypatch.setattr(ingress_module.router_module, "known_replicas", lambda: list(replicas))
+    ingress = ingress_module.Ingress.__new__(ingress_module.Ingress)
+    ingress.engine = SimpleNamespace(  # type: ignore[assignment]
+        adapter_requests=SimpleNamespace(remote=adapter_requests))
+    ingress.adapters, ingress.replicas_with_adapters = {}, set()
+    ingress.adapters_restored = False
+    ingress.adapter_lock = asyncio.Lock()
+    ingress._on_replica = on_replica  # type: ignore[method-assign]
+    asyncio.run(ingress._replay_adapters())
+    assert asked == ["r0", "r1", "r2"]
+    assert ingress.adapters == {"x": x, "y": y}
+    assert sent == [("r1", "x"), ("r1", "y"), ("r2", "x"), ("r2", "y")]
+    replicas.append("r3")
+    asyncio.run(ingress._replay_adapters())
+    assert asked == ["r0", "r1", "r2"]  # read once
+    assert sent[4:] == [("r3", "x"), ("r3", "y")]
