@@ -102,9 +102,11 @@ class EngineReplica:
 
     def _took(self, request: dict[str, Any]) -> None:
         """Remembers a run-time LoRA load or unload the application accepted."""
+        if request["method"] != "POST" or not request["path"].endswith("_lora_adapter"):
+            return
         from prefixserve.serve_ray.ingress import LORA_ADMIN_PATHS
 
-        if request["method"] != "POST" or request["path"] not in LORA_ADMIN_PATHS:
+        if request["path"] not in LORA_ADMIN_PATHS:
             return
         try:
             name = json.loads(request["body"]).get("lora_name")
