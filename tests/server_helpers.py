@@ -75,13 +75,12 @@ class ForkedServer:
 class Zygote:
     """``tests/server_zygote.py`` for this test process: servers forked from one process that
     imported the server once (its docstring says why and how). Used for a server only while
-    this process's environment is the one the zygote started with (``fits``)."""
+    this process's environment is the one it had before any test changed it (``_BASE_ENV``)."""
 
     IGNORED = ("PYTEST_CURRENT_TEST",)
     """Set by pytest for each test: not part of what a server's imports read."""
 
     def __init__(self) -> None:
-        self.env = self._environment()
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("server_zygote.py"))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -93,11 +92,9 @@ class Zygote:
         self.lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def _environment(self) -> dict[str, str]:
-        return {k: v for k, v in os.environ.items() if k not in self.IGNORED}
-
-    def fits(self) -> bool:
-        return self.alive and self._environment() == self.env
+    @classmethod
+    def environment(cls) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k not in cls.IGNORED}
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -126,17 +123,23 @@ class Zygote:
 _zygotes: list[Zygote] = []
 """This test process's zygote, once a server has needed it."""
 
+_BASE_ENV = Zygote.environment()
+"""The test process's environment before any test changed it: a zygote starts only in it, so
+that one started during a test that set a variable does not serve that test's environment to
+the servers of the tests after it (they would all be started anew)."""
+
 
 def _fork_server(argv: Sequence[str], log_path: Path) -> ForkedServer | None:
     """The server forked by this process's zygote, or None where it must be started anew: a
-    zygote turned off (``PREFIXSERVE_TEST_FORK=0``) or started in another environment, or an
+    zygote turned off (``PREFIXSERVE_TEST_FORK=0``), an environment a test changed, or an
     OS other than Linux (macOS's system libraries are not safe to use after a fork)."""
     if os.environ.get("PREFIXSERVE_TEST_FORK", "1") == "0" or sys.platform != "linux":
         return None
+    if Zygote.environment() != _BASE_ENV:
+        return None
     if not _zygotes or not _zygotes[-1].alive:
         _zygotes.append(Zygote())
-    zygote = _zygotes[-1]
-    return zygote.fork(argv, log_path) if zygote.fits() else None
+    return _zygotes[-1].fork(argv, log_path)
 
 
 class ServerProcess:
