@@ -268,7 +268,8 @@ class Ingress:
         """Sends the run-time loads and unloads to the replicas that started after them
         (autoscaling, a restart: a new replica starts with the ``--lora-modules`` adapters). A
         load a replica refuses (its file gone) is logged and not asked again; an unload of an
-        adapter the replica never had is nothing to do."""
+        adapter the replica never had is nothing to do. A new ingress first reads them back
+        from the replicas (``_restore_adapters``)."""
         if self.adapters_restored and (not self.adapters or set(
                 router_module.known_replicas()) <= self.replicas_with_adapters):
             return

@@ -802,7 +802,7 @@ def test_a_new_ingress_reads_the_run_time_adapters_back_from_the_replicas(
 
     load = ingress_module.LORA_ADMIN_PATHS[0]
     x, y = ({"path": load, "body": json.dumps({"lora_name": name})} for name in "xy")
-    held = {"r0": {"x": x, "y": y}, "r1": {}, "r2": {"x": x, "y": y}}
+    held = {"r0": {"x": x, "y": y}, "r1": {}, "r2": {"x": x, "y": y}, "r3": {}}
     asked: list[str] = []
 
     async def adapter_requests(replica: str) -> dict[str, Any]:
