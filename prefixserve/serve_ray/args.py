@@ -73,6 +73,11 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how long Ray Serve's proxy may take to start and to answer a "
                        "health check before Ray replaces it; a loaded machine needs more than "
                        "Ray's own 5-10 s (default 120)")
+    group.add_argument("--ingress-retry-timeout", type=_positive_seconds, default=30.0,
+                       metavar="SECONDS",
+                       help="how long the HTTP front keeps sending a request that Ray Serve "
+                       "could not answer yet (its ingress died or is restarting) before it "
+                       "answers 503 with Retry-After (default 30)")
     parser.set_defaults(func=run)
 
 

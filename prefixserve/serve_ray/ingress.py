@@ -39,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 
 from prefixserve.router import ROUTING_POLICIES, PromptHasher
 from prefixserve.serve_ray import request_router as router_module
+from prefixserve.serve_ray.front import stream_error_event
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OVERRIDE_PREFIX = "/routing/"
@@ -407,10 +408,5 @@ async def _rest(stream: Any, path: str, events: bool) -> AsyncIterator[bytes]:
 
 
 def _replica_died_event(path: str) -> bytes:
-    message = "the replica serving this request stopped; the answer is incomplete"
-    if path.startswith("/v1/messages"):
-        event = {"type": "error", "error": {"type": "api_error", "message": message}}
-        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
-    error = {"error": {"message": message, "type": "server_error", "param": None,
-                       "code": "replica_died"}}
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    return stream_error_event(path, "replica_died", "the replica serving this request stopped; "
+                              "the answer is incomplete")

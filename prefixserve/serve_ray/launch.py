@@ -1,17 +1,22 @@
 """``prefixserve serve --replicas N``: start (or join) a Ray cluster and deploy the replicas.
 
 The application is two deployments: ``PrefixserveIngress`` (one replica, Ray Serve's HTTP proxy
-in front) and ``PrefixserveEngine`` (N replicas of ``EngineReplica``, with
-``PrefixCacheRequestRouter`` as its request router). Every process of the application gets the
-same ``PYTHONHASHSEED`` (the caller's, or a random one drawn here), so the hash root
-``NONE_HASH`` is the same in the router and the replicas and stays secret to the deployment.
-The hash algorithm defaults to ``sha256`` here (``builtin`` values are not meant to leave a
-process).
+on an internal port of 127.0.0.1 in front of it) and ``PrefixserveEngine`` (N replicas of
+``EngineReplica``, with ``PrefixCacheRequestRouter`` as its request router). Every process of
+the application gets the same ``PYTHONHASHSEED`` (the caller's, or a random one drawn here), so
+the hash root ``NONE_HASH`` is the same in the router and the replicas and stays secret to the
+deployment. The hash algorithm defaults to ``sha256`` here (``builtin`` values are not meant to
+leave a process).
 
 Ray Serve replaces a replica whose health check fails or whose process dies (a new replica id;
 the router forgets the old one and its cache state). ``--max-replicas M`` turns on Ray Serve
 autoscaling between ``--min-replicas`` (default N) and M replicas on ongoing requests per replica
 (``--target-ongoing-requests``; more of Ray's settings with ``--autoscaling-config``).
+
+``--host``/``--port`` is served by the front (``front.py``, uvicorn in a thread of this process),
+which forwards every request to the proxy and hides the ingress's death from clients: a request
+not answered yet is sent again (until ``--ingress-retry-timeout``), a cut stream ends with an
+error event.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Any
+
+from prefixserve.serve_ray.front import Front, FrontServer, bind, free_local_port
 
 logger = logging.getLogger("prefixserve.serve_ray")
 
@@ -114,9 +122,10 @@ def serve_timeouts(args: argparse.Namespace) -> dict[str, str]:
             "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": seconds}
 
 
-def start(args: argparse.Namespace) -> None:
-    """Starts or joins Ray, starts Serve's HTTP proxy on ``--host``/``--port`` and deploys the
-    application; returns once every replica is up."""
+def start(args: argparse.Namespace, sock: socket.socket) -> FrontServer:
+    """Starts or joins Ray, starts Serve's HTTP proxy on an internal port, deploys the
+    application and serves the front on ``sock`` (``--host``/``--port``, bound); returns the
+    front once every replica is up."""
     import ray
     from ray import serve
 
@@ -126,25 +135,36 @@ def start(args: argparse.Namespace) -> None:
                  runtime_env={"env_vars": serve_timeouts(args)})
     else:
         _start_local_ray(args)
-    _start_proxy(args)
+    upstream = _start_proxy()
     serve.run(app, name=APP_NAME, route_prefix="/")
+    front = FrontServer(Front(upstream, args.ingress_retry_timeout), sock, args.log_level,
+                        access_log=not args.disable_access_log)
+    front.start()
+    return front
 
 
-def _start_proxy(args: argparse.Namespace) -> None:
-    """``serve.start``; a proxy that died or was late while starting (the controller replaces
-    it) is waited for once more."""
+def _start_proxy() -> str:
+    """``serve.start`` with the proxy on a free port of 127.0.0.1; a proxy that died or was
+    late while starting (the controller replaces it) is waited for once more. Returns the
+    proxy's base URL (a Serve instance already running keeps its own port)."""
     from ray import serve
     from ray.exceptions import RayActorError
+    from ray.serve.context import _get_global_client
 
     for attempt in (1, 2):
         try:
-            serve.start(http_options={"host": args.host, "port": args.port})
-            return
+            serve.start(http_options={"host": "127.0.0.1", "port": free_local_port()})
+            client = _get_global_client()
+            assert client is not None  # serve.start connected it
+            config = client.http_config
+            host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "", None) else config.host
+            return f"http://{host}:{config.port}"
         except (RayActorError, TimeoutError) as exc:
             if attempt == 2:
                 raise
             logger.warning("Ray Serve's proxy did not start (%s); waiting for it once more",
                            str(exc).splitlines()[0])
+    raise AssertionError("unreachable")
 
 
 def _start_local_ray(args: argparse.Namespace) -> None:
@@ -184,14 +204,22 @@ def run_ray_server(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        start(args)
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"prefixserve serve: cannot listen on {args.host}:{args.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    try:
+        front = start(args, sock)
     except Exception as exc:
         print(f"prefixserve serve: cannot start on Ray: {exc}", file=sys.stderr)
+        sock.close()
         _shutdown(args)
         return 1
     logger.info("serving %d replica(s) on http://%s:%d, routing %s", args.replicas, args.host,
                 args.port, args.routing)
     stop.wait()
+    front.stop()
     _shutdown(args)
     return 0
 

@@ -269,11 +269,14 @@ class Outcome:
 
 class Load:
     """``workers`` threads each sending streamed completions one after another (distinct
-    prompts, ``max_tokens`` past the end of text), recording each ``Outcome``."""
+    prompts, or with ``repeat`` one prompt per worker, cached after its first request;
+    ``max_tokens`` past the end of text), recording each ``Outcome``."""
 
-    def __init__(self, url: str, workers: int, max_tokens: int = 24) -> None:
+    def __init__(self, url: str, workers: int, max_tokens: int = 24,
+                 repeat: bool = False) -> None:
         self.url = url
         self.max_tokens = max_tokens
+        self.repeat = repeat
         self.outcomes: list[Outcome] = []
         self.peak: list[str] = []
         """The live replica ids at the most replicas (set by the autoscaling test)."""
@@ -290,7 +293,7 @@ class Load:
         with httpx.Client(timeout=600) as client:
             n = 0
             while not self.stopping.is_set():
-                n += 1
+                n += 0 if self.repeat else 1
                 self._one(client, [400 + 13 * worker + 7 * n + i for i in range(24)])
 
     def _one(self, client: httpx.Client, prompt: list[int]) -> None:
@@ -453,7 +456,8 @@ def test_idle_replicas_are_removed_and_forgotten(cluster: ServerProcess, load: L
 def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
         cluster: ServerProcess, adapter_replicas: list[str]) -> None:
     """The router's index lives in the ingress process. Four prefixes are cached two on each
-    replica (round-robin), then the ingress is killed (SIGKILL) and Ray Serve starts another:
+    replica (round-robin), then the ingress is killed (SIGKILL) while streams run through it
+    (``_kill_the_ingress_under_streams``) and Ray Serve starts another:
     its new router, with no memory of where it sent anything, fills the index from the
     replicas' KV event snapshots (within ``SNAPSHOT_EVERY`` reports), and prefix-aware routing
     sends each prefix back to its replica (a hit of the whole prefix). The new ingress also
@@ -486,7 +490,7 @@ def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
     assert adapter_replicas and "c" in adapters
     title = "ray::ServeReplica:prefixserve:PrefixserveIngress"
     [ingress] = _processes_titled(title)
-    os.kill(int(ingress.name), signal.SIGKILL)
+    _kill_the_ingress_under_streams(cluster, int(ingress.name))
 
     def rebuilt() -> bool:
         try:  # a routed request: the router applies the replicas' latest stats as it routes
@@ -503,6 +507,45 @@ def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
     for prefix in prefixes:
         usage = _complete(cluster.url, "smol", [*prefix, 13, 14])["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 48, usage
+
+
+def _kill_the_ingress_under_streams(cluster: ServerProcess, pid: int) -> None:
+    """SIGKILL of the ingress while 3 streams run through it and a request that is not
+    streamed waits in it for its whole answer (4 requests: 2 a replica, the autoscaling
+    target). Ray Serve's proxy cuts the streams and answers the held request with a 500 of its
+    own; the HTTP front (``front.py``) ends each cut stream with an error event
+    (``ingress_died``) and sends the held request again until the new ingress answers it. So
+    every stream completes or ends with that event, none is cut, the held request completes,
+    and so does one sent right after the kill, while no ingress runs. (Planted: a front that
+    lets a cut stream through fails here, with a ``RemoteProtocolError`` for each stream the
+    kill cut; one that passes Ray's 500 on fails with that 500.)"""
+    def complete(max_tokens: int) -> httpx.Response:
+        return HTTP.post(cluster.url + "/v1/completions", timeout=120, json={
+            "model": "smol", "prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True})
+
+    load = Load(cluster.url, workers=3, max_tokens=64, repeat=True)
+    try:
+        _wait("3 streams started", lambda: load.running()[0] == 3, 120, cluster)
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(complete, 128)
+            time.sleep(0.5)  # in the ingress, waiting for the replica's whole answer
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            answers = [complete(2), held.result()]
+    finally:
+        load.stop()
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert answers[1].json()["usage"]["completion_tokens"] == 128
+    outcomes = load.outcomes
+    bad = [o.error for o in outcomes if not o.complete
+           and '"code": "ingress_died"' not in (o.error or "")]
+    assert not bad, bad
+    cut = [o for o in outcomes if o.started and o.started < killed_at
+           and o.finished and o.finished > killed_at]
+    assert any('"code": "ingress_died"' in (o.error or "") for o in cut), [
+        (o.complete, o.error) for o in cut]
+    assert any(o.sent > killed_at and o.complete for o in outcomes)
 
 
 # --------------------------------------------------------------------------- flags (fast)
@@ -561,6 +604,16 @@ def test_bad_balance_thresholds_are_refused(argv: tuple[str, ...],
         _args("--replicas", "2", *argv)
     assert exit_info.value.code == 2
     assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_a_bad_ingress_retry_timeout_is_refused(value: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert _args("--replicas", "2").ingress_retry_timeout == 30.0
+    with pytest.raises(SystemExit) as exit_info:
+        _args("--replicas", "2", "--ingress-retry-timeout", value)
+    assert exit_info.value.code == 2
+    assert "--ingress-retry-timeout" in capsys.readouterr().err
 
 
 def test_the_ingress_hashes_adapter_requests_with_the_adapters_id() -> None:
