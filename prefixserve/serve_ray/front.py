@@ -272,13 +272,15 @@ class FrontServer:
     the main thread keeps the signal handling)."""
 
     def __init__(self, front: Front, sock: socket.socket, log_level: str, access_log: bool,
-                 shutdown_timeout: int = 5) -> None:
+                 shutdown_timeout: float = 5.0) -> None:
         import uvicorn
 
         self.front = front
         self.sock = sock
         config = uvicorn.Config(front, lifespan="off", log_level=log_level,
-                                access_log=access_log, timeout_graceful_shutdown=shutdown_timeout)
+                                access_log=access_log,
+                                timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
+        self.shutdown_timeout = shutdown_timeout
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="prefixserve-front", daemon=True)
 
@@ -295,7 +297,9 @@ class FrontServer:
                 raise RuntimeError("the HTTP front did not start")
             time.sleep(0.05)
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self) -> None:
+        """Stops taking connections; running requests get ``shutdown_timeout`` seconds to
+        finish (then uvicorn cancels them)."""
         self.server.should_exit = True
-        self.thread.join(timeout)
+        self.thread.join(self.shutdown_timeout + 10)
         self.sock.close()

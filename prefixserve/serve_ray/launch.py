@@ -138,7 +138,8 @@ def start(args: argparse.Namespace, sock: socket.socket) -> FrontServer:
     upstream = _start_proxy()
     serve.run(app, name=APP_NAME, route_prefix="/")
     front = FrontServer(Front(upstream, args.ingress_retry_timeout), sock, args.log_level,
-                        access_log=not args.disable_access_log)
+                        access_log=not args.disable_access_log,
+                        shutdown_timeout=args.shutdown_timeout)
     front.start()
     return front
 
@@ -193,16 +194,22 @@ def _start_local_ray(args: argparse.Namespace) -> None:
             ray.shutdown()
 
 
+def _stop_on_signals(stop: threading.Event) -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+
+
 def run_ray_server(args: argparse.Namespace) -> int:
-    """Runs until SIGINT/SIGTERM, then deletes the application (and stops a Ray it started)."""
+    """Runs until SIGINT/SIGTERM, then stops the front (running requests get
+    ``--shutdown-timeout`` seconds to finish), deletes the application (and stops a Ray it
+    started) and returns 0."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.routing not in ("round-robin", "least-loaded", "prefix-aware", "session"):
         print(f"prefixserve serve: error: unknown --routing {args.routing!r}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    _stop_on_signals(stop)
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -216,6 +223,9 @@ def run_ray_server(args: argparse.Namespace) -> int:
         sock.close()
         _shutdown(args)
         return 1
+    # ray.init puts a SIGTERM handler of its own in place, which exits at once (status 15)
+    # and cuts every running request: SIGTERM stops gracefully, as SIGINT does
+    _stop_on_signals(stop)
     logger.info("serving %d replica(s) on http://%s:%d, routing %s", args.replicas, args.host,
                 args.port, args.routing)
     stop.wait()
