@@ -33,13 +33,14 @@ from collections.abc import AsyncIterator
 from typing import Any, get_args
 
 from fastapi.security import HTTPAuthorizationCredentials
+from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from prefixserve.router import ROUTING_POLICIES, PromptHasher
 from prefixserve.serve_ray import request_router as router_module
-from prefixserve.serve_ray.front import stream_error_event
+from prefixserve.serve_ray.front import ANTHROPIC_PATH, api_path, stream_error_event
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OVERRIDE_PREFIX = "/routing/"
@@ -149,6 +150,21 @@ class Ingress:
         return policy, "/" + rest
 
     async def __call__(self, request: Request) -> Response:
+        """The answer to one HTTP request. An unexpected exception is a 500 in the API's own
+        error shape (``internal_error``), as one server answers it: Ray Serve would answer it
+        with its plain-text 500, which the front (``front.py``) takes for a dead ingress and
+        sends again until its deadline. Ray's own errors (a replica that died or failed) still
+        go to Ray Serve's 500, which the front sends again."""
+        try:
+            return await self._answer(request)
+        except RayError:
+            raise
+        except Exception as exc:
+            logger.exception("unexpected error in %s %s", request.method, request.url.path)
+            return Response(internal_error_body(request.url.path, exc), status_code=500,
+                            media_type="application/json")
+
+    async def _answer(self, request: Request) -> Response:
         body = await request.body()
         policy, path = self._policy_prefix(request.url.path)
         if policy is not None and policy not in ROUTING_POLICIES:
@@ -405,6 +421,17 @@ async def _rest(stream: Any, path: str, events: bool) -> AsyncIterator[bytes]:
                        type(exc).__name__)
         if events:
             yield _replica_died_event(path)
+
+
+def internal_error_body(path: str, exc: Exception) -> bytes:
+    """A 500's body in the API's shape (Anthropic's under ``/v1/messages``), naming only the
+    exception's type."""
+    message = f"internal server error: {type(exc).__name__}"
+    if api_path(path).startswith(ANTHROPIC_PATH):
+        return json.dumps({"type": "error", "error": {"type": "api_error",
+                                                      "message": message}}).encode()
+    return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                 "code": "internal_error"}}).encode()
 
 
 def _replica_died_event(path: str) -> bytes:

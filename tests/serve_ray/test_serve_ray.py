@@ -663,6 +663,44 @@ def test_the_ingress_hashes_adapter_requests_with_the_adapters_id() -> None:
     assert route("smol")["lora"] is None
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_an_exception_in_the_ingress_is_an_api_error_the_front_passes_on(path: str) -> None:
+    """An unexpected exception in the ingress (here: no engine handle, so the first call to it
+    fails) is a 500 in the API's own shape, OpenAI's or Anthropic's, naming only the
+    exception's type; the front passes it on at once instead of taking it for a dead ingress
+    and sending it again until its deadline. (Planted: without the ingress's catch the
+    exception escapes, and Ray Serve would answer its plain-text 500.)"""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from prefixserve.serve_ray.front import retry_reason
+    from prefixserve.serve_ray.ingress import Ingress
+    from prefixserve.serve_ray.launch import app_args
+
+    ingress = Ingress(None, app_args(_args("--replicas", "2", "--served-model-name", "smol")))  # type: ignore[arg-type]
+    body = json.dumps({"model": "smol", "prompt": "hi", "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "http_version": "1.1", "scheme": "http", "root_path": "",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1)}
+    response = asyncio.run(ingress(Request(scope, receive)))
+    answer = json.loads(bytes(response.body))
+    assert response.status_code == 500 and response.media_type == "application/json"
+    error = answer["error"]
+    if path == "/v1/messages":
+        assert answer["type"] == "error" and error["type"] == "api_error"
+    else:
+        assert error["code"] == "internal_error" and error["type"] == "server_error"
+    assert error["message"].startswith("internal server error: ") and "/" not in error["message"]
+    assert retry_reason(500, bytes(response.body)) is None
+
+
 def test_the_router_offers_its_choice_alone_and_passes_over_replicas_it_filled() -> None:
     """Ray Serve tries a router's next rank at once when its queue probe of the first is late
     (0.1 s) or finds it full, so other replicas offered as a second rank took a request away
