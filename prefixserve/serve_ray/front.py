@@ -76,14 +76,21 @@ def stream_error_event(path: str, code: str, message: str) -> bytes:
     return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
-def unavailable_body(path: str) -> bytes:
-    """The 503 body when the proxy did not answer before the deadline."""
-    message = "the server could not take the request in time; try again"
+def error_body(path: str, code: str, message: str, anthropic_type: str = "api_error") -> bytes:
+    """An error's body in the API's own shape: Anthropic's under ``/v1/messages`` (of type
+    ``anthropic_type``), else OpenAI's with ``code``."""
     if api_path(path).startswith(ANTHROPIC_PATH):
-        return json.dumps({"type": "error", "error": {"type": "overloaded_error",
+        return json.dumps({"type": "error", "error": {"type": anthropic_type,
                                                       "message": message}}).encode()
     return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                 "code": "ingress_unavailable"}}).encode()
+                                 "code": code}}).encode()
+
+
+def unavailable_body(path: str) -> bytes:
+    """The 503 body when the proxy did not answer before the deadline."""
+    return error_body(path, "ingress_unavailable",
+                      "the server could not take the request in time; try again",
+                      "overloaded_error")
 
 
 def is_application_error(body: bytes) -> bool:

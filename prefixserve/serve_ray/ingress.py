@@ -40,7 +40,7 @@ from starlette.responses import Response, StreamingResponse
 
 from prefixserve.router import ROUTING_POLICIES, PromptHasher
 from prefixserve.serve_ray import request_router as router_module
-from prefixserve.serve_ray.front import ANTHROPIC_PATH, api_path, stream_error_event
+from prefixserve.serve_ray.front import error_body, stream_error_event
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OVERRIDE_PREFIX = "/routing/"
@@ -161,8 +161,9 @@ class Ingress:
             raise
         except Exception as exc:
             logger.exception("unexpected error in %s %s", request.method, request.url.path)
-            return Response(internal_error_body(request.url.path, exc), status_code=500,
-                            media_type="application/json")
+            body = error_body(request.url.path, "internal_error",
+                              f"internal server error: {type(exc).__name__}")
+            return Response(body, status_code=500, media_type="application/json")
 
     async def _answer(self, request: Request) -> Response:
         body = await request.body()
@@ -421,17 +422,6 @@ async def _rest(stream: Any, path: str, events: bool) -> AsyncIterator[bytes]:
                        type(exc).__name__)
         if events:
             yield _replica_died_event(path)
-
-
-def internal_error_body(path: str, exc: Exception) -> bytes:
-    """A 500's body in the API's shape (Anthropic's under ``/v1/messages``), naming only the
-    exception's type."""
-    message = f"internal server error: {type(exc).__name__}"
-    if api_path(path).startswith(ANTHROPIC_PATH):
-        return json.dumps({"type": "error", "error": {"type": "api_error",
-                                                      "message": message}}).encode()
-    return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                 "code": "internal_error"}}).encode()
 
 
 def _replica_died_event(path: str) -> bytes:
