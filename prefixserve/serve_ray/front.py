@@ -35,7 +35,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -274,18 +274,31 @@ def free_local_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def guarded(front: Front, max_body_size: int) -> Any:
+    """``front`` behind one server's body limit (``--max-request-body-size``: a larger body is
+    a 413 in the API's shape, and is neither kept in memory nor sent on)."""
+    from prefixserve.server.transport import BodyLimitMiddleware
+
+    return BodyLimitMiddleware(cast(Any, front), max_body_size)
+
+
 class FrontServer:
     """uvicorn serving a ``Front`` on ``sock`` in a thread of its own (with its own event loop;
-    the main thread keeps the signal handling)."""
+    the main thread keeps the signal handling), with one server's connection protections:
+    the body limit (``guarded``) and the read timeout (``--request-read-timeout``: a client
+    that sends its request slower is disconnected)."""
 
     def __init__(self, front: Front, sock: socket.socket, log_level: str, access_log: bool,
-                 shutdown_timeout: float = 5.0) -> None:
+                 shutdown_timeout: float, max_body_size: int, read_timeout: float) -> None:
         import uvicorn
+
+        from prefixserve.server.transport import read_timeout_protocol
 
         self.front = front
         self.sock = sock
-        config = uvicorn.Config(front, lifespan="off", log_level=log_level,
-                                access_log=access_log,
+        config = uvicorn.Config(guarded(front, max_body_size), lifespan="off",
+                                log_level=log_level, access_log=access_log,
+                                http=read_timeout_protocol(read_timeout),
                                 timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
         self.shutdown_timeout = shutdown_timeout
         self.server = uvicorn.Server(config)

@@ -30,6 +30,7 @@ import sys
 import threading
 from typing import Any
 
+from prefixserve.engine.config import parse_memory
 from prefixserve.serve_ray.front import Front, FrontServer, bind, free_local_port
 
 logger = logging.getLogger("prefixserve.serve_ray")
@@ -139,7 +140,9 @@ def start(args: argparse.Namespace, sock: socket.socket) -> FrontServer:
     serve.run(app, name=APP_NAME, route_prefix="/")
     front = FrontServer(Front(upstream, args.ingress_retry_timeout), sock, args.log_level,
                         access_log=not args.disable_access_log,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout,
+                        max_body_size=parse_memory(args.max_request_body_size),
+                        read_timeout=args.request_read_timeout)
     front.start()
     return front
 

@@ -217,3 +217,63 @@ def test_an_upstream_request_closed_while_waiting_for_headers(
 
     asyncio.run(asyncio.wait_for(front(scope, receive, send), 10))
     assert sent == [] and cancelled == [True]
+
+
+# ----------------------------------------------------------------------------- one server's guards
+def _call_app(app: Any, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """One request with ``body`` (announced by Content-Length) through the ASGI ``app``:
+    (status, JSON body)."""
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "headers": [(b"content-length", str(len(body)).encode())]}
+    messages: list[dict[str, Any]] = []
+    inbox = [{"type": "http.request", "body": body}]
+
+    async def receive() -> dict[str, Any]:
+        if inbox:
+            return inbox.pop(0)
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    return messages[0]["status"], json.loads(b"".join(m.get("body", b"") for m in messages[1:]))
+
+
+def test_a_body_over_the_limit_is_refused_and_not_sent_on() -> None:
+    """The front applies one server's ``--max-request-body-size``: a larger body is a 413 in
+    the API's shape, and nothing goes to the proxy (the front would otherwise hold any body in
+    memory before a replica refused it); a body within the limit goes on. (Planted: the front
+    without ``guarded`` sends the large body on.)"""
+    front, sent = _front([(200, b'{"id": "x"}', "application/json")])
+    app = front_module.guarded(front, 64)
+    status, answer = _call_app(app, "/v1/completions", b"x" * 65)
+    assert (status, answer["error"]["code"]) == (413, "request_too_large")
+    status, answer = _call_app(app, "/v1/messages", b"x" * 65)
+    assert (status, answer["type"], answer["error"]["type"]) == (413, "error",
+                                                               "request_too_large")
+    assert sent == []
+    assert _call_app(app, "/v1/completions", b"x" * 64) == (200, {"id": "x"})
+    assert len(sent) == 1
+
+
+def test_a_client_slower_than_the_read_timeout_is_disconnected() -> None:
+    """A real front on 127.0.0.1 with a read timeout of 0.5 s: a client that sends half a
+    request line's headers and waits is disconnected, as one server disconnects it
+    (``--request-read-timeout``); a slowloris cannot hold the front's connections. (Planted:
+    uvicorn's own protocol keeps the connection open and the read below times out.)"""
+    import socket
+
+    front = Front("http://127.0.0.1:1", 1.0)
+    server = front_module.FrontServer(front, front_module.bind("127.0.0.1", 0), "warning",
+                                      access_log=False, shutdown_timeout=1,
+                                      max_body_size=1 << 20, read_timeout=0.5)
+    server.start()
+    try:
+        port = server.sock.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            assert client.recv(1024) == b""  # closed by the front
+    finally:
+        server.stop()
