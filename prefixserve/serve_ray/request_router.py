@@ -125,6 +125,9 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         self.choices = {"kept": 0, "changed": 0}
         """Requests routed to their first choice, and to another (chosen again after a backoff,
         the first having filled meanwhile)."""
+        self.reasons: dict[str, int] = {}
+        """Requests by the reason of their first choice (``RouteDecision.reason``: ``prefix``,
+        ``imbalanced`` for one the balance rule moved off its cached prefix, ...)."""
         # Ray Serve pickles this class by value, with a copy of this module's globals: register
         # in the module itself, which the import system holds.
         importlib.import_module(__name__)._ROUTERS.append(self)
@@ -173,7 +176,7 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
         return {"policy": self.router.policy, "replicas": replicas,
                 "indexed": sorted(index.replicas), "removed": list(self.removed),
                 "gaps": index.gaps, "restarts": index.restarts,
-                "first_choice": dict(self.choices)}
+                "first_choice": dict(self.choices), "reasons": dict(self.reasons)}
 
     # ----------------------------------------------------------------- events
     def _absorb_stats(self, replica: RunningReplica) -> None:
@@ -232,7 +235,8 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
                 if load < by_id[rid].max_ongoing_requests} or loads
         matched = self._matched(hashes, list(room)) if hashes else {}
         router = self.by_policy.get(route.get("policy") or "", self.router)
-        chosen = router.route(request, room, matched).replica_id
+        decision = router.route(request, room, matched)
+        chosen = decision.replica_id
         if hashes:
             self.routed.routed(hashes, chosen, request_id, time.monotonic())
         if pending_request is not None:  # retries of this one rank back off between attempts
@@ -240,7 +244,9 @@ class PrefixCacheRequestRouter(FIFOMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True
             if len(self.first_choice) > 100_000:  # requests cancelled before routing
                 self.first_choice.clear()
-            self.first_choice.setdefault(request_id, chosen)
+            if request_id not in self.first_choice:
+                self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+                self.first_choice[request_id] = chosen
         return [[by_id[chosen]]]
 
     def _loads(self, by_id: dict[str, RunningReplica]) -> dict[str, int]:

@@ -79,7 +79,9 @@ class TraceRequest:
     number of full simulated blocks that have a hash: those of the prompt, then those of the
     known output that decoding fills. ``num_decoded_tokens`` is the number of output tokens whose
     KV the engine computes: all known output tokens but the last (generating the last one ends
-    the request, so it is never fed back); 0 when no output is known. ``time`` is the arrival in
+    the request, so it is never fed back); 0 when no output is known. ``num_output_tokens`` is
+    the output's length as the record gives it (its tokens, or a Mooncake ``output_length``), the
+    decode work of ``estimate --clients``; 0 when unknown. ``time`` is the arrival in
     seconds when the trace has one (Mooncake ``timestamp``), ``retention`` a token line's own
     ``retention`` field (the HTTP API's shape). ``lora_id`` is the
     record's LoRA id (token and text logs), and ``shared_ids`` then the block identities the
@@ -94,6 +96,7 @@ class TraceRequest:
     retention: Retention | None = None
     lora_id: int | str | None = None
     shared_ids: Sequence[Hashable] | None = None
+    num_output_tokens: int = 0
 
 
 @dataclass
@@ -352,7 +355,7 @@ class _TokenHasher:
         ids = chain_of(lora)
         shared = chain_of(None) if lora is not None else None
         return TraceRequest(ids, len(ids), len(prompt), len(decoded), lora_id=lora,
-                            shared_ids=shared)
+                            shared_ids=shared, num_output_tokens=len(output))
 
 
 class _TokenReader:
@@ -597,9 +600,10 @@ class _MooncakeReader:
         _refuse_mm_inputs(record)
         ids = _int_list(record, "hash_ids", allow_empty=True)
         input_length = _int_field(record, "input_length", minimum=1)
-        _int_field(record, "output_length", minimum=0, default=0)
+        output_length = _int_field(record, "output_length", minimum=0, default=0)
         self.blocks.set_trace_block_size(self._trace_block_size(record))
         request = self.blocks.add(ids, input_length)
+        request.num_output_tokens = output_length
         if isinstance(record.get("timestamp"), int | float):
             request.time = record["timestamp"] / 1000.0
         return [request]
@@ -636,27 +640,29 @@ class _KVCacheTesterReader:
             self.blocks.set_trace_block_size(
                 _int_field(record, "block_size", minimum=1,
                            default=DEFAULT_TRACE_BLOCK_SIZES["kvcache-tester"]))
-        parsed: list[tuple[IntList, int]] = []
+        parsed: list[tuple[IntList, int, int]] = []
         max_id = -1
         for where, entry in self._flatten(record["requests"], "requests"):
             try:
                 _refuse_mm_inputs(entry)
                 ids = _int_list(entry, "hash_ids", allow_empty=True)
                 input_length = _int_field(entry, "in", minimum=1)
+                output_length = _int_field(entry, "out", minimum=0, default=0)
             except LineError as exc:
                 raise LineError(f"{where}: {exc}") from None
             max_id = max(max_id, _largest(ids))
-            parsed.append((ids, input_length))
+            parsed.append((ids, input_length, output_length))
         self._sessions += 1
         namespace = self._sessions
         if not self.blocks.chain:
             self.blocks.reserve_space(namespace, max_id)
         requests = []
-        for position, (ids, input_length) in enumerate(parsed):
+        for position, (ids, input_length, output_length) in enumerate(parsed):
             try:
                 requests.append(self.blocks.add(ids, input_length, namespace))
             except LineError as exc:
                 raise LineError(f"request {position}: {exc}") from None
+            requests[-1].num_output_tokens = output_length
         return requests
 
 

@@ -353,6 +353,8 @@ def test_chat_messages_use_the_chat_template(tmp_path: Path, word_tokenizer: Pat
     assert result.workload.format == "chat"
     assert [r.num_prompt_tokens for r in result.workload.requests] == [6, 14]
     assert result.workload.requests[0].num_decoded_tokens == 3
+    # the output's length (the closed-loop model's decode work): w4 w5 w6 </s>; none known
+    assert [r.num_output_tokens for r in result.workload.requests] == [4, 0]
     results = by_capacity(result)
     assert results[50].hit_tokens == results[None].hit_tokens == 8
 
@@ -455,6 +457,7 @@ def test_kvcache_tester_sessions_are_namespaced(tmp_path: Path, block_size: int)
     assert result.workload.format == "kvcache-tester"
     assert [r.num_prompt_tokens for r in result.workload.requests] == [130, 200, 64, 260, 130,
                                                                       129]
+    assert [r.num_output_tokens for r in result.workload.requests] == [5, 5, 1, 5, 0, 0]
     infinite = by_capacity(result)[None]
     assert (infinite.hit_tokens, infinite.requests_with_hit) == (448, 3)
     assert by_capacity(result)[1000].hit_tokens == 448

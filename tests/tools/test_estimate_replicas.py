@@ -89,3 +89,60 @@ def test_bad_balance_thresholds_are_refused(trace: Path, flag: str, value: str,
 def test_unknown_routing_is_refused(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", str(trace), "--replicas", "2", "--routing", "random"]) == 2
     assert "unknown routing 'random'" in capsys.readouterr().err
+
+
+def _hot(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"input_length": PROMPT, "output_length": 1,
+                                        "hash_ids": [1, 2, 100 + i]}) + "\n" for i in range(n)))
+    return path
+
+
+def test_closed_loop_clients_bound_the_loads(tmp_path: Path) -> None:
+    """The hot prefix with closed-loop clients: a replica's load is its unfinished requests, so
+    2 clients never put more than 2 on one replica and every request stays with the prefix; 40
+    clients send all 40 at once and the threshold spreads them. (Planted: loads not released
+    when a request finishes; 2 clients then spill too, and this fails.)"""
+    path = _hot(tmp_path / "hot.jsonl", 40)
+    two = _run(path, tmp_path, "--routing", "prefix-aware", "--clients", "2")
+    assert sorted(two["prefix-aware"]["requests_per_replica"]) == [0, 40]
+    forty = _run(path, tmp_path, "--routing", "prefix-aware", "--clients", "40")
+    assert min(forty["prefix-aware"]["requests_per_replica"]) > 0
+
+
+@pytest.mark.parametrize("heavy", ["prompt", "output"])
+def test_a_long_request_holds_its_client_and_short_ones_keep_their_prefix(
+        tmp_path: Path, heavy: str) -> None:
+    """Two clients, any load difference moves a request (thresholds 0 and 1). Request 0 is long
+    (20 uncached blocks, or 5,000 output tokens at the default decode cost) on one replica;
+    8 short requests on another prefix follow, one at a time on the other client, and finish
+    before it: each is sent while only request 0 is in flight, so each stays on the replica
+    holding its prefix, and all but the first hit its 2 shared blocks. The window model (the
+    last 2 routed are in flight) takes two short requests for the load and moves some away.
+    (Planted: requests finishing in arrival order, or the output's work left out; each fails.)"""
+    long = ({"input_length": 20 * BS, "output_length": 1, "hash_ids": list(range(500, 520))}
+            if heavy == "prompt" else
+            {"input_length": PROMPT, "output_length": 5000, "hash_ids": [500, 501, 502]})
+    short = [{"input_length": PROMPT, "output_length": 1, "hash_ids": [10, 11, 100 + i]}
+             for i in range(8)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [long, *short]))
+    flags = ("--routing", "prefix-aware", "--balance-abs-threshold", "0",
+             "--balance-rel-threshold", "1")
+    loop = _run(path, tmp_path, *flags, "--clients", "2")["prefix-aware"]
+    assert sorted(loop["requests_per_replica"]) == [1, 8]
+    query = (20 * BS if heavy == "prompt" else PROMPT) + 8 * PROMPT
+    assert loop["token_hit_rate"] == pytest.approx(7 * 2 * BS / query)
+    assert loop["reasons"] == {"least-loaded": 2, "prefix": 7}
+    window = _run(path, tmp_path, *flags, "--in-flight", "2")["prefix-aware"]
+    assert window["token_hit_rate"] < loop["token_hit_rate"]
+    assert window["reasons"]["imbalanced"] > 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--clients", "0"), "--clients must be at least 1"),
+    (("--clients", "4", "--in-flight", "4"), "replaces --in-flight"),
+    (("--clients", "4", "--decode-cost", "-1"), "--decode-cost must be >= 0")])
+def test_bad_closed_loop_flags_are_refused(trace: Path, flags: tuple[str, ...], message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", str(trace), "--replicas", "2", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from prefixserve.router.policy import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL
+from prefixserve.tools.estimate.replicas import DEFAULT_DECODE_COST
 
 DESCRIPTION = """\
 Replays a prompt log or a block-hash trace, in file order, through the engine's own prefix-cache
@@ -179,10 +180,20 @@ def _add_replicas(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--in-flight", type=int, metavar="N",
                        help="requests taken to be in flight for the router's load balance: the "
                        "last N routed (default 8 per replica)")
+    group.add_argument("--clients", type=int, metavar="N",
+                       help="in place of --in-flight: N closed-loop clients, each sending the "
+                       "next request when its last one finishes; a replica shares its time "
+                       "among its unfinished requests, each taking its uncached prompt tokens "
+                       "plus --decode-cost per output token, and its load is how many it has")
+    group.add_argument("--decode-cost", type=float, default=DEFAULT_DECODE_COST, metavar="X",
+                       help="with --clients: the work of one output token in prompt tokens "
+                       f"(default {DEFAULT_DECODE_COST:g}: a CPU replica decoding a few "
+                       "sequences at once)")
     group.add_argument("--balance-abs-threshold", type=int, default=DEFAULT_BALANCE_ABS,
                        metavar="N",
                        help="the router's load-balance rule, as `prefixserve serve "
-                       f"--balance-abs-threshold` (default {DEFAULT_BALANCE_ABS})")
+                       f"--balance-abs-threshold` (default {DEFAULT_BALANCE_ABS}; serve's is 2 x "
+                       "its --max-num-seqs: give that to replay a deployment)")
     group.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL,
                        metavar="F",
                        help="the rule's factor, as `prefixserve serve --balance-rel-threshold` "

@@ -69,6 +69,7 @@ def hybrid_arrive(replay: Any, index: int, trace_request: TraceRequest,
     request = CacheRequest(str(index), range(prompt), block_hashes=prompt_keys)
     manager: HybridKVCacheManager = replay.manager
     hits, num_cached = manager.get_computed_blocks(request)
+    replay.last_cached = 0
     stats = manager.make_prefix_cache_stats()
     request.num_computed_tokens = 0
     pending: Any = hits
@@ -89,6 +90,7 @@ def hybrid_arrive(replay: Any, index: int, trace_request: TraceRequest,
         done += n
         request.num_computed_tokens = done
     request.num_computed_tokens = num_cached  # as the plain replay leaves it
+    replay.last_cached = num_cached
     replay.tally.observe(index, stats)
     replay.resident.append((request, trace_request, keys))
 

@@ -119,6 +119,8 @@ class _PoolReplay:
         self.pinned: set[Any] = set()
         self.pins_full = False
         self.tier = None if settings.tier_capacity is None else _TierModel(settings.tier_capacity)
+        self.last_cached = 0
+        """Prompt tokens the latest arrival found cached (0 for one too large to hold)."""
 
     def run(self, tick: ProgressTick | None) -> CacheResult:
         start = time.perf_counter()
@@ -142,6 +144,7 @@ class _PoolReplay:
         prompt = trace_request.num_prompt_tokens
         total = prompt + trace_request.num_decoded_tokens
         num_prompt_blocks = min(len(keys), prompt // bs)
+        self.last_cached = 0
         if -(-total // bs) > self.capacity - self.manager.num_pinned_blocks:
             self.result.requests_too_large += index >= self.tally.warmup
             self.tally.observe(index, PrefixCacheStats(requests=1, queries=num_prompt_blocks,
@@ -155,6 +158,7 @@ class _PoolReplay:
                                retention=trace_request.retention or self.default_retention)
         manager = self.manager
         hits, num_cached = manager.get_computed_blocks(request)
+        self.last_cached = num_cached
         self.tally.observe(index, manager.make_prefix_cache_stats())
         if self.tier is not None:
             limit = min(num_prompt_blocks, (prompt - 1) // bs)
@@ -188,8 +192,18 @@ class _PoolReplay:
             return
         self.pinned.update(keys[:n])
 
-    def _leave(self) -> None:
-        request, trace_request, keys = self.resident.popleft()
+    def finish(self, index: int) -> None:
+        """Request ``index`` leaves now (its output's blocks cached, its blocks freed), the
+        others stay; nothing happens if it is not resident (it was too large)."""
+        at = next((i for i, entry in enumerate(self.resident)
+                   if entry[0].request_id == str(index)), None)
+        if at is not None:
+            self._leave(at)
+
+    def _leave(self, at: int = 0) -> None:
+        """The resident request at position ``at`` (the oldest by default) leaves."""
+        request, trace_request, keys = self.resident[at]
+        del self.resident[at]
         manager = self.manager
         decoded = trace_request.num_decoded_tokens
         if decoded:
