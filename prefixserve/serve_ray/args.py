@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from prefixserve.router.policy import DEFAULT_BALANCE_ABS, DEFAULT_BALANCE_REL
+from prefixserve.router.policy import BALANCE_BATCHES, DEFAULT_BALANCE_REL
 from prefixserve.server import cli_args as serve_args
 
 ROUTINGS = ("round-robin", "least-loaded", "prefix-aware", "session")
@@ -31,12 +31,12 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--routing", choices=ROUTINGS, default="prefix-aware",
                        help="how requests are spread over the replicas (default prefix-aware: "
                        "the longest cached prefix unless that replica is overloaded)")
-    group.add_argument("--balance-abs-threshold", type=_count, default=DEFAULT_BALANCE_ABS,
-                       metavar="N",
+    group.add_argument("--balance-abs-threshold", type=_count, metavar="N",
                        help="prefix-aware routing passes over the replica holding a request's "
                        "prefix for the least loaded one only when it has more than N requests "
                        "in flight beyond that one and more than --balance-rel-threshold times "
-                       f"as many (default {DEFAULT_BALANCE_ABS})")
+                       f"as many (default {BALANCE_BATCHES} x --max-num-seqs: two full batches "
+                       "queued, 64 with the default 32 sequence slots)")
     group.add_argument("--balance-rel-threshold", type=_factor, default=DEFAULT_BALANCE_REL,
                        metavar="F",
                        help="the factor of the rule above (default "

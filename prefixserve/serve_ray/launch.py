@@ -30,7 +30,8 @@ import sys
 import threading
 from typing import Any
 
-from prefixserve.engine.config import parse_memory
+from prefixserve.engine.config import EngineConfig, parse_memory
+from prefixserve.router.policy import BALANCE_BATCHES
 from prefixserve.serve_ray.front import Front, FrontServer, bind, free_local_port
 
 logger = logging.getLogger("prefixserve.serve_ray")
@@ -72,7 +73,10 @@ def autoscaling_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def router_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The request router's settings (``PrefixCacheRequestRouter.initialize_state``)."""
-    return {"policy": args.routing, "balance_abs": args.balance_abs_threshold,
+    balance_abs = args.balance_abs_threshold
+    if balance_abs is None:
+        balance_abs = BALANCE_BATCHES * (args.max_num_seqs or EngineConfig.max_num_seqs)
+    return {"policy": args.routing, "balance_abs": balance_abs,
             "balance_rel": args.balance_rel_threshold}
 
 
@@ -93,7 +97,7 @@ def build_app(args: argparse.Namespace) -> Any:
     engine_options: dict[str, Any] = {
         "name": "PrefixserveEngine", "ray_actor_options": actor,
         "max_ongoing_requests": args.max_ongoing_requests
-        or ONGOING_PER_SEQUENCE_SLOT * (args.max_num_seqs or 32),
+        or ONGOING_PER_SEQUENCE_SLOT * (args.max_num_seqs or EngineConfig.max_num_seqs),
         "health_check_period_s": 5.0, "health_check_timeout_s": 60.0,
         "request_router_config": RequestRouterConfig(
             # by import path: the ingress then shares the module (and its router registry)

@@ -612,7 +612,9 @@ def test_the_balance_flags_reach_the_request_router() -> None:
     router.initialize_state(**kwargs)
     request_router._ROUTERS.remove(router)
     assert (router.router.balance_abs, router.router.balance_rel) == (9, 2.5)
-    assert router_kwargs(_args("--replicas", "2"))["balance_abs"] == 4
+    # the default: two full batches of a replica's sequence slots
+    assert router_kwargs(_args("--replicas", "2"))["balance_abs"] == 64
+    assert router_kwargs(_args("--replicas", "2", "--max-num-seqs", "4"))["balance_abs"] == 8
 
 
 @pytest.mark.parametrize("argv", [("--balance-abs-threshold", "-1"),
@@ -749,6 +751,11 @@ def test_the_router_offers_its_choice_alone_and_passes_over_replicas_it_filled()
         for pending, rid in ((late, other), (kept, other)):
             router.on_request_routed(pending, SimpleNamespace(unique_id=rid), None)  # type: ignore[arg-type]
         assert router.choices == {"kept": 1, "changed": 1}
+        # each request's first choice by its reason (a request chosen again is not counted):
+        # "any" found no prefix, "late" its replica, "kept" the prefix where "late" went next
+        assert router.reasons == {"least-loaded": 1, "prefix": 2}
+        router._replicas = {}  # Ray's replica set, which state() lists
+        assert router.state()["reasons"] == router.reasons
     finally:
         request_router._ROUTERS.remove(router)
 
