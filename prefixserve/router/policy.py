@@ -37,8 +37,7 @@ BALANCE_BATCHES = 2
 """``serve --replicas``: the default ``balance_abs`` in full batches of a replica
 (``--max-num-seqs``), 64 with the default 32 (SGLang's router's default). Below it a request
 waits beside its cached prefix; 4 replicas of 4 slots with 16 clients moved 4-9 requests a run
-off their prefix at 4, and ran at 2.1-2.9 against 3.0-3.2 req/s at 8
-(``benchmarks/replica_routing.py``)."""
+off their prefix at 4 (2.1-2.9 req/s), 0-2 at 8 (2.3-3.2 req/s; benchmarks/replica_routing.py)."""
 
 SESSION_LIMIT = 100_000
 """Session keys remembered (the oldest are forgotten first)."""
