@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from hostile_clients import Server  # noqa: E402
 
-from prefixserve.router.policy import BALANCE_BATCHES  # noqa: E402
+from prefixserve.router.policy import default_balance_abs  # noqa: E402
 
 ADMIN = "routing-admin"
 CLIENTS = 16
@@ -99,10 +99,10 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=8,
                         help="system prompts of the dataset, 8 questions each (default 8)")
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--balance-abs-threshold", type=int, default=BALANCE_BATCHES * SLOTS,
-                        metavar="N", help="the router's rule, in the cluster and the estimate "
-                        f"(default {BALANCE_BATCHES * SLOTS}: serve's, {BALANCE_BATCHES} x "
-                        "--max-num-seqs)")
+    parser.add_argument("--balance-abs-threshold", type=int,
+                        default=default_balance_abs(SLOTS), metavar="N",
+                        help="the router's rule, in the cluster and the estimate (default "
+                        f"{default_balance_abs(SLOTS)}: serve's for {SLOTS} slots)")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep the prompts sent, the bench's and the estimates' JSON in DIR")
     parser.add_argument("--server-args", default="",

@@ -34,10 +34,21 @@ DEFAULT_BALANCE_REL = 1.5
 """Factor by which the best-cached replica's load may exceed the least loaded one's."""
 
 BALANCE_BATCHES = 2
-"""``serve --replicas``: the default ``balance_abs`` in full batches of a replica
-(``--max-num-seqs``), 64 with the default 32 (SGLang's router's default). Below it a request
-waits beside its cached prefix; 4 replicas of 4 slots with 16 clients moved 4-9 requests a run
-off their prefix at 4 (2.1-2.9 req/s), 0-2 at 8 (2.3-3.2 req/s; benchmarks/replica_routing.py)."""
+"""``serve --replicas``: the balance rule moves a request off its cached prefix when that
+replica holds at least this many full batches (``--max-num-seqs``) more than the least loaded
+one (``default_balance_abs``)."""
+
+
+def default_balance_abs(slots: int) -> int:
+    """``serve``'s default ``balance_abs`` for replicas of ``slots`` sequence slots: at least
+    ``BALANCE_BATCHES`` x ``slots`` more requests, 63 with the default 32 (SGLang's router: 64).
+    Below it a request waits beside its cached prefix. With 4 replicas of 4 slots under 16
+    clients, 4-9 requests a run left their prefix at 4 (2.1-2.9 req/s), 0-2 at 7 (2.8-3.3
+    req/s). At 2 x slots without the -1, a replica started after another died (2 replicas of 8
+    slots, 16 clients) took no request while the survivor held all 16
+    (``benchmarks/replica_routing.py``, ``chaos.py``)."""
+    return BALANCE_BATCHES * slots - 1
+
 
 SESSION_LIMIT = 100_000
 """Session keys remembered (the oldest are forgotten first)."""

@@ -35,8 +35,8 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prefix-aware routing passes over the replica holding a request's "
                        "prefix for the least loaded one only when it has more than N requests "
                        "in flight beyond that one and more than --balance-rel-threshold times "
-                       f"as many (default {BALANCE_BATCHES} x --max-num-seqs: two full batches "
-                       "queued, 64 with the default 32 sequence slots)")
+                       f"as many (default {BALANCE_BATCHES} x --max-num-seqs - 1: it holds "
+                       "at least two full batches more; 63 with the default 32 slots)")
     group.add_argument("--balance-rel-threshold", type=_factor, default=DEFAULT_BALANCE_REL,
                        metavar="F",
                        help="the factor of the rule above (default "

@@ -31,7 +31,7 @@ import threading
 from typing import Any
 
 from prefixserve.engine.config import EngineConfig, parse_memory
-from prefixserve.router.policy import BALANCE_BATCHES
+from prefixserve.router.policy import default_balance_abs
 from prefixserve.serve_ray.front import Front, FrontServer, bind, free_local_port
 
 logger = logging.getLogger("prefixserve.serve_ray")
@@ -75,7 +75,7 @@ def router_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The request router's settings (``PrefixCacheRequestRouter.initialize_state``)."""
     balance_abs = args.balance_abs_threshold
     if balance_abs is None:
-        balance_abs = BALANCE_BATCHES * (args.max_num_seqs or EngineConfig.max_num_seqs)
+        balance_abs = default_balance_abs(args.max_num_seqs or EngineConfig.max_num_seqs)
     return {"policy": args.routing, "balance_abs": balance_abs,
             "balance_rel": args.balance_rel_threshold}
 

@@ -612,9 +612,9 @@ def test_the_balance_flags_reach_the_request_router() -> None:
     router.initialize_state(**kwargs)
     request_router._ROUTERS.remove(router)
     assert (router.router.balance_abs, router.router.balance_rel) == (9, 2.5)
-    # the default: two full batches of a replica's sequence slots
-    assert router_kwargs(_args("--replicas", "2"))["balance_abs"] == 64
-    assert router_kwargs(_args("--replicas", "2", "--max-num-seqs", "4"))["balance_abs"] == 8
+    # the default: a move needs two full batches of a replica's sequence slots more
+    assert router_kwargs(_args("--replicas", "2"))["balance_abs"] == 63
+    assert router_kwargs(_args("--replicas", "2", "--max-num-seqs", "4"))["balance_abs"] == 7
 
 
 @pytest.mark.parametrize("argv", [("--balance-abs-threshold", "-1"),
