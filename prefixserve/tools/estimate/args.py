@@ -193,7 +193,7 @@ def _add_replicas(group: argparse._ArgumentGroup) -> None:
                        metavar="N",
                        help="the router's load-balance rule, as `prefixserve serve "
                        f"--balance-abs-threshold` (default {DEFAULT_BALANCE_ABS}; serve's is 2 x "
-                       "its --max-num-seqs: give that to replay a deployment)")
+                       "its --max-num-seqs - 1: give that to replay a deployment)")
     group.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL,
                        metavar="F",
                        help="the rule's factor, as `prefixserve serve --balance-rel-threshold` "

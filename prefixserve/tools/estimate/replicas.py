@@ -45,9 +45,9 @@ from prefixserve.tools.trace_formats import Workload
 REPLICA_ROUTINGS = ("round-robin", "prefix-aware", "pooled")
 
 DEFAULT_DECODE_COST = 4.0
-"""Work of one output token in prompt tokens for ``ClosedLoop``: a CPU replica of the default
-model (float32, one thread) decoding four sequences took 43-65 ms a step, 11-16 ms a sequence,
-against 2.9-3.1 ms a prompt token."""
+"""Work of one output token in prompt tokens for ``ClosedLoop``: about what a CPU replica of
+the default model (float32, one thread) spends per sequence on a decode step of four sequences,
+against one prompt token's share of a prefill."""
 
 
 @dataclass(frozen=True)
