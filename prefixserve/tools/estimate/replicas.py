@@ -187,6 +187,7 @@ def _replay_closed_loop(step: _RoutedStep, loop: ClosedLoop) -> None:
         # the next request to finish: least work left times the requests sharing its replica
         elapsed, where, index = min((min(r.values()) * len(r), w, min(r, key=r.__getitem__))
                                     for w, r in enumerate(remaining) if r)
+        elapsed = max(elapsed, 0.0)  # a request left at -1e-12 by rounding finishes now
         for held in remaining:
             for key in held:
                 held[key] -= elapsed / len(held)
