@@ -617,6 +617,21 @@ def test_the_balance_flags_reach_the_request_router() -> None:
     assert router_kwargs(_args("--replicas", "2", "--max-num-seqs", "4"))["balance_abs"] == 7
 
 
+def test_the_default_threshold_moves_a_request_once_its_replica_leads_by_two_batches() -> None:
+    """Serve's default rule, 2 replicas of 8 slots and 16 clients (the chaos benchmark's
+    replica kill): the survivor holds every cached prefix and all 16 requests while its
+    replacement is empty. A lead of two full batches (16) moves the next request to the empty
+    replica; 15 keeps it beside its prefix. (Planted: the default without the -1, a lead that
+    can reach 16 but never exceed it; the first assertion fails, as the benchmark's recovery
+    did: never.)"""
+    from prefixserve.router.policy import Router, RouteRequest, default_balance_abs
+
+    router = Router("prefix-aware", balance_abs=default_balance_abs(8))
+    request, matched = RouteRequest([1, 2, 3]), {"survivor": 3}
+    assert router.route(request, {"survivor": 16, "new": 0}, matched).replica_id == "new"
+    assert router.route(request, {"survivor": 15, "new": 0}, matched).replica_id == "survivor"
+
+
 @pytest.mark.parametrize("argv", [("--balance-abs-threshold", "-1"),
                                   ("--balance-rel-threshold", "0.9"),
                                   ("--balance-rel-threshold", "x")])
