@@ -45,8 +45,9 @@ def default_balance_abs(slots: int) -> int:
     Below it a request waits beside its cached prefix. With 4 replicas of 4 slots under 16
     clients, 4-9 requests a run left their prefix at 4 (2.1-2.9 req/s), 0-2 at 7 (2.8-3.3
     req/s). At 2 x slots without the -1, a replica started after another died (2 replicas of 8
-    slots, 16 clients) took no request while the survivor held all 16
-    (``benchmarks/replica_routing.py``, ``chaos.py``)."""
+    slots, 16 clients) never got the cached prefixes' requests, since the survivor's lead can
+    reach 16 but not exceed it, and throughput never came back to 90% (``chaos.py``; at 15,
+    in 8 s)."""
     return BALANCE_BATCHES * slots - 1
 
 
