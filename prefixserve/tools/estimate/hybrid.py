@@ -55,7 +55,7 @@ def model_kv_groups(model: str | None) -> tuple[int, int, tuple[int | None, ...]
 
 
 def hybrid_arrive(replay: Any, index: int, trace_request: TraceRequest,
-                  settings: ReplaySettings) -> None:
+                  settings: ReplaySettings) -> int:
     """``_PoolReplay._arrive`` for a hybrid pool (see the module docstring)."""
     workload: Workload = replay.workload
     bs = workload.block_size
@@ -69,7 +69,6 @@ def hybrid_arrive(replay: Any, index: int, trace_request: TraceRequest,
     request = CacheRequest(str(index), range(prompt), block_hashes=prompt_keys)
     manager: HybridKVCacheManager = replay.manager
     hits, num_cached = manager.get_computed_blocks(request)
-    replay.last_cached = 0
     stats = manager.make_prefix_cache_stats()
     request.num_computed_tokens = 0
     pending: Any = hits
@@ -85,14 +84,14 @@ def hybrid_arrive(replay: Any, index: int, trace_request: TraceRequest,
             replay.result.requests_too_large += index >= replay.tally.warmup
             replay.tally.observe(index, PrefixCacheStats(
                 requests=1, queries=num_prompt_blocks, query_tokens=prompt))
-            return
+            return 0
         pending = ()
         done += n
         request.num_computed_tokens = done
     request.num_computed_tokens = num_cached  # as the plain replay leaves it
-    replay.last_cached = num_cached
     replay.tally.observe(index, stats)
     replay.resident.append((request, trace_request, keys))
+    return num_cached
 
 
 def hybrid_manager(capacity: int, block_size: int, settings: ReplaySettings,

@@ -119,8 +119,6 @@ class _PoolReplay:
         self.pinned: set[Any] = set()
         self.pins_full = False
         self.tier = None if settings.tier_capacity is None else _TierModel(settings.tier_capacity)
-        self.last_cached = 0
-        """Prompt tokens the latest arrival found cached (0 for one too large to hold)."""
 
     def run(self, tick: ProgressTick | None) -> CacheResult:
         start = time.perf_counter()
@@ -135,21 +133,21 @@ class _PoolReplay:
         self.result.seconds = time.perf_counter() - start
         return self.result
 
-    def _arrive(self, index: int, trace_request: TraceRequest) -> None:
+    def _arrive(self, index: int, trace_request: TraceRequest) -> int:
+        """Replays the arrival of request ``index``; the prompt tokens it found cached (0 for
+        one too large to hold)."""
         if self.settings.group_windows is not None:
-            estimate_hybrid.hybrid_arrive(self, index, trace_request, self.settings)
-            return
+            return estimate_hybrid.hybrid_arrive(self, index, trace_request, self.settings)
         bs = self.block_size
         keys = self.workload.block_keys(trace_request)
         prompt = trace_request.num_prompt_tokens
         total = prompt + trace_request.num_decoded_tokens
         num_prompt_blocks = min(len(keys), prompt // bs)
-        self.last_cached = 0
         if -(-total // bs) > self.capacity - self.manager.num_pinned_blocks:
             self.result.requests_too_large += index >= self.tally.warmup
             self.tally.observe(index, PrefixCacheStats(requests=1, queries=num_prompt_blocks,
                                                        query_tokens=prompt))
-            return
+            return 0
         while len(self.resident) >= self.concurrency:
             self._leave()
         prompt_keys = keys if num_prompt_blocks == len(keys) else keys[:num_prompt_blocks]
@@ -158,7 +156,6 @@ class _PoolReplay:
                                retention=trace_request.retention or self.default_retention)
         manager = self.manager
         hits, num_cached = manager.get_computed_blocks(request)
-        self.last_cached = num_cached
         self.tally.observe(index, manager.make_prefix_cache_stats())
         if self.tier is not None:
             limit = min(num_prompt_blocks, (prompt - 1) // bs)
@@ -176,6 +173,7 @@ class _PoolReplay:
         if self.pin_targets and not self.pins_full:
             self._pin(index, prompt_keys)
         self.resident.append((request, trace_request, keys))
+        return num_cached
 
     def _pin(self, index: int, keys: Sequence[Any]) -> None:
         """Pins the request's prefix up to its last target block (a target stands for the

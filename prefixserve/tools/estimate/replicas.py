@@ -135,17 +135,18 @@ class _RoutedStep:
         self.served = [0] * len(ids)
         self.reasons: dict[str, int] = {}
 
-    def arrive(self, index: int, loads: list[int]) -> int:
-        """Request ``index`` routed and arrived; the position of its replica."""
+    def arrive(self, index: int, loads: list[int]) -> tuple[int, int]:
+        """Request ``index`` routed and arrived: the position of its replica, and the prompt
+        tokens it found cached there."""
         request = self.workload.requests[index]
         route = RouteRequest([hash_value_of(k) for k in self.workload.block_keys(request)])
         decision = self.router.route(route, dict(zip(self.ids, loads, strict=True)))
         self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
         where = self.ids.index(decision.replica_id)
-        self.pools[where]._arrive(index, request)
+        cached = self.pools[where]._arrive(index, request)
         self.served[where] += 1
         self.flush(where)
-        return where
+        return where, cached
 
     def flush(self, where: int) -> None:
         batch = self.publishers[where].flush()
@@ -158,7 +159,7 @@ def _replay_window(step: _RoutedStep, window: int) -> None:
     recent: deque[int] = deque()
     loads = [0] * len(step.ids)
     for index in range(len(step.workload.requests)):
-        where = step.arrive(index, loads)
+        where, _ = step.arrive(index, loads)
         recent.append(where)
         loads[where] += 1
         if len(recent) > window:
@@ -175,9 +176,9 @@ def _replay_closed_loop(step: _RoutedStep, loop: ClosedLoop) -> None:
     def send() -> None:
         nonlocal sent
         index, sent = sent, sent + 1
-        where = step.arrive(index, [len(r) for r in remaining])
+        where, cached = step.arrive(index, [len(r) for r in remaining])
         request = requests[index]
-        work = (request.num_prompt_tokens - step.pools[where].last_cached
+        work = (request.num_prompt_tokens - cached
                 + loop.decode_cost * request.num_output_tokens)
         remaining[where][index] = max(work, 1e-9)
 
