@@ -15,6 +15,12 @@ then the kernel's rate on one thread over a single matrix of 256 rows (in L2), t
 microseconds, so a median there moves with whatever else the machine runs). A kernel whose
 per-core ceiling is not well above its share of the memory's rate cannot stream at the
 memory's speed. Needs a C compiler with OpenMP.
+
+Two profiling builds of the 512-bit 4-bit kernels (Q4_0, Q4_1; wrong results, rates only) show
+where the time goes: ``PREFIXSERVE_KERNEL_FLAGS=-DPROFILE_Q4_LOADS`` keeps the loads, the scales
+and the accumulation but no nibble arithmetic (the kernel's shape's ceiling), and
+``-DPROFILE_Q4_HIGH_BYTES`` drops the products with the activations' low bytes (what 8-bit
+activations would cost).
 """
 
 from __future__ import annotations
