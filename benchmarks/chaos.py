@@ -14,7 +14,8 @@ and injects one fault:
   requests behind it, then more prompts in one request than the waiting queue holds;
 * ``replica-kill``: ``serve --replicas 2`` on a local Ray cluster; one replica is killed
   (SIGKILL) and Ray Serve starts another;
-* ``ingress-kill``: the same cluster's ingress is killed (SIGKILL) and Ray Serve starts another.
+* ``ingress-kill``: the same cluster's ingress is killed (SIGKILL) and Ray Serve starts another
+  (the note says when a request sent right after the kill was answered).
 
 For each it prints: requests sent, completed, failed with a clear error (an API error body, or
 an error event ending a started stream), lost (no answer: a refused or cut connection, a
@@ -356,7 +357,11 @@ def ingress_kill(server: Server, clients: int) -> Row:
         pids = sorted(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
                       and _cmdline(p).startswith(title))
         os.kill(pids[0], signal.SIGKILL)
-        return f"1 of {len(pids)} ingress processes killed"
+        killed = time.monotonic()
+        # the front holds this request and sends it again until a new ingress answers it
+        httpx.get(server.url + "/v1/models", timeout=120).raise_for_status()
+        return (f"1 of {len(pids)} ingress processes killed; answered again "
+                f"{time.monotonic() - killed:.1f} s after")
 
     return run_fault("ingress-kill", Load(server.url, clients), inject, 15.0, 45.0)
 

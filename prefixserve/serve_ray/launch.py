@@ -47,6 +47,10 @@ them and 53-54% of prompt tokens came from the cache, against 100% and 69-75% wi
 ``benchmarks/replica_routing.py``)."""
 ROUTING_STATS_PERIOD_S = 0.5
 """How often each replica reports its KV events to the routers (Ray Serve's routing stats)."""
+INGRESS_HEALTH_CHECK_PERIOD_S = 1.0
+"""How often Ray Serve checks the ingress. It notices a dead replica at its next health check
+(Ray's default period is 10 s), so this bounds how long requests wait, beyond the new
+ingress's start, after one dies; a check is one call on an idle actor."""
 
 
 def app_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,10 +116,15 @@ def build_app(args: argparse.Namespace) -> Any:
         engine_options["num_replicas"] = args.replicas
     deployment: Any = serve.deployment
     engine = deployment(EngineReplica, **engine_options).bind(values)
-    ingress = deployment(Ingress, name="PrefixserveIngress", max_ongoing_requests=1000,
-                               ray_actor_options={"num_cpus": 0,
-                                                  "runtime_env": {"env_vars": env}})
+    ingress = deployment(Ingress, **ingress_options(env))
     return ingress.bind(engine, values)
+
+
+def ingress_options(env: dict[str, str]) -> dict[str, Any]:
+    """The ingress deployment's options (one replica; no CPU reserved: it only routes)."""
+    return {"name": "PrefixserveIngress", "max_ongoing_requests": 1000,
+            "health_check_period_s": INGRESS_HEALTH_CHECK_PERIOD_S,
+            "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": env}}}
 
 
 def serve_timeouts(args: argparse.Namespace) -> dict[str, str]:

@@ -38,6 +38,7 @@ from lora_helpers import default_config, write_peft_adapter
 from server_helpers import HTTP, ServerProcess
 
 from prefixserve.cli import main
+from prefixserve.serve_ray.launch import ROUTING_STATS_PERIOD_S, build_app
 from prefixserve.tools.bench.report import read_run
 
 RAY_STARTUP_S = 600.0
@@ -476,15 +477,18 @@ def test_a_restarted_ingress_rebuilds_its_index_from_the_replicas_snapshots(
         _complete(cluster.url + "/routing/round-robin", "smol",
                   [900 + (37 * n + i * 104729) % 20000 for i in range(20)])
 
-    # a batch is a report with events (one per stats period): as many requests as the time it
-    # takes, not a count (400 requests made too few batches on a quiet machine)
+    # a batch is the events of one report (the replica flushes them as it reports, one report
+    # per stats period): one request a replica each period adds one, and leaves the cores to
+    # the other tests (a stream of requests made no more batches, at two cores' work)
     deadline = time.monotonic() + 300
-    with ThreadPoolExecutor(2) as pool:  # one request a replica: below the autoscaling target
-        for first in itertools.count(0, 20):
-            if (min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8
-                    or time.monotonic() > deadline):
-                break
-            list(pool.map(filler, range(first, first + 20)))
+    for n in itertools.count(0, 2):
+        if (min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8
+                or time.monotonic() > deadline):
+            break
+        period_ends = time.monotonic() + ROUTING_STATS_PERIOD_S
+        filler(n)  # consecutive round-robin picks: the two replicas
+        filler(n + 1)
+        time.sleep(max(0.0, period_ends - time.monotonic()))
     assert min(r["seq"] for r in _live(cluster)) > STATS_BATCHES + 8, _live(cluster)
     adapters = _state(cluster)["runtime_adapters"]
     assert adapter_replicas and "c" in adapters
@@ -599,6 +603,16 @@ def test_bad_replica_ranges_are_refused(argv: tuple[str, ...],
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2
     assert "replicas" in capsys.readouterr().err
+
+
+def test_a_dead_ingress_is_noticed_sooner_than_rays_default_health_check() -> None:
+    """Ray Serve notices a dead replica at its next health check (every 10 s by default), and
+    requests wait that long for a new ingress. The ingress is checked every second (read from
+    the application Ray is given: it has no public accessor). (Planted: without the option,
+    Ray's 10 s.)"""
+    ingress = build_app(_args("--replicas", "2"))._bound_deployment
+    assert ingress.name == "PrefixserveIngress"
+    assert ingress._deployment_config.health_check_period_s <= 1.0
 
 
 def test_the_balance_flags_reach_the_request_router() -> None:
