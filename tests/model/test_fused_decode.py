@@ -35,6 +35,7 @@ from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInp
 from prefixserve.model.weights import quant, quant_kernels
 from prefixserve.model.weights.quant import (
     FMT_Q4_0,
+    FMT_Q4_0S,
     FMT_Q4_1,
     FMT_Q4_K,
     FMT_Q5_K,
@@ -42,6 +43,7 @@ from prefixserve.model.weights.quant import (
     FMT_Q8_0,
     PackedParts,
     PackedWeight,
+    QuantLinear,
     SplitQuantLinear,
     pack_float,
 )
@@ -107,12 +109,18 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     return logits, runner.kv_cache, runner
 
 
+#: A model whose every product's width is a multiple of 512 (hidden 512, 8 heads of 64, FFN
+#: 512), so that its Q4_0 weights take the stream layout.
+STREAM_CONFIG = replace(tiny_config(heads=8, kv_heads=2, head_dim=64), hidden_size=512,
+                        intermediate_size=512)
 #: (config, weight format, block size, activations, cache (None: the activations' dtype)).
 CASES: dict[str, tuple[ModelConfig, int, int, torch.dtype, torch.dtype | None]] = {
     "q4_1-gqa2": (tiny_config(), FMT_Q4_1, 16, torch.float32, None),
     "q8_0-gqa2": (tiny_config(), FMT_Q8_0, 16, torch.float32, None),
     "q4_0-gqa2": (tiny_config(), FMT_Q4_0, 16, torch.float32, None),
     "q4_0-gqa2-bfloat16": (tiny_config(), FMT_Q4_0, 16, torch.bfloat16, None),
+    # every product 512 wide: Q4_0 in the stream layout (kernels/stream.c)
+    "q4_0-stream": (STREAM_CONFIG, FMT_Q4_0, 16, torch.float32, None),
     "q4_1-gqa3-bias-block4": (tiny_config(heads=6, kv_heads=2, bias=True), FMT_Q4_1, 4,
                               torch.float32, None),
     "q4_1-gqa2-bfloat16": (tiny_config(), FMT_Q4_1, 16, torch.bfloat16, None),
@@ -214,6 +222,54 @@ def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
         torch.testing.assert_close(got, want, rtol=0, atol=logit_tol * float(want.abs().max()))
     torch.testing.assert_close(fused_cache.float(), eager_cache.float(), rtol=0,
                                atol=kv_tol * float(eager_cache.abs().max()))
+
+
+def decode_steps(model: CausalLM, config: ModelConfig, rows: int, dtype: torch.dtype
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The logits of four fused decode steps of ``rows`` sequences (of 40 to 100 tokens
+    prefilled) and the cache at the end."""
+    rng = random.Random(3)
+    runner = ModelRunner(config, model, 200, 16, dtype, "cpu")
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(40 + 7 * i)] for i in range(rows)]
+    tables = [list(range(12 * i, 12 * i + 12)) for i in range(rows)]
+    for i, prompt in enumerate(prompts):
+        runner.execute([SeqBatchInput(prompt, 0, tables[i], seq_id=i)])
+    logits = []
+    for step in range(4):
+        logits.append(runner.execute([
+            SeqBatchInput([rng.randrange(config.vocab_size)], len(p) + step, tables[i], seq_id=i)
+            for i, p in enumerate(prompts)]).logits)
+    assert runner._fused is not None, runner.fused_decode_reason
+    return logits, runner.kv_cache
+
+
+@pytest.mark.parametrize("rows", [1, 5, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_stream_layout_changes_no_number_of_the_fused_step(
+        rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_0 weights in the stream layout (``kernels/stream.c``: every product of STREAM_CONFIG
+    is 512 wide) decode with the same bits as in the file's layout: one row through the
+    stream kernel (its sums in rows_q4_wide's order), more rows through the file layout's
+    kernels over unpacked groups (bfloat16: the bfloat16 batch kernel where the CPU has it).
+    Kills a repacking or unpacking that moves a block, a scale or a row (planted: the scales
+    of a run shifted by one block, in the repacking; every logit moved)."""
+    lib = quant_kernels.kernels()
+    if lib is None or not lib.q4_0s_fits(4, 512):
+        pytest.skip("the stream layout needs the kernels' 512-bit build")
+
+    def model() -> CausalLM:
+        return packed_model(STREAM_CONFIG, FMT_Q4_0).to(dtype)
+
+    streamed = model()
+    assert all(m.fmt == FMT_Q4_0S for m in streamed.modules() if isinstance(m, QuantLinear))
+    stream_logits, stream_cache = decode_steps(streamed, STREAM_CONFIG, rows, dtype)
+    monkeypatch.setattr(quant, "stream_layout", lambda weight, lib: weight)
+    filed = model()
+    assert all(m.fmt == FMT_Q4_0 for m in filed.modules() if isinstance(m, QuantLinear))
+    file_logits, file_cache = decode_steps(filed, STREAM_CONFIG, rows, dtype)
+    for got, want in zip(stream_logits, file_logits, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(stream_cache, file_cache)
 
 
 #: Block bytes and the offsets of fp16 scales of the K-quant formats (random blocks with small

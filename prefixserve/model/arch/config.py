@@ -26,6 +26,8 @@ class _HasItemSize(Protocol):
 #: How matmul weights can be held in memory (``--weights``, see
 #: :mod:`prefixserve.model.weights.loader`).
 WEIGHT_MODES = ("auto", "bf16", "int8", "int4")
+#: How packed Q4_0 weights are laid out in memory (:mod:`prefixserve.model.weights.loader`).
+WEIGHT_LAYOUTS = ("stream", "file")
 
 
 def default_model_path() -> str:

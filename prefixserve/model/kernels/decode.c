@@ -237,12 +237,89 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
 #endif
 }
 
+/* The AMX product of team_stream, shared out as amx_team_product does: the activations packed
+ * by all threads, then this thread's run of 16-row groups, each unpacked into rows (NULL: no
+ * memory, NaN out), with their biases. Every thread of the team calls it. */
+static void team_stream_amx(const uint8_t *W, int64_t N, int64_t K, const float *bias,
+                            const Quantized *q, int64_t B, uint8_t *rows, float *y,
+                            int64_t ldy) {
+    int64_t row_bytes = K / QK * Q4_0_BYTES;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < amx_units(B, K); u++) {
+        amx_pack_units((const uint16_t *)q->xq, B, K, u, u + 1, q->xv);
+    }
+    int T = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t groups = (N + 15) / 16, n0 = groups * t / T * 16;
+    int64_t n1 = groups * (t + 1) / T * 16 < N ? groups * (t + 1) / T * 16 : N;
+    for (int64_t n = n0; n < n1; n += 16) {
+        int64_t count = n1 - n < 16 ? n1 - n : 16;
+        for (int64_t g = 0; rows && g < count / 4; g++) {
+            unpack_q4_0s(W + (n + 4 * g) * row_bytes, K, rows + 4 * g * row_bytes);
+        }
+        if (rows) amx_rows_range(rows, FMT_Q4_0, K, q->xv, B, 0, count, y + n, ldy);
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t r = n; r < n + count; r++) {
+                y[b * ldy + r] = rows ? y[b * ldy + r] + (bias ? bias[r] : 0.0f) : NAN;
+            }
+        }
+    }
+}
+
+/* team_linear of a stream-layout Q4_0 weight (stream.c), with the file layout's results
+ * exactly: one row by rows_q4_0s; more rows by the kernel team_linear would take, over rows
+ * unpacked into each thread's buffer (16 rows: an AMX tile's; NULL: no memory, NaN out). */
+static void team_stream(const uint8_t *W, int64_t N, int64_t K, const float *bias,
+                        const Quantized *q, int64_t B, float *y, int64_t ldy) {
+    int64_t row_bytes = K / QK * Q4_0_BYTES;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (B == 1 && q->split_q4) {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < N / 4; g++) {
+            rows_q4_0s(W + 4 * g * row_bytes, K, q->xb, q->xd, q->xs, y + 4 * g);
+            for (int64_t r = 4 * g; bias && r < 4 * g + 4; r++) y[r] += bias[r];
+        }
+        return;
+    }
+#endif
+    uint8_t *rows = malloc((size_t)(16 * row_bytes)); /* each thread's own */
+    if (q->amx) {
+        team_stream_amx(W, N, K, bias, q, B, rows, y, ldy);
+#pragma omp barrier
+        free(rows);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / 4; g++) {
+        float *out = y + 4 * g;
+        if (rows) unpack_q4_0s(W + 4 * g * row_bytes, K, rows);
+        if (rows && q->bf16) {
+            bf16_rows_range(rows, FMT_Q4_0, K, (const uint16_t *)q->xq, B, 0, 4, out, ldy);
+        } else if (rows) {
+            for (int r = 0; r < 4; r++) {
+                batch_row_q16(rows + r * row_bytes, FMT_Q4_0, K, q->xq, q->xd, q->xs, q->dT,
+                              q->sT, B, out + r, ldy);
+            }
+        }
+        for (int64_t b = 0; b < B; b++) {
+            for (int r = 0; r < 4; r++) {
+                out[b * ldy + r] = rows ? out[b * ldy + r] + (bias ? bias[4 * g + r] : 0.0f)
+                                        : NAN;
+            }
+        }
+    }
+    free(rows); /* after the loop's barrier */
+}
+
 /* y [B, N] (row stride ldy) = x [B, K] W^T (+ bias), W packed in format fmt, x as
  * quantize_rows left it: the output rows shared out among the threads of the enclosing
  * parallel region, every one of which must call it (an orphaned `omp for`, a barrier at its
  * end). Each output is what gemm_bf16_batch (q->bf16) or gemm_quant16_batch computes. */
 static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y, int64_t ldy) {
+    if (fmt == FMT_Q4_0S) {
+        team_stream(W, N, K, bias, q, B, y, ldy);
+        return;
+    }
     int64_t nb = K / QK, row_bytes = nb * block_bytes((int)fmt);
     if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
         float *xf = B > 1 ? kq_float_rows(q->xq, q->xd, B, K) : NULL; /* each thread's own */

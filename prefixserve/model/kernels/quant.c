@@ -45,6 +45,8 @@
 #define FMT_Q4_1 0
 #define FMT_Q8_0 1
 #define FMT_Q4_0 4
+/* Q4_0 in the stream layout (stream.c): the same blocks, moved for the one-row product. */
+#define FMT_Q4_0S 6
 
 static inline float fp16_to_float(const uint8_t *p) {
     uint16_t h;
@@ -77,7 +79,8 @@ static inline int is_q4(int fmt) { return fmt == FMT_Q4_1 || fmt == FMT_Q4_0; }
 
 /* Bytes of one block of 32 weights of Q4_1, Q4_0 or Q8_0. */
 static inline int64_t block_bytes(int fmt) {
-    return fmt == FMT_Q4_1 ? Q4_1_BYTES : fmt == FMT_Q4_0 ? Q4_0_BYTES : Q8_0_BYTES;
+    return fmt == FMT_Q4_1 ? Q4_1_BYTES
+           : fmt == FMT_Q4_0 || fmt == FMT_Q4_0S ? Q4_0_BYTES : Q8_0_BYTES;
 }
 
 /* Where a 4-bit block's 16 bytes of nibbles start. */
@@ -776,7 +779,7 @@ static void rows_q8_0_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
 #define BYTES_Q4 1
 #define BYTES_K 2
 static inline int bytes_split(int64_t fmt) {
-    return is_q4((int)fmt) ? BYTES_Q4 : is_kquant((int)fmt) ? BYTES_K : 0;
+    return is_q4((int)fmt) || fmt == FMT_Q4_0S ? BYTES_Q4 : is_kquant((int)fmt) ? BYTES_K : 0;
 }
 
 /* Whether rows_fast takes groups of ROWS weight rows of an N-row product. */
@@ -835,9 +838,16 @@ static uint8_t *split_row(const int16_t *xq, int64_t K, int fmt) {
 #endif
 }
 
+#include "stream.c"
+
 /* As gemm_quant, with activations from quantize_q16. */
 void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                   const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
+    if (fmt == FMT_Q4_0S) {
+        StreamProduct a = {CHUNK_Q16, K, M, ldy, xq, xd, xs, y, NULL, NULL};
+        stream_chunks(W, N, &a);
+        return;
+    }
     int64_t nb = K / QK;
     int64_t row_bytes = nb * block_bytes(fmt);
     int parallel = N * K * M >= (1 << 17);
@@ -1000,6 +1010,10 @@ static void batch_row_q16(const uint8_t *w, int fmt, int64_t K, const int16_t *x
  */
 void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                         const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
+    if (fmt == FMT_Q4_0S) {
+        stream_q16_batch(W, N, K, xq, xd, xs, M, y, ldy);
+        return;
+    }
     int64_t nb = K / QK, tiles = M / 8;
     if (is_kquant(fmt) && M == 1) {
         uint8_t *xb = split_row(xq, K, fmt);
@@ -1248,6 +1262,11 @@ void bf16_rows_range(const uint8_t *W, int fmt, int64_t K, const uint16_t *x, in
  * float32 sums; AVX512-BF16 builds only (bf16_batch_rows() > 0). */
 void gemm_bf16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
                      int64_t M, float *y, int64_t ldy) {
+    if (fmt == FMT_Q4_0S) {
+        StreamProduct a = {CHUNK_BF16, K, M, ldy, x, NULL, NULL, y, NULL, NULL};
+        stream_chunks(W, N, &a);
+        return;
+    }
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < (N + 1) / 2; i++) {
         int64_t n0 = 2 * i, n1 = n0 + 2 < N ? n0 + 2 : N;
@@ -1427,6 +1446,13 @@ static void amx_team_product(const uint8_t *W, int fmt, int64_t N, int64_t K, co
  * Builds with AMX only (amx_rows() > 0). */
 void gemm_bf16_amx(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x, int64_t M,
                    uint32_t *xv, float *y, int64_t ldy) {
+    if (fmt == FMT_Q4_0S) { /* the activations packed once, then the chunks */
+        StreamProduct a = {CHUNK_AMX, K, M, ldy, x, NULL, NULL, y, NULL, xv};
+#pragma omp parallel for schedule(static)
+        for (int64_t u = 0; u < amx_units(M, K); u++) amx_pack_units(x, M, K, u, u + 1, xv);
+        stream_chunks(W, N, &a);
+        return;
+    }
 #pragma omp parallel
     {
         int64_t n0, n1;
@@ -1530,6 +1556,11 @@ static void amx_large_tile(const uint16_t *a0, const uint16_t *a1, int64_t lda,
  * (amx_rows() > 0); K a multiple of 32. */
 void gemm_bf16_amx_large(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
                          int64_t M, uint16_t *y, int64_t ldy) {
+    if (fmt == FMT_Q4_0S) {
+        StreamProduct a = {CHUNK_AMX_LARGE, K, M, ldy, x, NULL, NULL, NULL, y, NULL};
+        stream_chunks(W, N, &a);
+        return;
+    }
 #ifdef HAVE_AMX
     int64_t nb = K / QK, row_bytes = nb * block_bytes(fmt);
     int64_t wgroups = (N + 15) / 16, agroups = (M + 15) / 16;
@@ -1607,6 +1638,11 @@ static void row_products(const uint8_t *w, int fmt, int64_t K, const int8_t *xq,
  */
 void gemm_quant(const uint8_t *W, int fmt, int64_t N, int64_t K, const int8_t *xq,
                 const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
+    if (fmt == FMT_Q4_0S) {
+        StreamProduct a = {CHUNK_Q8, K, M, ldy, xq, xd, xs, y, NULL, NULL};
+        stream_chunks(W, N, &a);
+        return;
+    }
     int64_t row_bytes = K / QK * block_bytes(fmt);
     int parallel = N * K * M >= (1 << 17);
 #pragma omp parallel for schedule(static) if (parallel)
@@ -1630,6 +1666,10 @@ static void dequant_row(const uint8_t *w, int fmt, int64_t K, float *out) {
  */
 void dequantize(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64_t first,
                 int64_t n, float *out) {
+    if (fmt == FMT_Q4_0S) {
+        stream_expand(W, K, rows, first, n, out, NULL);
+        return;
+    }
     int64_t row_bytes = fmt_row_bytes(fmt, K);
     int parallel = n * K >= (1 << 16);
 #pragma omp parallel for schedule(static) if (parallel)
@@ -1683,6 +1723,10 @@ static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o) {
  */
 void dequantize_bf16(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, int64_t first,
                      int64_t n, uint16_t *out) {
+    if (fmt == FMT_Q4_0S) {
+        stream_expand(W, K, rows, first, n, NULL, out);
+        return;
+    }
     int64_t row_bytes = fmt_row_bytes(fmt, K);
     int64_t nb = K / QK, bytes = block_bytes(fmt);
     int parallel = n * K >= (1 << 16);

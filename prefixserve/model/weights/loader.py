@@ -24,7 +24,9 @@ mapped file pages, not anonymous memory, and the page cache shares them between 
 load the file. Fused and unpermuted weights are built from the map in one copy (a part that is
 converted or requantized first, in two); once such a weight, or a dequantized one, is built,
 the pages it was read from leave the process's resident set (:func:`_page_releaser`), and so
-do the header's once it is parsed.
+do the header's once it is parsed. With ``layout="stream"`` (the default) Q4_0 weights that fit
+it are moved into the stream layout (:func:`quant.stream_layout`), copies too, whose pages are
+released once the model is built (:func:`_release_unviewed`).
 """
 
 from __future__ import annotations
@@ -86,12 +88,14 @@ def load_model(
     device: torch.device | str = "cpu",
     weights: str = "auto",
     gguf: GGUFFile | None = None,
+    layout: str = "stream",
 ) -> tuple[ModelConfig, CausalLM]:
     """Load ``model`` (a ``.gguf`` path, an HF directory, or None for the default model;
     ``gguf``: its GGUF file already opened).
 
     Returns the config and a :class:`CausalLM` in eval mode with activations in ``dtype`` on
-    ``device`` and matmul weights held as ``weights`` says (see the module docstring). Raises
+    ``device`` and matmul weights held as ``weights`` says (see the module docstring), packed
+    Q4_0 ones in the stream layout where ``layout`` is ``stream`` and they fit it. Raises
     ValueError for an unsupported architecture, an unknown ``weights`` mode or a weight set
     that does not match the config (missing or unexpected tensors), RuntimeError when
     ``int8``/``int4`` is asked for and the kernels cannot be built.
@@ -100,16 +104,18 @@ def load_model(
     device = torch.device(device)
     packing = _packing_mode(weights, device)
     if path.endswith(".gguf"):
-        config, state, freq_factors = _gguf_state(gguf or GGUFFile(path), dtype, device,
-                                                  packing)
+        gguf = gguf or GGUFFile(path)
+        config, state, freq_factors = _gguf_state(gguf, dtype, device, packing)
     else:
         config, state = _hf_state(path, dtype, device, packing)
         freq_factors = None
     with torch.device("meta"):
         net = model_class(config)(config)
-    _install_packed(net, state, dtype)
+    _install_packed(net, state, dtype, stream=layout == "stream")
     net.load_state_dict(state, strict=True, assign=True)
     net.to(device)
+    if gguf is not None:
+        _release_unviewed(gguf, net)
     if freq_factors is not None:
         net.set_rope_freq_factors(freq_factors)
     net.requires_grad_(False)
@@ -131,8 +137,10 @@ def _packing_mode(weights: str, device: torch.device) -> str | None:
     return weights
 
 
-def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype) -> None:
-    """Swap the modules whose weight in ``state`` is packed for quantized ones (in place).
+def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype,
+                    stream: bool = True) -> None:
+    """Swap the modules whose weight in ``state`` is packed for quantized ones (in place), Q4_0
+    ones that fit it in the stream layout where ``stream`` (:func:`quant.stream_layout`).
 
     The packed entries leave ``state``; a bias stays there for ``load_state_dict``.
     """
@@ -143,11 +151,12 @@ def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype)
         old = getattr(parent, attr)
         new: nn.Module
         if isinstance(packed, PackedParts):
-            new = SplitQuantLinear(packed, bias=old.bias is not None)
+            new = SplitQuantLinear(packed, bias=old.bias is not None, stream=stream)
         elif isinstance(old, nn.Embedding):
-            new = QuantEmbedding(cast(PackedWeight, packed), dtype)
+            new = QuantEmbedding(cast(PackedWeight, packed), dtype, stream=stream)
         else:
-            new = QuantLinear(cast(PackedWeight, packed), bias=old.bias is not None)
+            new = QuantLinear(cast(PackedWeight, packed), bias=old.bias is not None,
+                              stream=stream)
         setattr(parent, attr, new)
 
 
@@ -416,6 +425,18 @@ def _page_releaser(gguf: GGUFFile, used: set[str]) -> Callable[[dict[str, Weight
         settled.update(used)
 
     return settle
+
+
+def _release_unviewed(gguf: GGUFFile, net: nn.Module) -> None:
+    """Releases (:meth:`GGUFFile.release`) the pages of every tensor of the file that no
+    weight of ``net`` views: those the stream layout copied (:func:`quant.stream_layout`)
+    were read after the state was built, so :func:`_page_releaser` did not see them."""
+    starts = [t.data_ptr() for t in (*net.parameters(), *net.buffers())]
+    for name in gguf.tensors:
+        raw = gguf.read_raw(name)
+        low = raw.ctypes.data
+        if not any(low <= start < low + raw.nbytes for start in starts):
+            gguf.release(*gguf.span(name))
 
 
 def _gguf_state(

@@ -54,6 +54,7 @@ from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_native_bfloat16
 from prefixserve.model.weights.quant_kernels import (
     FMT_Q4_0,
+    FMT_Q4_0S,
     FMT_Q4_1,
     FMT_Q4_K,
     FMT_Q5_K,
@@ -64,9 +65,9 @@ from prefixserve.model.weights.quant_kernels import (
 #: Weights per quantization block.
 BLOCK = 32
 #: Bytes per block of each packed format.
-BLOCK_BYTES = {FMT_Q4_0: 18, FMT_Q4_1: 20, FMT_Q8_0: 34}
-FORMAT_NAMES = {FMT_Q4_0: "Q4_0", FMT_Q4_1: "Q4_1", FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K",
-                FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K"}
+BLOCK_BYTES = {FMT_Q4_0: 18, FMT_Q4_0S: 18, FMT_Q4_1: 20, FMT_Q8_0: 34}
+FORMAT_NAMES = {FMT_Q4_0: "Q4_0", FMT_Q4_0S: "Q4_0 (stream layout)", FMT_Q4_1: "Q4_1",
+                FMT_Q8_0: "Q8_0", FMT_Q4_K: "Q4_K", FMT_Q5_K: "Q5_K", FMT_Q6_K: "Q6_K"}
 #: The K-quant formats: super-blocks of SUPER_BLOCK weights, of SUPER_BLOCK_BYTES bytes.
 K_FORMATS = frozenset({FMT_Q4_K, FMT_Q5_K, FMT_Q6_K})
 SUPER_BLOCK = 256
@@ -286,6 +287,16 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def stream_layout(weight: PackedWeight, lib: ctypes.CDLL) -> PackedWeight:
+    """A Q4_0 weight's bytes moved into the stream layout (``kernels/stream.c``): a copy in
+    memory, where the file's layout may be pages of the mapped file. The one-row product (a
+    decode step of one sequence) reads it at the memory's speed; every other product unpacks
+    groups of four rows and gives the file layout's results exactly."""
+    data = torch.empty_like(weight.data)
+    lib.repack_q4_0s(weight.data.data_ptr(), weight.rows, weight.cols, data.data_ptr())
+    return PackedWeight(FMT_Q4_0S, data, weight.cols)
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T (+ b)`` with W packed (:class:`PackedWeight`); output in the input's dtype.
 
@@ -295,14 +306,16 @@ class QuantLinear(nn.Module):
 
     qweight: torch.Tensor
 
-    def __init__(self, weight: PackedWeight, bias: bool = False) -> None:
+    def __init__(self, weight: PackedWeight, bias: bool = False, stream: bool = True) -> None:
         super().__init__()
+        self._lib = _library()
+        if stream and weight.fmt == FMT_Q4_0 and self._lib.q4_0s_fits(weight.rows, weight.cols):
+            weight = stream_layout(weight, self._lib)
         self.fmt = weight.fmt
         self.in_features = weight.cols
         self.out_features = weight.rows
         self.register_buffer("qweight", weight.data, persistent=False)
         self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
-        self._lib = _library()
         self.activation_bits = ACTIVATION_BITS
         kquant = self.fmt in K_FORMATS  # 16-bit integer kernels and expand-and-GEMM only
         self.bf16_batch_from = 0 if kquant else self._lib.bf16_batch_rows()
@@ -460,9 +473,9 @@ class SplitQuantLinear(nn.Module):
     outputs side by side. The fused decode step takes the parts as they are (``decode.c``,
     ``team_parts``)."""
 
-    def __init__(self, weight: PackedParts, bias: bool = False) -> None:
+    def __init__(self, weight: PackedParts, bias: bool = False, stream: bool = True) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(QuantLinear(part) for part in weight.parts)
+        self.parts = nn.ModuleList(QuantLinear(part, stream=stream) for part in weight.parts)
         self.in_features = weight.cols
         self.out_features = weight.rows
         self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
@@ -483,11 +496,11 @@ class SplitQuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """A token embedding with packed rows; also the tied output head (:meth:`logits`)."""
 
-    def __init__(self, weight: PackedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype, stream: bool = True) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
-        self.head = QuantLinear(weight)
+        self.head = QuantLinear(weight, stream=stream)
         self._lib = self.head._lib
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

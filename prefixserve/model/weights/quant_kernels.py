@@ -38,6 +38,8 @@ FMT_Q4_K = 2
 FMT_Q6_K = 3
 FMT_Q4_0 = 4
 FMT_Q5_K = 5
+#: Q4_0 in the stream layout (``kernels/stream.c``): the one-row product's, made at load.
+FMT_Q4_0S = 6
 
 
 @dataclass
@@ -140,6 +142,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_bf16_amx.restype = None
     lib.gemm_bf16_amx_large.argtypes = [p, c_int, i64, i64, p, i64, p, i64]
     lib.gemm_bf16_amx_large.restype = None
+    lib.q4_0s_fits.argtypes = [i64, i64]
+    lib.q4_0s_fits.restype = c_int
+    lib.repack_q4_0s.argtypes = [p, i64, i64, p]
+    lib.repack_q4_0s.restype = None
     # Asks Linux for the AMX tile state now, once, before any thread multiplies on tiles.
     lib.amx_rows()
 

@@ -1,0 +1,299 @@
+/*
+ * The stream layout of Q4_0 weights (FMT_Q4_0S): the layout a one-row product reads at the
+ * memory's speed. Included by quant.c.
+ *
+ * The same bytes as the file's Q4_0 (18 per block of 32 weights), moved: per group of four
+ * rows and run of 16 blocks, the four rows' fp16 scales (4 x 32 bytes), then per four blocks
+ * each row's 64 bytes of nibbles (block j's 16 bytes in 16-byte lane j, as q4_sums gathers
+ * them from the file's layout). A group is one contiguous stream of whole cache lines (K a
+ * multiple of 512, so a run is 1,152 bytes); the one-row product (rows_q4_0s) reads it with
+ * one aligned load per 64 bytes of nibbles and row and one L2 prefetch per cache line, where
+ * the file's layout takes two unaligned loads and a byte permute per four blocks and row
+ * (benchmarks/q4_layout_probe.c: 91-94% of a plain read against 77-81%, AMX Xeon).
+ *
+ * Every other product (several rows, bfloat16, AMX, the deterministic mode's gemm_quant16,
+ * expansions) runs the file layout's kernels over groups unpacked into each thread's buffer
+ * (stream_chunks), so its results are the file layout's exactly.
+ */
+#define STREAM_RUN (4 * 16 * Q4_0_BYTES) /* 16 blocks of four rows: 128 + 1,024 bytes */
+
+void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
+                  const float *xd, const float *xs, int64_t M, float *y, int64_t ldy);
+void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
+                        const float *xd, const float *xs, int64_t M, float *y, int64_t ldy);
+void gemm_quant(const uint8_t *W, int fmt, int64_t N, int64_t K, const int8_t *xq,
+                const float *xd, const float *xs, int64_t M, float *y, int64_t ldy);
+void gemm_bf16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
+                     int64_t M, float *y, int64_t ldy);
+void gemm_bf16_amx(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x, int64_t M,
+                   uint32_t *xv, float *y, int64_t ldy);
+void gemm_bf16_amx_large(const uint8_t *W, int fmt, int64_t N, int64_t K, const uint16_t *x,
+                         int64_t M, uint16_t *y, int64_t ldy);
+int64_t amx_packed_words(int64_t M, int64_t K);
+int64_t amx_units(int64_t M, int64_t K);
+void amx_pack_units(const uint16_t *x, int64_t M, int64_t K, int64_t u0, int64_t u1,
+                    uint32_t *xv);
+void amx_rows_range(const uint8_t *W, int fmt, int64_t K, const uint32_t *xv, int64_t M,
+                    int64_t n0, int64_t n1, float *y, int64_t ldy);
+static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o);
+
+/* Whether an N x K Q4_0 weight can take the stream layout: rows in fours, K a multiple of 512,
+ * and a build with the 512-bit one-row kernel (else 0: the file's layout stays). */
+int q4_0s_fits(int64_t N, int64_t K) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return N > 0 && N % 4 == 0 && K > 0 && K % 512 == 0;
+#else
+    (void)N, (void)K;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+/* Byte permutes between a run's 72 file bytes of four blocks and their 64 bytes of nibbles
+ * (to_chunk: from the loads at blk and blk + 8; to_blocks[p]: output bytes 0-63 of blocks
+ * 4 p .. 4 p + 3 from the chunk and the run's 32 bytes of scales). */
+typedef struct {
+    __m512i to_chunk, to_blocks[4];
+} StreamPermutes;
+
+static StreamPermutes stream_permutes(void) {
+    StreamPermutes t;
+    uint8_t a[64], b[4][64];
+    for (int o = 0; o < 64; o++) {
+        int at = o / 16 * Q4_0_BYTES + 2 + o % 16; /* in the 72 bytes */
+        a[o] = (uint8_t)(at < 64 ? at : at - 8 + 64);
+        for (int p = 0; p < 4; p++) {
+            int j = o / Q4_0_BYTES, w = o % Q4_0_BYTES;
+            b[p][o] = (uint8_t)(w < 2 ? 64 + 8 * p + 2 * j + w : 16 * j + w - 2);
+        }
+    }
+    t.to_chunk = _mm512_loadu_si512(a);
+    for (int p = 0; p < 4; p++) t.to_blocks[p] = _mm512_loadu_si512(b[p]);
+    return t;
+}
+#endif
+
+/* Group g's rows in the file's layout (rows, 4 x row_bytes) as one stream (out). */
+static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
+    int64_t row_bytes = K / QK * Q4_0_BYTES;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+    StreamPermutes t = stream_permutes();
+    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, out += STREAM_RUN) {
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *run = rows + r * row_bytes + b0 * Q4_0_BYTES;
+            _mm256_storeu_si256((__m256i *)(out + 32 * r), q4_0_scales16(run));
+            for (int p = 0; p < 4; p++) {
+                const uint8_t *blk = run + 4 * p * Q4_0_BYTES;
+                _mm512_storeu_si512(out + 128 + 256 * p + 64 * r,
+                                    _mm512_permutex2var_epi8(_mm512_loadu_si512(blk), t.to_chunk,
+                                                             _mm512_loadu_si512(blk + 8)));
+            }
+        }
+    }
+    return;
+#endif
+    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, out += STREAM_RUN) {
+        for (int r = 0; r < 4; r++) {
+            for (int i = 0; i < 16; i++) {
+                const uint8_t *blk = rows + r * row_bytes + (b0 + i) * Q4_0_BYTES;
+                memcpy(out + 32 * r + 2 * i, blk, 2);
+                memcpy(out + 128 + 256 * (i / 4) + 64 * r + 16 * (i % 4), blk + 2, 16);
+            }
+        }
+    }
+}
+
+/* The inverse of pack_group: one group of the stream (g) as four rows of the file's layout. */
+static void unpack_q4_0s(const uint8_t *g, int64_t K, uint8_t *rows) {
+    int64_t row_bytes = K / QK * Q4_0_BYTES;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+    StreamPermutes t = stream_permutes();
+    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, g += STREAM_RUN) {
+        for (int r = 0; r < 4; r++) {
+            uint8_t *run = rows + r * row_bytes + b0 * Q4_0_BYTES;
+            __m512i scales = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(g + 32 * r)));
+            for (int p = 0; p < 4; p++) {
+                const uint8_t *chunk = g + 128 + 256 * p + 64 * r;
+                uint8_t *blk = run + 4 * p * Q4_0_BYTES;
+                __m512i v = _mm512_loadu_si512(chunk);
+                _mm512_storeu_si512(blk, _mm512_permutex2var_epi8(v, t.to_blocks[p], scales));
+                memcpy(blk + 64, chunk + 56, 8); /* block 3's last 8 nibble bytes */
+            }
+        }
+    }
+    return;
+#endif
+    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, g += STREAM_RUN) {
+        for (int r = 0; r < 4; r++) {
+            for (int i = 0; i < 16; i++) {
+                uint8_t *blk = rows + r * row_bytes + (b0 + i) * Q4_0_BYTES;
+                memcpy(blk, g + 32 * r + 2 * i, 2);
+                memcpy(blk + 2, g + 128 + 256 * (i / 4) + 64 * r + 16 * (i % 4), 16);
+            }
+        }
+    }
+}
+
+/* W [N, K] Q4_0 in the file's layout as the stream layout at out (the same size); N and K
+ * as q4_0s_fits requires. */
+void repack_q4_0s(const uint8_t *W, int64_t N, int64_t K, uint8_t *out) {
+    int64_t group_bytes = 4 * (K / QK) * Q4_0_BYTES;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 20))
+    for (int64_t g = 0; g < N / 4; g++) pack_group(W + g * group_bytes, K, out + g * group_bytes);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Outputs y[0 .. 4) of one group of the stream (g) for one activation row split into bytes
+ * (split_q16's SPLIT_Q4 at xb), with its scales xd and sums xs: rows_q4_wide's arithmetic. */
+static void rows_q4_0s(const uint8_t *g, int64_t K, const uint8_t *xb, const float *xd,
+                       const float *xs, float *y) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const uint8_t *xl = xb, *xh = xb + K;
+    __m512 acc[4], off[4];
+    for (int r = 0; r < 4; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, g += STREAM_RUN) {
+        __m512 scale[4];
+        for (int r = 0; r < 4; r++) {
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32 * r)));
+            off[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(-8.0f)),
+                                     _mm512_loadu_ps(xs + b0), off[r]);
+            scale[r] = _mm512_mul_ps(d, _mm512_loadu_ps(xd + b0));
+        }
+        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        for (int p = 0; p < 4; p++, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(4))) {
+            int64_t e = (b0 + 4 * p) * QK;
+            const uint8_t *chunk = g + 128 + 256 * p;
+            __m512i l0 = _mm512_loadu_si512(xl + e), l1 = _mm512_loadu_si512(xl + e + 64);
+            __m512i h0 = _mm512_loadu_si512(xh + e), h1 = _mm512_loadu_si512(xh + e + 64);
+            for (int r = 0; r < 4; r++) {
+                _mm_prefetch((const char *)(chunk + 64 * r + WIDE_PREFETCH), ROW_PREFETCH_HINT);
+                __m512i v = _mm512_loadu_si512(chunk + 64 * r);
+                __m512i q0 = _mm512_and_si512(v, low);
+                __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512i s = DPBUSD(DPBUSD(_mm512_setzero_si512(), q0, h0), q1, h1);
+                s = DPBUSD(DPBUSD(_mm512_slli_epi32(s, 8), l0, q0), l1, q1);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                         _mm512_permutexvar_ps(pick, scale[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], off[r]));
+}
+#endif
+
+/* Which product stream_chunks runs over each unpacked chunk, with its arguments. */
+enum { CHUNK_Q16, CHUNK_Q16_BATCH, CHUNK_Q8, CHUNK_BF16, CHUNK_AMX, CHUNK_AMX_LARGE };
+typedef struct {
+    int kind;
+    int64_t K, M, ldy;
+    const void *x;
+    const float *xd, *xs;
+    float *y;
+    uint16_t *y16;
+    const uint32_t *xv; /* CHUNK_AMX: the activations packed for the tiles */
+} StreamProduct;
+
+/* The product a->kind of rows [n0, n0 + count) of the weight, unpacked at rows. Called inside
+ * stream_chunks' parallel loop: the product's own parallel region runs on this thread. */
+static void chunk_product(const StreamProduct *a, const uint8_t *rows, int64_t n0,
+                          int64_t count) {
+    int64_t K = a->K, M = a->M;
+    switch (a->kind) {
+    case CHUNK_Q16:
+        gemm_quant16(rows, FMT_Q4_0, count, K, a->x, a->xd, a->xs, M, a->y + n0, a->ldy);
+        break;
+    case CHUNK_Q16_BATCH:
+        gemm_quant16_batch(rows, FMT_Q4_0, count, K, a->x, a->xd, a->xs, M, a->y + n0, a->ldy);
+        break;
+    case CHUNK_Q8:
+        gemm_quant(rows, FMT_Q4_0, count, K, a->x, a->xd, a->xs, M, a->y + n0, a->ldy);
+        break;
+    case CHUNK_BF16:
+        gemm_bf16_batch(rows, FMT_Q4_0, count, K, a->x, M, a->y + n0, a->ldy);
+        break;
+    case CHUNK_AMX: /* the activations packed once for every chunk (a->xv) */
+        amx_rows_range(rows, FMT_Q4_0, K, a->xv, M, 0, count, a->y + n0, a->ldy);
+        break;
+    default:
+        gemm_bf16_amx_large(rows, FMT_Q4_0, count, K, a->x, M, a->y16 + n0, a->ldy);
+    }
+}
+
+/* The product a of a stream-layout weight W [N, K]: its rows in chunks (64 rows; 256 for the
+ * AMX products), each unpacked into its thread's buffer and multiplied there by the file
+ * layout's kernel. */
+static void stream_chunks(const uint8_t *W, int64_t N, const StreamProduct *a) {
+    int64_t row_bytes = a->K / QK * Q4_0_BYTES;
+    int64_t chunk = a->kind == CHUNK_AMX || a->kind == CHUNK_AMX_LARGE ? 256 : 64;
+    int64_t chunks = (N + chunk - 1) / chunk;
+#pragma omp parallel
+    {
+        uint8_t *rows = malloc((size_t)(chunk * row_bytes));
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t n0 = c * chunk, count = N - n0 < chunk ? N - n0 : chunk;
+            for (int64_t g = 0; rows && g < count / 4; g++) {
+                unpack_q4_0s(W + (n0 + 4 * g) * row_bytes, a->K, rows + 4 * g * row_bytes);
+            }
+            if (rows) {
+                chunk_product(a, rows, n0, count);
+            } else { /* no memory: NaN, not wrong numbers */
+                for (int64_t m = 0; m < a->M; m++) {
+                    for (int64_t n = n0; n < n0 + count; n++) {
+                        if (a->kind == CHUNK_AMX_LARGE) a->y16[m * a->ldy + n] = 0x7fc0;
+                        else a->y[m * a->ldy + n] = NAN;
+                    }
+                }
+            }
+        }
+        free(rows);
+    }
+}
+
+/* gemm_quant16_batch of a stream-layout weight: one row by rows_q4_0s, more by chunks. */
+static void stream_q16_batch(const uint8_t *W, int64_t N, int64_t K, const int16_t *xq,
+                             const float *xd, const float *xs, int64_t M, float *y,
+                             int64_t ldy) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    uint8_t *xb = M == 1 ? split_row(xq, K, FMT_Q4_0) : NULL;
+    if (xb) {
+        int64_t group_bytes = 4 * (K / QK) * Q4_0_BYTES;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
+        for (int64_t g = 0; g < N / 4; g++) rows_q4_0s(W + g * group_bytes, K, xb, xd, xs, y + 4 * g);
+        free(xb);
+        return;
+    }
+#endif
+    StreamProduct a = {CHUNK_Q16_BATCH, K, M, ldy, xq, xd, xs, y, NULL, NULL};
+    stream_chunks(W, N, &a);
+}
+
+/* dequantize / dequantize_bf16 of a stream-layout weight (out or out16): each row from its
+ * group, unpacked once for the rows of the group that follow it. */
+static void stream_expand(const uint8_t *W, int64_t K, const int64_t *rows, int64_t first,
+                          int64_t n, float *out, uint16_t *out16) {
+    int64_t row_bytes = K / QK * Q4_0_BYTES;
+#pragma omp parallel if (n * K >= (1 << 16))
+    {
+        uint8_t *group = malloc((size_t)(4 * row_bytes));
+        int64_t held = -1;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            int64_t r = rows ? rows[i] : first + i;
+            if (group && r / 4 != held) {
+                unpack_q4_0s(W + r / 4 * 4 * row_bytes, K, group);
+                held = r / 4;
+            }
+            const uint8_t *w = group ? group + r % 4 * row_bytes : NULL;
+            for (int64_t b = 0; b < K / QK; b++) {
+                if (out16 && w) dequant_block_bf16(w + b * Q4_0_BYTES, FMT_Q4_0, out16 + i * K + b * QK);
+                else if (w) dequant_block(w + b * Q4_0_BYTES, FMT_Q4_0, out + i * K + b * QK);
+                for (int j = 0; !w && j < QK; j++) { /* no memory: NaN */
+                    if (out16) out16[i * K + b * QK + j] = 0x7fc0;
+                    else out[i * K + b * QK + j] = NAN;
+                }
+            }
+        }
+        free(group);
+    }
+}
