@@ -9,7 +9,7 @@
  * multiple of 512, so a run is 1,152 bytes); the one-row product (rows_q4_0s) reads it with
  * one aligned load per 64 bytes of nibbles and row and one L2 prefetch per cache line, where
  * the file's layout takes two unaligned loads and a byte permute per four blocks and row
- * (benchmarks/q4_layout_probe.c: 91-94% of a plain read against 77-81%, AMX Xeon).
+ * (benchmarks/q4_layout_probe.c compares the two).
  *
  * Every other product (several rows, bfloat16, AMX, the deterministic mode's gemm_quant16,
  * expansions) runs the file layout's kernels over groups unpacked into each thread's buffer
@@ -111,7 +111,8 @@ static void unpack_q4_0s(const uint8_t *g, int64_t K, uint8_t *rows) {
     for (int64_t b0 = 0; b0 < K / QK; b0 += 16, g += STREAM_RUN) {
         for (int r = 0; r < 4; r++) {
             uint8_t *run = rows + r * row_bytes + b0 * Q4_0_BYTES;
-            __m512i scales = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(g + 32 * r)));
+            __m512i scales =
+                _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(g + 32 * r)));
             for (int p = 0; p < 4; p++) {
                 const uint8_t *chunk = g + 128 + 256 * p + 64 * r;
                 uint8_t *blk = run + 4 * p * Q4_0_BYTES;
@@ -259,7 +260,9 @@ static void stream_q16_batch(const uint8_t *W, int64_t N, int64_t K, const int16
     if (xb) {
         int64_t group_bytes = 4 * (K / QK) * Q4_0_BYTES;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
-        for (int64_t g = 0; g < N / 4; g++) rows_q4_0s(W + g * group_bytes, K, xb, xd, xs, y + 4 * g);
+        for (int64_t g = 0; g < N / 4; g++) {
+            rows_q4_0s(W + g * group_bytes, K, xb, xd, xs, y + 4 * g);
+        }
         free(xb);
         return;
     }
@@ -285,12 +288,12 @@ static void stream_expand(const uint8_t *W, int64_t K, const int64_t *rows, int6
                 held = r / 4;
             }
             const uint8_t *w = group ? group + r % 4 * row_bytes : NULL;
-            for (int64_t b = 0; b < K / QK; b++) {
-                if (out16 && w) dequant_block_bf16(w + b * Q4_0_BYTES, FMT_Q4_0, out16 + i * K + b * QK);
-                else if (w) dequant_block(w + b * Q4_0_BYTES, FMT_Q4_0, out + i * K + b * QK);
+            for (int64_t b = 0, at = i * K; b < K / QK; b++, at += QK) {
+                if (out16 && w) dequant_block_bf16(w + b * Q4_0_BYTES, FMT_Q4_0, out16 + at);
+                else if (w) dequant_block(w + b * Q4_0_BYTES, FMT_Q4_0, out + at);
                 for (int j = 0; !w && j < QK; j++) { /* no memory: NaN */
-                    if (out16) out16[i * K + b * QK + j] = 0x7fc0;
-                    else out[i * K + b * QK + j] = NAN;
+                    if (out16) out16[at + j] = 0x7fc0;
+                    else out[at + j] = NAN;
                 }
             }
         }
