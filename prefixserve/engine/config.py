@@ -87,7 +87,7 @@ class EngineConfig:
     ``weights`` says how matmul weights are held: ``auto`` keeps a GGUF file's quantized
     tensors packed in memory, ``int8`` / ``int4`` pack every matmul weight, ``bf16`` keeps them
     dense in ``dtype`` (see :mod:`prefixserve.model.weights.loader`). ``weight_layout``:
-    ``stream`` (the default) moves packed Q4_0 weights 512 wide or more into the layout the
+    ``stream`` (the default) moves packed Q4_0 weights (width a multiple of 128) into the layout the
     one-row product streams at the memory's speed (a copy in memory, docs/kernels.md);
     ``file`` keeps them in the file's layout, as views of the mapped file where it allows.
     ``max_pinned_fraction`` bounds the blocks pins may hold (``pin_prefix``), a share of the pool.

@@ -109,17 +109,18 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     return logits, runner.kv_cache, runner
 
 
-#: A model whose every product's width is a multiple of 512 (hidden 512, 8 heads of 64, FFN
-#: 512), so that its Q4_0 weights take the stream layout.
+#: A model whose every product's width is a multiple of 128 (hidden 512, 8 heads of 64, FFN
+#: 640: down's runs of 16 blocks end with one of 4), so that its Q4_0 weights take the stream
+#: layout.
 STREAM_CONFIG = replace(tiny_config(heads=8, kv_heads=2, head_dim=64), hidden_size=512,
-                        intermediate_size=512)
+                        intermediate_size=640)
 #: (config, weight format, block size, activations, cache (None: the activations' dtype)).
 CASES: dict[str, tuple[ModelConfig, int, int, torch.dtype, torch.dtype | None]] = {
     "q4_1-gqa2": (tiny_config(), FMT_Q4_1, 16, torch.float32, None),
     "q8_0-gqa2": (tiny_config(), FMT_Q8_0, 16, torch.float32, None),
     "q4_0-gqa2": (tiny_config(), FMT_Q4_0, 16, torch.float32, None),
     "q4_0-gqa2-bfloat16": (tiny_config(), FMT_Q4_0, 16, torch.bfloat16, None),
-    # every product 512 wide: Q4_0 in the stream layout (kernels/stream.c)
+    # every product a multiple of 128 wide: Q4_0 in the stream layout (kernels/stream.c)
     "q4_0-stream": (STREAM_CONFIG, FMT_Q4_0, 16, torch.float32, None),
     "q4_1-gqa3-bias-block4": (tiny_config(heads=6, kv_heads=2, bias=True), FMT_Q4_1, 4,
                               torch.float32, None),
@@ -247,12 +248,13 @@ def decode_steps(model: CausalLM, config: ModelConfig, rows: int, dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_stream_layout_changes_no_number_of_the_fused_step(
         rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_0 weights in the stream layout (``kernels/stream.c``: every product of STREAM_CONFIG
-    is 512 wide) decode with the same bits as in the file's layout: one row through the
-    stream kernel (its sums in rows_q4_wide's order), more rows through the file layout's
-    kernels over unpacked groups (bfloat16: the bfloat16 batch kernel where the CPU has it).
-    Kills a repacking or unpacking that moves a block, a scale or a row (planted: the scales
-    of a run shifted by one block, in the repacking; every logit moved)."""
+    """Q4_0 weights in the stream layout (``kernels/stream.c``: every product of
+    STREAM_CONFIG is a multiple of 128 wide) decode with the same bits as in the file's
+    layout: one row through the stream kernel (its sums in rows_q4_wide's order), more rows
+    through the file layout's kernels over unpacked groups (bfloat16: the bfloat16 batch
+    kernel where the CPU has it). Kills a repacking or unpacking that moves a block, a
+    scale or a row (planted: the scales of a run shifted by one block, in the repacking;
+    every logit moved)."""
     lib = quant_kernels.kernels()
     if lib is None or not lib.q4_0s_fits(4, 512):
         pytest.skip("the stream layout needs the kernels' 512-bit build")

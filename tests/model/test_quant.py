@@ -595,32 +595,34 @@ def test_8bit_activation_kernel(m: int, lib) -> None:
                       f"{qtype.name} 8-bit M={m}")
 
 
+@pytest.mark.parametrize("cols", [1024, 1408], ids=["runs-of-16", "last-run-of-12"])
 @pytest.mark.parametrize("m", [1, 2, 8, 17, 100, 300])
 def test_the_stream_layout_gives_the_file_layouts_products_exactly(
-        m: int, lib, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Q4_0 weight 512 wide or more (here 68 x 1,024) is repacked at load into the stream
-    layout (``kernels/stream.c``): the same bytes, moved. Every product of it (one row by the
+        m: int, cols: int, lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_0 weight whose width is a multiple of 128 (here 68 rows of 1,024, and of 1,408:
+    runs of 16 blocks, then one of 12) is repacked at load into the stream layout
+    (``kernels/stream.c``): the same bytes, moved. Every product of it (one row by the
     stream kernel; more rows by the file layout's kernels over unpacked rows: float32 and
     bfloat16, with the AMX and bfloat16 batch kernels where the CPU has them, the
     deterministic mode's kernel, 8-bit activations) and its expansions (a range, gathered
-    rows of an embedding) are the file layout's exactly. Kills an unpacking or a one-row sum
-    that differs (planted: the scales of a run shifted by one block, in the repacking)."""
+    rows of an embedding) are the file layout's exactly. Kills an unpacking or a one-row
+    sum that differs (planted: the scales of a run shifted by one block, in the repacking)."""
     if not lib.q4_0s_fits(4, 512):
         pytest.skip("the stream layout needs the kernels' 512-bit build")
     rng = np.random.default_rng(m)
-    packed = pack_float(rng.standard_normal((68, 1024)).astype(np.float32), FMT_Q4_0)
+    packed = pack_float(rng.standard_normal((68, cols)).astype(np.float32), FMT_Q4_0)
     streamed, filed = QuantLinear(packed), QuantLinear(packed, stream=False)
     assert (streamed.fmt, filed.fmt) == (FMT_Q4_0S, FMT_Q4_0)
     assert not torch.equal(streamed.qweight, filed.qweight)
     assert torch.equal(streamed.qweight.flatten().sort().values,
                        filed.qweight.flatten().sort().values)
-    x = torch.from_numpy(rng.standard_normal((m, 1024)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
     for dtype in (torch.float32, torch.bfloat16):
         for invariant, bits in ((False, 16), (True, 16), (False, 8)):
             for layer in (streamed, filed):
                 layer.row_invariant, layer.activation_bits = invariant, bits
             assert torch.equal(streamed(x.to(dtype)), filed(x.to(dtype))), (dtype, invariant, bits)
-    assert torch.equal(dequantize_packed(PackedWeight(FMT_Q4_0S, streamed.qweight, 1024)),
+    assert torch.equal(dequantize_packed(PackedWeight(FMT_Q4_0S, streamed.qweight, cols)),
                        dequantize_packed(packed))
     ids = torch.tensor([[5, 67, 4], [0, 5, 6]])
     embedding = QuantEmbedding(packed, torch.float32)

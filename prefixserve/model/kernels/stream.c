@@ -3,19 +3,18 @@
  * memory's speed. Included by quant.c.
  *
  * The same bytes as the file's Q4_0 (18 per block of 32 weights), moved: per group of four
- * rows and run of 16 blocks, the four rows' fp16 scales (4 x 32 bytes), then per four blocks
+ * rows and run of 16 blocks, the four rows' fp16 scales (4 x 2 x 16 bytes), then per four blocks
  * each row's 64 bytes of nibbles (block j's 16 bytes in 16-byte lane j, as q4_sums gathers
- * them from the file's layout). A group is one contiguous stream of whole cache lines (K a
- * multiple of 512, so a run is 1,152 bytes); the one-row product (rows_q4_0s) reads it with
- * one aligned load per 64 bytes of nibbles and row and one L2 prefetch per cache line, where
- * the file's layout takes two unaligned loads and a byte permute per four blocks and row
- * (benchmarks/q4_layout_probe.c compares the two).
+ * them from the file's layout). A group is one contiguous stream (K a multiple of 128: runs
+ * of 16 blocks, 1,152 bytes, the last of 4, 8 or 12); the one-row product (rows_q4_0s) reads
+ * it with one aligned load per 64 bytes of nibbles and row and one L2 prefetch per cache
+ * line, where the file's layout takes two unaligned loads and a byte permute per four blocks
+ * and row (benchmarks/q4_layout_probe.c compares the two).
  *
  * Every other product (several rows, bfloat16, AMX, the deterministic mode's gemm_quant16,
  * expansions) runs the file layout's kernels over groups unpacked into each thread's buffer
  * (stream_chunks), so its results are the file layout's exactly.
  */
-#define STREAM_RUN (4 * 16 * Q4_0_BYTES) /* 16 blocks of four rows: 128 + 1,024 bytes */
 
 void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                   const float *xd, const float *xs, int64_t M, float *y, int64_t ldy);
@@ -37,11 +36,11 @@ void amx_rows_range(const uint8_t *W, int fmt, int64_t K, const uint32_t *xv, in
                     int64_t n0, int64_t n1, float *y, int64_t ldy);
 static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o);
 
-/* Whether an N x K Q4_0 weight can take the stream layout: rows in fours, K a multiple of 512,
+/* Whether an N x K Q4_0 weight can take the stream layout: rows in fours, K a multiple of 128,
  * and a build with the 512-bit one-row kernel (else 0: the file's layout stays). */
 int q4_0s_fits(int64_t N, int64_t K) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    return N > 0 && N % 4 == 0 && K > 0 && K % 512 == 0;
+    return N > 0 && N % 4 == 0 && K > 0 && K % 128 == 0;
 #else
     (void)N, (void)K;
     return 0;
@@ -73,31 +72,33 @@ static StreamPermutes stream_permutes(void) {
 }
 #endif
 
+/* Blocks in the run of the four rows that starts at block b0 of nb (16, or 4, 8 or 12 at the
+ * end of a row); a run of n blocks takes 72 n bytes: 2 n of scales per row, then 64 bytes of
+ * nibbles per four blocks and row. */
+static inline int run_blocks(int64_t b0, int64_t nb) { return nb - b0 < 16 ? (int)(nb - b0) : 16; }
+
 /* Group g's rows in the file's layout (rows, 4 x row_bytes) as one stream (out). */
 static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
-    int64_t row_bytes = K / QK * Q4_0_BYTES;
+    int64_t nb = K / QK, row_bytes = nb * Q4_0_BYTES;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
     StreamPermutes t = stream_permutes();
-    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, out += STREAM_RUN) {
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *run = rows + r * row_bytes + b0 * Q4_0_BYTES;
-            _mm256_storeu_si256((__m256i *)(out + 32 * r), q4_0_scales16(run));
-            for (int p = 0; p < 4; p++) {
-                const uint8_t *blk = run + 4 * p * Q4_0_BYTES;
-                _mm512_storeu_si512(out + 128 + 256 * p + 64 * r,
-                                    _mm512_permutex2var_epi8(_mm512_loadu_si512(blk), t.to_chunk,
-                                                             _mm512_loadu_si512(blk + 8)));
-            }
-        }
-    }
-    return;
 #endif
-    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, out += STREAM_RUN) {
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int n = run_blocks(b0, nb);
+        uint8_t *run = out + b0 * 4 * Q4_0_BYTES;
         for (int r = 0; r < 4; r++) {
-            for (int i = 0; i < 16; i++) {
-                const uint8_t *blk = rows + r * row_bytes + (b0 + i) * Q4_0_BYTES;
-                memcpy(out + 32 * r + 2 * i, blk, 2);
-                memcpy(out + 128 + 256 * (i / 4) + 64 * r + 16 * (i % 4), blk + 2, 16);
+            const uint8_t *src = rows + r * row_bytes + b0 * Q4_0_BYTES;
+            for (int i = 0; i < n; i++) memcpy(run + 2 * n * r + 2 * i, src + i * Q4_0_BYTES, 2);
+            for (int p = 0; p < n / 4; p++) {
+                const uint8_t *blk = src + 4 * p * Q4_0_BYTES;
+                uint8_t *chunk = run + 8 * n + 256 * p + 64 * r;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+                _mm512_storeu_si512(chunk, _mm512_permutex2var_epi8(_mm512_loadu_si512(blk),
+                                                                    t.to_chunk,
+                                                                    _mm512_loadu_si512(blk + 8)));
+#else
+                for (int j = 0; j < 4; j++) memcpy(chunk + 16 * j, blk + j * Q4_0_BYTES + 2, 16);
+#endif
             }
         }
     }
@@ -105,32 +106,32 @@ static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
 
 /* The inverse of pack_group: one group of the stream (g) as four rows of the file's layout. */
 static void unpack_q4_0s(const uint8_t *g, int64_t K, uint8_t *rows) {
-    int64_t row_bytes = K / QK * Q4_0_BYTES;
+    int64_t nb = K / QK, row_bytes = nb * Q4_0_BYTES;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
     StreamPermutes t = stream_permutes();
-    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, g += STREAM_RUN) {
+#endif
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        int n = run_blocks(b0, nb);
+        const uint8_t *run = g + b0 * 4 * Q4_0_BYTES;
         for (int r = 0; r < 4; r++) {
-            uint8_t *run = rows + r * row_bytes + b0 * Q4_0_BYTES;
-            __m512i scales =
-                _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(g + 32 * r)));
-            for (int p = 0; p < 4; p++) {
-                const uint8_t *chunk = g + 128 + 256 * p + 64 * r;
-                uint8_t *blk = run + 4 * p * Q4_0_BYTES;
+            uint8_t *dst = rows + r * row_bytes + b0 * Q4_0_BYTES;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+            __m512i scales = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (2 * n)) - 1),
+                                                     run + 2 * n * r);
+            for (int p = 0; p < n / 4; p++) {
+                const uint8_t *chunk = run + 8 * n + 256 * p + 64 * r;
+                uint8_t *blk = dst + 4 * p * Q4_0_BYTES;
                 __m512i v = _mm512_loadu_si512(chunk);
                 _mm512_storeu_si512(blk, _mm512_permutex2var_epi8(v, t.to_blocks[p], scales));
                 memcpy(blk + 64, chunk + 56, 8); /* block 3's last 8 nibble bytes */
             }
-        }
-    }
-    return;
-#endif
-    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, g += STREAM_RUN) {
-        for (int r = 0; r < 4; r++) {
-            for (int i = 0; i < 16; i++) {
-                uint8_t *blk = rows + r * row_bytes + (b0 + i) * Q4_0_BYTES;
-                memcpy(blk, g + 32 * r + 2 * i, 2);
-                memcpy(blk + 2, g + 128 + 256 * (i / 4) + 64 * r + 16 * (i % 4), 16);
+#else
+            for (int i = 0; i < n; i++) {
+                memcpy(dst + i * Q4_0_BYTES, run + 2 * n * r + 2 * i, 2);
+                const uint8_t *nibbles = run + 8 * n + 256 * (i / 4) + 64 * r + 16 * (i % 4);
+                memcpy(dst + i * Q4_0_BYTES + 2, nibbles, 16);
             }
+#endif
         }
     }
 }
@@ -152,18 +153,21 @@ static void rows_q4_0s(const uint8_t *g, int64_t K, const uint8_t *xb, const flo
     const uint8_t *xl = xb, *xh = xb + K;
     __m512 acc[4], off[4];
     for (int r = 0; r < 4; r++) acc[r] = off[r] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < K / QK; b0 += 16, g += STREAM_RUN) {
+    for (int64_t b0 = 0; b0 < K / QK; b0 += 16) {
+        int n = run_blocks(b0, K / QK);
+        const uint8_t *run = g + b0 * 4 * Q4_0_BYTES;
+        __mmask16 lanes = (__mmask16)((1u << n) - 1);
         __m512 scale[4];
         for (int r = 0; r < 4; r++) {
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 32 * r)));
+            __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, run + 2 * n * r));
             off[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(-8.0f)),
-                                     _mm512_loadu_ps(xs + b0), off[r]);
-            scale[r] = _mm512_mul_ps(d, _mm512_loadu_ps(xd + b0));
+                                     _mm512_maskz_loadu_ps(lanes, xs + b0), off[r]);
+            scale[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(lanes, xd + b0));
         }
         __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        for (int p = 0; p < 4; p++, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(4))) {
+        for (int p = 0; p < n / 4; p++, pick = _mm512_add_epi32(pick, _mm512_set1_epi32(4))) {
             int64_t e = (b0 + 4 * p) * QK;
-            const uint8_t *chunk = g + 128 + 256 * p;
+            const uint8_t *chunk = run + 8 * n + 256 * p;
             __m512i l0 = _mm512_loadu_si512(xl + e), l1 = _mm512_loadu_si512(xl + e + 64);
             __m512i h0 = _mm512_loadu_si512(xh + e), h1 = _mm512_loadu_si512(xh + e + 64);
             for (int r = 0; r < 4; r++) {
