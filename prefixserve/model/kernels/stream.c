@@ -48,6 +48,10 @@ int q4_0s_fits(int64_t N, int64_t K) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define STREAM_VBMI 1 /* the byte permutes of pack_group and unpack_q4_0s */
+#endif
+
+#ifdef STREAM_VBMI
 /* Byte permutes between a run's 72 file bytes of four blocks and their 64 bytes of nibbles
  * (to_chunk: from the loads at blk and blk + 8; to_blocks[p]: output bytes 0-63 of blocks
  * 4 p .. 4 p + 3 from the chunk and the run's 32 bytes of scales). */
@@ -80,7 +84,7 @@ static inline int run_blocks(int64_t b0, int64_t nb) { return nb - b0 < 16 ? (in
 /* Group g's rows in the file's layout (rows, 4 x row_bytes) as one stream (out). */
 static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
     int64_t nb = K / QK, row_bytes = nb * Q4_0_BYTES;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#ifdef STREAM_VBMI
     StreamPermutes t = stream_permutes();
 #endif
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -92,7 +96,7 @@ static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
             for (int p = 0; p < n / 4; p++) {
                 const uint8_t *blk = src + 4 * p * Q4_0_BYTES;
                 uint8_t *chunk = run + 8 * n + 256 * p + 64 * r;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#ifdef STREAM_VBMI
                 _mm512_storeu_si512(chunk, _mm512_permutex2var_epi8(_mm512_loadu_si512(blk),
                                                                     t.to_chunk,
                                                                     _mm512_loadu_si512(blk + 8)));
@@ -107,7 +111,7 @@ static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
 /* The inverse of pack_group: one group of the stream (g) as four rows of the file's layout. */
 static void unpack_q4_0s(const uint8_t *g, int64_t K, uint8_t *rows) {
     int64_t nb = K / QK, row_bytes = nb * Q4_0_BYTES;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#ifdef STREAM_VBMI
     StreamPermutes t = stream_permutes();
 #endif
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
@@ -115,7 +119,7 @@ static void unpack_q4_0s(const uint8_t *g, int64_t K, uint8_t *rows) {
         const uint8_t *run = g + b0 * 4 * Q4_0_BYTES;
         for (int r = 0; r < 4; r++) {
             uint8_t *dst = rows + r * row_bytes + b0 * Q4_0_BYTES;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#ifdef STREAM_VBMI
             __m512i scales = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (2 * n)) - 1),
                                                      run + 2 * n * r);
             for (int p = 0; p < n / 4; p++) {
