@@ -77,6 +77,19 @@ def test_tier_flags_reach_the_engine_config() -> None:
     assert config.hash_algo == "sha256"
 
 
+def test_the_weight_layout_flag_reaches_the_engine_config_and_is_checked() -> None:
+    """``--weight-layout`` (default: the engine's ``stream``) reaches EngineConfig; a layout
+    the engine does not know is refused by the parser, and by EngineConfig itself."""
+    from prefixserve.engine.config import EngineConfig
+
+    assert engine_config(parse()).weight_layout == "stream"
+    assert engine_config(parse("--weight-layout", "file")).weight_layout == "file"
+    with pytest.raises(SystemExit):
+        parse("--weight-layout", "mapped")
+    with pytest.raises(ValueError, match="weight_layout must be one of stream, file"):
+        EngineConfig(weight_layout="mapped")
+
+
 def test_defaults_leave_the_engine_defaults() -> None:
     args = parse()
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
