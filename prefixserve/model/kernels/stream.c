@@ -52,28 +52,26 @@ int q4_0s_fits(int64_t N, int64_t K) {
 #endif
 
 #ifdef STREAM_VBMI
-/* Byte permutes between a run's 72 file bytes of four blocks and their 64 bytes of nibbles
- * (to_chunk: from the loads at blk and blk + 8; to_blocks[p]: output bytes 0-63 of blocks
- * 4 p .. 4 p + 3 from the chunk and the run's 32 bytes of scales). */
-typedef struct {
-    __m512i to_chunk, to_blocks[4];
-} StreamPermutes;
-
-static StreamPermutes stream_permutes(void) {
-    StreamPermutes t;
-    uint8_t a[64], b[4][64];
-    for (int o = 0; o < 64; o++) {
-        int at = o / 16 * Q4_0_BYTES + 2 + o % 16; /* in the 72 bytes */
-        a[o] = (uint8_t)(at < 64 ? at : at - 8 + 64);
-        for (int p = 0; p < 4; p++) {
-            int j = o / Q4_0_BYTES, w = o % Q4_0_BYTES;
-            b[p][o] = (uint8_t)(w < 2 ? 64 + 8 * p + 2 * j + w : 16 * j + w - 2);
-        }
-    }
-    t.to_chunk = _mm512_loadu_si512(a);
-    for (int p = 0; p < 4; p++) t.to_blocks[p] = _mm512_loadu_si512(b[p]);
-    return t;
-}
+/* Byte permutes between a run's 72 file bytes of four blocks and their 64 bytes of nibbles,
+ * constants of the layout: TO_CHUNK(o) picks nibble byte o of the chunk from the loads at blk
+ * and blk + 8 (byte at of the 72 lies in the second load from 64 on); TO_BLOCKS(p, o) picks
+ * file byte o of blocks 4 p .. 4 p + 3 from the chunk, or from the run's 32 bytes of scales
+ * (bytes 0-1 of each 18). */
+#define CHUNK_AT(o) ((o) / 16 * Q4_0_BYTES + 2 + (o) % 16)
+#define TO_CHUNK(o) (CHUNK_AT(o) < 64 ? CHUNK_AT(o) : CHUNK_AT(o) + 56)
+#define TO_BLOCKS(p, o)                                                                        \
+    ((o) % Q4_0_BYTES < 2 ? 64 + 8 * (p) + 2 * ((o) / Q4_0_BYTES) + (o) % Q4_0_BYTES            \
+                          : 16 * ((o) / Q4_0_BYTES) + (o) % Q4_0_BYTES - 2)
+#define ROW8(F, ...) F(__VA_ARGS__ 0), F(__VA_ARGS__ 1), F(__VA_ARGS__ 2), F(__VA_ARGS__ 3),   \
+                     F(__VA_ARGS__ 4), F(__VA_ARGS__ 5), F(__VA_ARGS__ 6), F(__VA_ARGS__ 7)
+#define ROW64(F, ...)                                                                          \
+    ROW8(F, __VA_ARGS__), ROW8(F, __VA_ARGS__ 8 +), ROW8(F, __VA_ARGS__ 16 +),                  \
+    ROW8(F, __VA_ARGS__ 24 +), ROW8(F, __VA_ARGS__ 32 +), ROW8(F, __VA_ARGS__ 40 +),            \
+    ROW8(F, __VA_ARGS__ 48 +), ROW8(F, __VA_ARGS__ 56 +)
+static const uint8_t to_chunk[64] __attribute__((aligned(64))) = {ROW64(TO_CHUNK, )};
+#define TO_BLOCKS_OF(p) {ROW64(TO_BLOCKS, p, )}
+static const uint8_t to_blocks[4][64] __attribute__((aligned(64))) = {
+    TO_BLOCKS_OF(0), TO_BLOCKS_OF(1), TO_BLOCKS_OF(2), TO_BLOCKS_OF(3)};
 #endif
 
 /* Blocks in the run of the four rows that starts at block b0 of nb (16, or 4, 8 or 12 at the
@@ -85,7 +83,7 @@ static inline int run_blocks(int64_t b0, int64_t nb) { return nb - b0 < 16 ? (in
 static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
     int64_t nb = K / QK, row_bytes = nb * Q4_0_BYTES;
 #ifdef STREAM_VBMI
-    StreamPermutes t = stream_permutes();
+    const __m512i gather = _mm512_load_si512(to_chunk);
 #endif
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         int n = run_blocks(b0, nb);
@@ -98,7 +96,7 @@ static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
                 uint8_t *chunk = run + 8 * n + 256 * p + 64 * r;
 #ifdef STREAM_VBMI
                 _mm512_storeu_si512(chunk, _mm512_permutex2var_epi8(_mm512_loadu_si512(blk),
-                                                                    t.to_chunk,
+                                                                    gather,
                                                                     _mm512_loadu_si512(blk + 8)));
 #else
                 for (int j = 0; j < 4; j++) memcpy(chunk + 16 * j, blk + j * Q4_0_BYTES + 2, 16);
@@ -112,7 +110,6 @@ static void pack_group(const uint8_t *rows, int64_t K, uint8_t *out) {
 static void unpack_q4_0s(const uint8_t *g, int64_t K, uint8_t *rows) {
     int64_t nb = K / QK, row_bytes = nb * Q4_0_BYTES;
 #ifdef STREAM_VBMI
-    StreamPermutes t = stream_permutes();
 #endif
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         int n = run_blocks(b0, nb);
@@ -126,7 +123,8 @@ static void unpack_q4_0s(const uint8_t *g, int64_t K, uint8_t *rows) {
                 const uint8_t *chunk = run + 8 * n + 256 * p + 64 * r;
                 uint8_t *blk = dst + 4 * p * Q4_0_BYTES;
                 __m512i v = _mm512_loadu_si512(chunk);
-                _mm512_storeu_si512(blk, _mm512_permutex2var_epi8(v, t.to_blocks[p], scales));
+                __m512i to_file = _mm512_load_si512(to_blocks[p]);
+                _mm512_storeu_si512(blk, _mm512_permutex2var_epi8(v, to_file, scales));
                 memcpy(blk + 64, chunk + 56, 8); /* block 3's last 8 nibble bytes */
             }
 #else
