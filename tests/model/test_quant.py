@@ -1118,6 +1118,47 @@ def test_tiny_gguf_kept_weights_view_the_file(tiny_gguf: Path, lib) -> None:
         assert not any(low <= data.data_ptr() < high for low, high in ranges), module
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_the_loader_streams_q4_0_weights_and_the_file_layout_keeps_them_as_views(
+        tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_0 GGUF whose widths are multiples of 128 (``benchmarks/real_size_gguf.py``'s writer,
+    a 2-layer shape of hidden 256): by default (``layout="stream"``) every Q4_0 projection is
+    in the stream layout, a copy outside the file's mapping; with ``layout="file"`` O and down
+    are views of the file's pages, as the file holds them. The two models' logits are the
+    same bits, and ``LLM(weight_layout=...)`` reaches the loader. Kills a loader that ignores
+    ``layout`` (planted: ``stream=True`` always in ``_install_packed``, and ``stream=False``
+    always) and an engine that does not pass it on."""
+    if not lib.q4_0s_fits(4, 512):
+        pytest.skip("the stream layout needs the kernels' 512-bit build")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import real_size_gguf
+
+    monkeypatch.setitem(real_size_gguf.SHAPES, "tiny",
+                        real_size_gguf.Shape("llama", 256, 2, 384, 4, 2, 64))
+    path = tmp_path / "tiny-q4_0.gguf"
+    real_size_gguf.write("tiny", str(path), "Q4_0", 0)
+    config, streamed = load_model(str(path), torch.float32)
+    _, filed = load_model(str(path), torch.float32, layout="file")
+    ranges = file_ranges(path)
+
+    def mapped(module: QuantLinear) -> bool:
+        return any(low <= module.qweight.data_ptr() < high for low, high in ranges)
+
+    for name in ("layers.0.attn.o_proj", "layers.1.mlp.down_proj"):
+        stream_layer, file_layer = streamed.get_submodule(name), filed.get_submodule(name)
+        assert (stream_layer.fmt, mapped(stream_layer)) == (FMT_Q4_0S, False), name
+        assert (file_layer.fmt, mapped(file_layer)) == (FMT_Q4_0, True), name
+    assert {m.fmt for m in streamed.modules() if isinstance(m, QuantLinear)} == {
+        FMT_Q4_0S, FMT_Q8_0}  # the Q8_0 embedding, also the tied head
+    for got, want in zip(trace(config, streamed), trace(config, filed), strict=True):
+        assert torch.equal(got, want)
+    from prefixserve import LLM  # the engine passes its weight_layout to the loader
+
+    for layout, fmt in (("file", FMT_Q4_0), ("stream", FMT_Q4_0S)):
+        engine = LLM(str(path), weight_layout=layout, kv_cache_memory="16MiB").engine
+        assert engine.runner.model.get_submodule("layers.0.attn.o_proj").fmt == fmt
+
+
 #: Largest relative (Frobenius) change of the tiny models' logits from requantizing every
 #: matmul weight (random weights, no training: measured 0.027 for int8, 0.23 for int4).
 REQUANT_DRIFT = {"int8": 0.06, "int4": 0.45}
