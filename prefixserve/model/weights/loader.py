@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from typing import cast
 
@@ -114,8 +114,8 @@ def load_model(
     _install_packed(net, state, dtype, stream=layout == "stream")
     net.load_state_dict(state, strict=True, assign=True)
     net.to(device)
-    if gguf is not None:
-        _release_unviewed(gguf, net)
+    if gguf is not None:  # the stream layout copied after the state was built
+        _release_unviewed(gguf, gguf.tensors, (*net.parameters(), *net.buffers()))
     if freq_factors is not None:
         net.set_rope_freq_factors(freq_factors)
     net.requires_grad_(False)
@@ -415,24 +415,19 @@ def _page_releaser(gguf: GGUFFile, used: set[str]) -> Callable[[dict[str, Weight
     settled: set[str] = set()
 
     def settle(entries: dict[str, Weight]) -> None:
-        tensors = [t for w in entries.values() for t in _tensors_of(w)]
-        starts = [t.data_ptr() for t in tensors]
-        for name in used - settled:
-            raw = gguf.read_raw(name)
-            low = raw.ctypes.data
-            if not any(low <= start < low + raw.nbytes for start in starts):
-                gguf.release(*gguf.span(name))
+        _release_unviewed(gguf, used - settled,
+                          [t for w in entries.values() for t in _tensors_of(w)])
         settled.update(used)
 
     return settle
 
 
-def _release_unviewed(gguf: GGUFFile, net: nn.Module) -> None:
-    """Releases (:meth:`GGUFFile.release`) the pages of every tensor of the file that no
-    weight of ``net`` views: those the stream layout copied (:func:`quant.stream_layout`)
-    were read after the state was built, so :func:`_page_releaser` did not see them."""
-    starts = [t.data_ptr() for t in (*net.parameters(), *net.buffers())]
-    for name in gguf.tensors:
+def _release_unviewed(gguf: GGUFFile, names: Iterable[str],
+                      tensors: Iterable[torch.Tensor]) -> None:
+    """Releases (:meth:`GGUFFile.release`) the pages of each of the file's tensors ``names``
+    that none of ``tensors`` views (it was copied, or not used)."""
+    starts = [t.data_ptr() for t in tensors]
+    for name in names:
         raw = gguf.read_raw(name)
         low = raw.ctypes.data
         if not any(low <= start < low + raw.nbytes for start in starts):
