@@ -225,6 +225,10 @@ def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
                                atol=kv_tol * float(eager_cache.abs().max()))
 
 
+def formats(model: CausalLM) -> list[int]:
+    return [m.fmt for m in model.modules() if isinstance(m, QuantLinear)]
+
+
 def decode_steps(model: CausalLM, config: ModelConfig, rows: int, dtype: torch.dtype
                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The logits of four fused decode steps of ``rows`` sequences (of 40 to 100 tokens
@@ -251,10 +255,11 @@ def test_the_stream_layout_changes_no_number_of_the_fused_step(
     """Q4_0 weights in the stream layout (``kernels/stream.c``: every product of
     STREAM_CONFIG is a multiple of 128 wide) decode with the same bits as in the file's
     layout: one row through the stream kernel (its sums in rows_q4_wide's order), more rows
-    through the file layout's kernels over unpacked groups (bfloat16: the bfloat16 batch
-    kernel where the CPU has it). Kills a repacking or unpacking that moves a block, a
+    through the file layout's kernels over unpacked groups (bfloat16: the bfloat16 batch or
+    AMX kernel where the CPU has it). Kills a repacking or unpacking that moves a block, a
     scale or a row (planted: the scales of a run shifted by one block, in the repacking;
-    every logit moved)."""
+    every logit moved), and a one-row stream kernel that differs (planted: -7 for Q4_0's -8
+    offset; the one-row cases fail)."""
     lib = quant_kernels.kernels()
     if lib is None or not lib.q4_0s_fits(4, 512):
         pytest.skip("the stream layout needs the kernels' 512-bit build")
@@ -263,11 +268,11 @@ def test_the_stream_layout_changes_no_number_of_the_fused_step(
         return packed_model(STREAM_CONFIG, FMT_Q4_0).to(dtype)
 
     streamed = model()
-    assert all(m.fmt == FMT_Q4_0S for m in streamed.modules() if isinstance(m, QuantLinear))
+    assert formats(streamed) == [FMT_Q4_0S] * 8  # QKV, O, gate/up and down of both layers
     stream_logits, stream_cache = decode_steps(streamed, STREAM_CONFIG, rows, dtype)
     monkeypatch.setattr(quant, "stream_layout", lambda weight, lib: weight)
     filed = model()
-    assert all(m.fmt == FMT_Q4_0 for m in filed.modules() if isinstance(m, QuantLinear))
+    assert formats(filed) == [FMT_Q4_0] * 8
     file_logits, file_cache = decode_steps(filed, STREAM_CONFIG, rows, dtype)
     for got, want in zip(stream_logits, file_logits, strict=True):
         assert torch.equal(got, want)
