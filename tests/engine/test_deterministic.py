@@ -103,7 +103,9 @@ def test_lora_adapters_give_the_same_tokens_in_any_batch_cache_and_chunking(
     deltas on torch's plain matmul (tried); the rounding the tiles remove is shown by
     ``tests/model/test_batch_invariant.py::test_lora_deltas_rows_do_not_depend_on_the_row_count``."""
     config = default_config()
-    adapters = {name: str(write_peft_adapter(tmp_path / name, config, seed=seed))
+    # std 0.1: deltas that change every case's first token by a margin on any CPU (at the
+    # default 0.05, adapter b moved a near-tie the other way on one CPU and not on another)
+    adapters = {name: str(write_peft_adapter(tmp_path / name, config, seed=seed, std=0.1))
                 for name, seed in (("a", 1), ("b", 2))}
     llm = LLM(deterministic=True, enable_lora=True, max_loras=2, max_lora_rank=8,
               lora_modules=adapters)
@@ -118,7 +120,7 @@ def test_lora_adapters_give_the_same_tokens_in_any_batch_cache_and_chunking(
         return [list(o.outputs[0].token_ids) for o in outs]
 
     alone = [tokens(llm, [case], f"alone-{i}")[0] for i, case in enumerate(cases)]
-    assert alone[0::3] != alone[1::3] and alone[0::3] != alone[2::3]  # adapters matter
+    assert all(alone[i] != alone[i - i % 3] for i in range(len(cases)) if i % 3)  # each matters
     assert tokens(llm, cases, "batch") == alone
     tokens(llm, cases, None)
     cached = llm.generate([p for p, _ in cases], params, lora=[n for _, n in cases])
