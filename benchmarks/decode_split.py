@@ -97,6 +97,8 @@ def main() -> None:
     llm.generate(prompt, params)  # builds the fused step
     if runner._fused is None:
         sys.exit("this model does not take the fused decode step")
+    if not hasattr(head, "qweight"):
+        sys.exit("this model's output head is not packed (a dense head): nothing to split")
     spent: dict[str, float] = defaultdict(float)
     timed(runner._fused, "run", spent, "layers")
     timed(model, "compute_logits", spent, "logits")
@@ -116,8 +118,7 @@ def main() -> None:
         rows["layers"].append(1e3 * per["layers"])
         rows["head"].append(1e3 * per["head"])
         rows["norm and conversions"].append(1e3 * (per["logits"] - per["head"]))
-        rows["python"].append(1e3 * (total / DECODE_TOKENS - per["layers"]
-                                              - per["logits"]))
+        rows["python"].append(1e3 * (total / DECODE_TOKENS - per["layers"] - per["logits"]))
         rows["read"].append(read)
         rows["layers %"].append(100 * layer_bytes / per["layers"] / 1e9 / read)
         rows["head %"].append(100 * head_bytes / per["head"] / 1e9 / read)
