@@ -194,11 +194,12 @@ typedef struct {
     int16_t *xq; /* 16-bit integers per block, or bfloat16 bits when bf16 is set */
     float *xd, *xs, *dT, *sT;
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
-    uint8_t *xb;  /* a one-row step's activations split into bytes: SPLIT_Q4 (split_q16) in
-                     [0, 2 K), then split_k's where K is a multiple of 256 */
+    uint8_t *xb;  /* the activations of a step of up to FEW_ROWS rows split into bytes: row b's
+                     SPLIT_Q4 (split_q16) in [2 K b, 2 K (b + 1)); a one-row step's split_k's
+                     from 2 K on, where K is a multiple of 256 */
     int bf16, amx;
     int need_q4, need_k;   /* whether the model has Q4_0/Q4_1, K-quant products (512-bit builds) */
-    int split_q4, split_k; /* whether xb holds those splits of the last rounded row */
+    int split_q4, split_k; /* whether xb holds those splits of the last rounded rows */
 } Quantized;
 
 /* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch or the AMX
@@ -228,11 +229,14 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     int64_t nb = K / QK;
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
-    /* a step of one row: the one-row kernels of the model's 4- and 6-bit formats take bytes */
-    q->split_q4 = b0 == 0 && n == 1 && q->need_q4;
+    /* a step of up to FEW_ROWS rows (one unit: b0 is 0): the one-row kernels of the model's
+     * 4-bit formats take bytes, and those of its 6-bit ones in a step of one row */
+    q->split_q4 = b0 == 0 && n <= FEW_ROWS && q->need_q4;
     q->split_k = b0 == 0 && n == 1 && q->need_k && K % QK_K == 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (q->split_q4) split_q16(q->xq, K, SPLIT_Q4, q->xb);
+    for (int64_t b = 0; q->split_q4 && b < n; b++) {
+        split_q16(q->xq + b * K, K, SPLIT_Q4, q->xb + 2 * K * b);
+    }
     if (q->split_k) split_k(q->xq, K, q->xb + 2 * K);
 #endif
 }
@@ -266,17 +270,23 @@ static void team_stream_amx(const uint8_t *W, int64_t N, int64_t K, const float 
 }
 
 /* team_linear of a stream-layout Q4_0 weight (stream.c), with the file layout's results
- * exactly: one row by rows_q4_0s; more rows by the kernel team_linear would take, over rows
- * unpacked into each thread's buffer (16 rows: an AMX tile's; NULL: no memory, NaN out). */
+ * exactly: up to FEW_ROWS 16-bit rows by rows_q4_0s, one after another over each group; more
+ * rows by the kernel team_linear would take, over rows unpacked into each thread's buffer (16
+ * rows: an AMX tile's; NULL: no memory, NaN out). */
 static void team_stream(const uint8_t *W, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y, int64_t ldy) {
     int64_t row_bytes = K / QK * Q4_0_BYTES;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (B == 1 && q->split_q4) {
+    if (!q->bf16 && B <= FEW_ROWS && q->split_q4) {
+        int64_t nb = K / QK;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < N / 4; g++) {
-            rows_q4_0s(W + 4 * g * row_bytes, K, q->xb, q->xd, q->xs, y + 4 * g);
-            for (int64_t r = 4 * g; bias && r < 4 * g + 4; r++) y[r] += bias[r];
+            for (int64_t b = 0; b < B; b++) {
+                float *out = y + b * ldy + 4 * g;
+                rows_q4_0s(W + 4 * g * row_bytes, K, q->xb + 2 * K * b, q->xd + b * nb,
+                           q->xs + b * nb, out);
+                for (int r = 0; bias && r < 4; r++) out[r] += bias[4 * g + r];
+            }
         }
         return;
     }
@@ -340,12 +350,16 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
         return;
     }
 #ifdef __AVX2__
-    if (B == 1 && rows_fast_fits(N)) {
+    if (!q->bf16 && B <= FEW_ROWS && rows_fast_fits(N)) { /* one row after another */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += ROWS) {
-            rows_fast(W, (int)fmt, row_bytes, n, q->xq, q->split_q4 ? q->xb : NULL, q->xd, q->xs,
-                      nb, y);
-            for (int r = 0; bias && r < ROWS; r++) y[n + r] += bias[n + r];
+            for (int64_t b = 0; b < B; b++) {
+                float *out = y + b * ldy;
+                rows_fast(W, (int)fmt, row_bytes, n, q->xq + b * K,
+                          q->split_q4 ? q->xb + 2 * K * b : NULL, q->xd + b * nb, q->xs + b * nb,
+                          nb, out);
+                for (int r = 0; bias && r < ROWS; r++) out[n + r] += bias[n + r];
+            }
         }
         return;
     }
@@ -1430,7 +1444,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
                      + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows;
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
-                    + B * widest * (int64_t)sizeof(int16_t) + 2 * widest
+                    + B * widest * (int64_t)sizeof(int16_t) + 2 * FEW_ROWS * widest
                     + SPLIT_K_BYTES(widest) + 128;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;

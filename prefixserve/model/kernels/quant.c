@@ -782,6 +782,17 @@ static inline int bytes_split(int64_t fmt) {
     return is_q4((int)fmt) || fmt == FMT_Q4_0S ? BYTES_Q4 : is_kquant((int)fmt) ? BYTES_K : 0;
 }
 
+/* The most activation rows whose 16-bit products run the one-row kernels, one row after
+ * another over each group of weight rows (gemm_quant16_batch, stream_q16_batch, the fused
+ * step's team_linear): the group comes from memory for the first row and from the core's
+ * cache for the others, where the batch kernel (batch_row_q16) is several times slower at
+ * these row counts (benchmarks/few_rows.py; -DFEW_ROWS=1 builds the batch kernel's way).
+ * From 8 rows a bfloat16 model's batch kernels take over. Each row's sums are those of a
+ * product of that row alone. */
+#ifndef FEW_ROWS
+#define FEW_ROWS 7
+#endif
+
 /* Whether rows_fast takes groups of ROWS weight rows of an N-row product. */
 static inline int rows_fast_fits(int64_t N) {
 #ifdef __AVX2__
@@ -819,21 +830,22 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
 }
 #endif
 
-/* The activation row xq [K] split into bytes for the one-row kernels of format fmt
- * (split_q16; the caller frees it), or NULL where they take 16-bit words or the build has no
- * 512-bit kernels (or no memory: the 16-bit kernels then run). */
-static uint8_t *split_row(const int16_t *xq, int64_t K, int fmt) {
+/* The activation rows xq [M, K] split into bytes for the one-row kernels of format fmt
+ * (split_q16's SPLIT_Q4: row m at 2 K m; split_k's for one row; the caller frees it), or NULL
+ * where they take 16-bit words or the build has no 512-bit kernels (or no memory: the 16-bit
+ * kernels then run). */
+static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     int split = bytes_split(fmt);
-    if (!split) return NULL;
-    uint8_t *xb = malloc((size_t)(split == BYTES_K ? SPLIT_K_BYTES(K) : 2 * K));
+    if (!split || (split == BYTES_K && M != 1)) return NULL;
+    uint8_t *xb = malloc((size_t)(split == BYTES_K ? SPLIT_K_BYTES(K) : 2 * K * M));
     if (xb && split == BYTES_K) split_k(xq, K, xb);
-    if (xb && split == BYTES_Q4) split_q16(xq, K, SPLIT_Q4, xb);
+    for (int64_t m = 0; xb && split == BYTES_Q4 && m < M; m++) {
+        split_q16(xq + m * K, K, SPLIT_Q4, xb + 2 * K * m);
+    }
     return xb;
 #else
-    (void)xq;
-    (void)K;
-    (void)fmt;
+    (void)xq, (void)M, (void)K, (void)fmt;
     return NULL;
 #endif
 }
@@ -1016,7 +1028,7 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
     }
     int64_t nb = K / QK, tiles = M / 8;
     if (is_kquant(fmt) && M == 1) {
-        uint8_t *xb = split_row(xq, K, fmt);
+        uint8_t *xb = split_rows(xq, 1, K, fmt);
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
         for (int64_t n = 0; n < N; n += 4) {
             kq_rows_one(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xb, xd, xs, y);
@@ -1029,13 +1041,16 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
         return;
     }
 #ifdef __AVX2__
-    if (M == 1 && rows_fast_fits(N)) {
+    if (M <= FEW_ROWS && rows_fast_fits(N)) {
         int64_t row_bytes = nb * block_bytes(fmt);
         int parallel = N * K >= (1 << 17);
-        uint8_t *xb = split_row(xq, K, fmt);
+        uint8_t *xb = split_rows(xq, M, K, fmt);
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t n = 0; n < N; n += ROWS) {
-            rows_fast(W, fmt, row_bytes, n, xq, xb, xd, xs, nb, y);
+            for (int64_t m = 0; m < M; m++) {
+                rows_fast(W, fmt, row_bytes, n, xq + m * K, xb ? xb + 2 * K * m : NULL,
+                          xd + m * nb, xs + m * nb, nb, y + m * ldy);
+            }
         }
         free(xb);
         return;

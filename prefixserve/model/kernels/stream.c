@@ -257,17 +257,21 @@ static void stream_chunks(const uint8_t *W, int64_t N, const StreamProduct *a) {
     }
 }
 
-/* gemm_quant16_batch of a stream-layout weight: one row by rows_q4_0s, more by chunks. */
+/* gemm_quant16_batch of a stream-layout weight: up to FEW_ROWS rows by rows_q4_0s, more by
+ * chunks. */
 static void stream_q16_batch(const uint8_t *W, int64_t N, int64_t K, const int16_t *xq,
                              const float *xd, const float *xs, int64_t M, float *y,
                              int64_t ldy) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    uint8_t *xb = M == 1 ? split_row(xq, K, FMT_Q4_0) : NULL;
+    uint8_t *xb = M <= FEW_ROWS ? split_rows(xq, M, K, FMT_Q4_0) : NULL;
     if (xb) {
-        int64_t group_bytes = 4 * (K / QK) * Q4_0_BYTES;
+        int64_t nb = K / QK, group_bytes = 4 * nb * Q4_0_BYTES;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
         for (int64_t g = 0; g < N / 4; g++) {
-            rows_q4_0s(W + g * group_bytes, K, xb, xd, xs, y + 4 * g);
+            for (int64_t m = 0; m < M; m++) {
+                rows_q4_0s(W + g * group_bytes, K, xb + 2 * K * m, xd + m * nb, xs + m * nb,
+                           y + m * ldy + 4 * g);
+            }
         }
         free(xb);
         return;
