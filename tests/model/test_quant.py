@@ -631,8 +631,9 @@ def test_the_stream_layout_gives_the_file_layouts_products_exactly(
     assert torch.equal(embedding(ids), QuantEmbedding(packed, torch.float32)(ids))
 
 
-@pytest.mark.parametrize("fmt", [FMT_Q4_0, FMT_Q4_0S, FMT_Q4_1, FMT_Q8_0],
-                         ids=["Q4_0", "Q4_0-stream", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", [FMT_Q4_0, FMT_Q4_0S, FMT_Q4_1, FMT_Q8_0, FMT_Q4_K, FMT_Q5_K,
+                                 FMT_Q6_K],
+                         ids=["Q4_0", "Q4_0-stream", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_up_to_seven_rows_are_each_the_product_of_that_row_alone(fmt: int, lib) -> None:
     """A product of 2 to 7 rows with 16-bit activations (a decode step of a few sequences)
     runs the one-row kernels row after row over each group of weight rows (FEW_ROWS,
@@ -640,19 +641,23 @@ def test_up_to_seven_rows_are_each_the_product_of_that_row_alone(fmt: int, lib) 
     bias included. Kills an activation row read at another row's offset (planted: the first
     row's scales for every row in the file's layout, its sums in the stream layout) and the
     batch kernel taking these rows back (its sums run in another order; planted, FEW_ROWS 1:
-    all four cases fail)."""
+    all seven cases fail)."""
     if fmt == FMT_Q4_0S and not lib.q4_0s_fits(4, 512):
         pytest.skip("the stream layout needs the kernels' 512-bit build")
     rng = np.random.default_rng(fmt)
-    packed = pack_float(rng.standard_normal((68, 1024)).astype(np.float32),
-                        FMT_Q4_0 if fmt == FMT_Q4_0S else fmt)
+    kquants = {FMT_Q4_K: Q.Q4_K, FMT_Q5_K: Q.Q5_K, FMT_Q6_K: Q.Q6_K}
+    if fmt in kquants:  # ROWS x COLS from gguf-py's quantizer
+        packed = packed_case(kquants[fmt])[2]
+    else:
+        packed = pack_float(rng.standard_normal((68, 1024)).astype(np.float32),
+                            FMT_Q4_0 if fmt == FMT_Q4_0S else fmt)
     layer = QuantLinear(packed, bias=True, stream=fmt == FMT_Q4_0S)
     assert layer.fmt == fmt
     layer.activation_bits = 16
     with torch.no_grad():
-        layer.bias.copy_(torch.linspace(-1, 1, 68))
+        layer.bias.copy_(torch.linspace(-1, 1, layer.out_features))
     for m in range(2, 8):
-        x = torch.from_numpy(rng.standard_normal((m, 1024)).astype(np.float32))
+        x = torch.from_numpy(rng.standard_normal((m, layer.in_features)).astype(np.float32))
         alone = torch.cat([layer(x[i:i + 1]) for i in range(m)])
         assert torch.equal(layer(x), alone), m
 

@@ -195,12 +195,17 @@ typedef struct {
     float *xd, *xs, *dT, *sT;
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
     uint8_t *xb;  /* the activations of a step of up to FEW_ROWS rows split into bytes: row b's
-                     SPLIT_Q4 (split_q16) in [2 K b, 2 K (b + 1)); a one-row step's split_k's
-                     from 2 K on, where K is a multiple of 256 */
+                     SPLIT_Q4 (split_q16) at 2 K b, its split_k's (K a multiple of 256) at
+                     k_split(q, K, b) */
     int bf16, amx;
     int need_q4, need_k;   /* whether the model has Q4_0/Q4_1, K-quant products (512-bit builds) */
     int split_q4, split_k; /* whether xb holds those splits of the last rounded rows */
 } Quantized;
+
+/* Where row b's split_k bytes lie in q->xb, after FEW_ROWS rows of SPLIT_Q4's. */
+static inline uint8_t *k_split(const Quantized *q, int64_t K, int64_t b) {
+    return q->xb + 2 * K * FEW_ROWS + b * SPLIT_K_BYTES(K);
+}
 
 /* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch or the AMX
  * kernel): a bfloat16 model's batch of bf16_batch_rows() or amx_rows() or more where the build
@@ -230,14 +235,14 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
     /* a step of up to FEW_ROWS rows (one unit: b0 is 0): the one-row kernels of the model's
-     * 4-bit formats take bytes, and those of its 6-bit ones in a step of one row */
+     * 4-bit and K-quant formats take bytes */
     q->split_q4 = b0 == 0 && n <= FEW_ROWS && q->need_q4;
-    q->split_k = b0 == 0 && n == 1 && q->need_k && K % QK_K == 0;
+    q->split_k = b0 == 0 && n <= FEW_ROWS && q->need_k && K % QK_K == 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    for (int64_t b = 0; q->split_q4 && b < n; b++) {
-        split_q16(q->xq + b * K, K, SPLIT_Q4, q->xb + 2 * K * b);
+    for (int64_t b = 0; b < n && (q->split_q4 || q->split_k); b++) {
+        if (q->split_q4) split_q16(q->xq + b * K, K, SPLIT_Q4, q->xb + 2 * K * b);
+        if (q->split_k) split_k(q->xq + b * K, K, k_split(q, K, b));
     }
-    if (q->split_k) split_k(q->xq, K, q->xb + 2 * K);
 #endif
 }
 
@@ -332,16 +337,17 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
     }
     int64_t nb = K / QK, row_bytes = nb * block_bytes((int)fmt);
     if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
-        float *xf = B > 1 ? kq_float_rows(q->xq, q->xd, B, K) : NULL; /* each thread's own */
+        int few = B <= FEW_ROWS; /* one-row kernels, row after row */
+        float *xf = few ? NULL : kq_float_rows(q->xq, q->xd, B, K); /* each thread's own */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += 4) {
             int64_t end = n + 4 < N ? n + 4 : N;
-            if (B == 1) {
-                kq_rows_one(W, (int)fmt, K, n, end, q->xq, q->split_k ? q->xb + 2 * K : NULL,
-                            q->xd, q->xs, y);
-            } else {
-                kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, ldy);
+            for (int64_t b = 0; few && b < B; b++) {
+                kq_rows_one(W, (int)fmt, K, n, end, q->xq + b * K,
+                            q->split_k ? k_split(q, K, b) : NULL, q->xd + b * nb, q->xs + b * nb,
+                            y + b * ldy);
             }
+            if (!few) kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, ldy);
             for (int64_t r = n; bias && r < end; r++) {
                 for (int64_t b = 0; b < B; b++) y[b * ldy + r] += bias[r];
             }
@@ -1445,7 +1451,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * FEW_ROWS * widest
-                    + SPLIT_K_BYTES(widest) + 128;
+                    + FEW_ROWS * SPLIT_K_BYTES(widest) + 128;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;
     sc->base = p;

@@ -785,8 +785,9 @@ static inline int bytes_split(int64_t fmt) {
 /* The most activation rows whose 16-bit products run the one-row kernels, one row after
  * another over each group of weight rows (gemm_quant16_batch, stream_q16_batch, the fused
  * step's team_linear): the group comes from memory for the first row and from the core's
- * cache for the others, where the batch kernel (batch_row_q16) is several times slower at
- * these row counts (benchmarks/few_rows.py; -DFEW_ROWS=1 builds the batch kernel's way).
+ * cache for the others, where the batch kernels (batch_row_q16; kq_rows for K-quants) are
+ * several times slower at these row counts (benchmarks/few_rows.py; -DFEW_ROWS=1 builds the
+ * batch kernels' way).
  * From 8 rows a bfloat16 model's batch kernels take over. Each row's sums are those of a
  * product of that row alone. */
 #ifndef FEW_ROWS
@@ -831,17 +832,19 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
 #endif
 
 /* The activation rows xq [M, K] split into bytes for the one-row kernels of format fmt
- * (split_q16's SPLIT_Q4: row m at 2 K m; split_k's for one row; the caller frees it), or NULL
+ * (split_q16's SPLIT_Q4, 2 K bytes a row, or split_k's, SPLIT_K_BYTES(K) a row; row after
+ * row; the caller frees it), or NULL
  * where they take 16-bit words or the build has no 512-bit kernels (or no memory: the 16-bit
  * kernels then run). */
 static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     int split = bytes_split(fmt);
-    if (!split || (split == BYTES_K && M != 1)) return NULL;
-    uint8_t *xb = malloc((size_t)(split == BYTES_K ? SPLIT_K_BYTES(K) : 2 * K * M));
-    if (xb && split == BYTES_K) split_k(xq, K, xb);
-    for (int64_t m = 0; xb && split == BYTES_Q4 && m < M; m++) {
-        split_q16(xq + m * K, K, SPLIT_Q4, xb + 2 * K * m);
+    if (!split) return NULL;
+    int64_t each = split == BYTES_K ? SPLIT_K_BYTES(K) : 2 * K;
+    uint8_t *xb = malloc((size_t)(each * M));
+    for (int64_t m = 0; xb && m < M; m++) {
+        if (split == BYTES_K) split_k(xq + m * K, K, xb + each * m);
+        else split_q16(xq + m * K, K, SPLIT_Q4, xb + each * m);
     }
     return xb;
 #else
@@ -1027,11 +1030,15 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
         return;
     }
     int64_t nb = K / QK, tiles = M / 8;
-    if (is_kquant(fmt) && M == 1) {
-        uint8_t *xb = split_rows(xq, 1, K, fmt);
+    if (is_kquant(fmt) && M <= FEW_ROWS) {
+        uint8_t *xb = K % QK_K == 0 ? split_rows(xq, M, K, fmt) : NULL;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
         for (int64_t n = 0; n < N; n += 4) {
-            kq_rows_one(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xb, xd, xs, y);
+            for (int64_t m = 0; m < M; m++) {
+                kq_rows_one(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq + m * K,
+                            xb ? xb + SPLIT_K_BYTES(K) * m : NULL, xd + m * nb, xs + m * nb,
+                            y + m * ldy);
+            }
         }
         free(xb);
         return;
