@@ -11,8 +11,9 @@
  * line, where the file's layout takes two unaligned loads and a byte permute per four blocks
  * and row (benchmarks/q4_layout_probe.c compares the two).
  *
- * Every other product (several rows, bfloat16, AMX, the deterministic mode's gemm_quant16,
- * expansions) runs the file layout's kernels over groups unpacked into each thread's buffer
+ * Products of up to FEW_ROWS rows of 16-bit activations run rows_q4_0s row after row. Every
+ * other product (more rows, bfloat16, AMX, the deterministic mode's gemm_quant16, expansions)
+ * runs the file layout's kernels over groups unpacked into each thread's buffer
  * (stream_chunks), so its results are the file layout's exactly.
  */
 

@@ -289,9 +289,10 @@ def _library() -> ctypes.CDLL:
 
 def stream_layout(weight: PackedWeight, lib: ctypes.CDLL) -> PackedWeight:
     """A Q4_0 weight's bytes moved into the stream layout (``kernels/stream.c``): a copy in
-    memory, where the file's layout may be pages of the mapped file. The one-row product (a
-    decode step of one sequence) reads it at the memory's speed; every other product unpacks
-    groups of four rows and gives the file layout's results exactly."""
+    memory, where the file's layout may be pages of the mapped file. The one-row kernel (a
+    decode step of one sequence, or row after row up to 7) reads it at the memory's speed;
+    every other product unpacks groups of four rows. Both give the file layout's results
+    exactly."""
     data = torch.empty_like(weight.data)
     lib.repack_q4_0s(weight.data.data_ptr(), weight.rows, weight.cols, data.data_ptr())
     return PackedWeight(FMT_Q4_0S, data, weight.cols)
