@@ -252,14 +252,14 @@ def decode_steps(model: CausalLM, config: ModelConfig, rows: int, dtype: torch.d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_stream_layout_changes_no_number_of_the_fused_step(
         rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_0 weights in the stream layout (``kernels/stream.c``: every product of
-    STREAM_CONFIG is a multiple of 128 wide) decode with the same bits as in the file's
-    layout: one row through the stream kernel (its sums in rows_q4_wide's order), more rows
-    through the file layout's kernels over unpacked groups (bfloat16: the bfloat16 batch or
-    AMX kernel where the CPU has it). Kills a repacking or unpacking that moves a block, a
-    scale or a row (planted: the scales of a run shifted by one block, in the repacking;
-    every logit moved), and a one-row stream kernel that differs (planted: -7 for Q4_0's -8
-    offset; the one-row cases fail)."""
+    """Q4_0 weights in the stream layout (``kernels/stream.c``: every product of STREAM_CONFIG
+    is a multiple of 128 wide) decode with the same bits as in the file's layout: one row, and 5
+    rows of 16-bit activations row after row, through the stream kernel (its sums in
+    rows_q4_wide's order); 11 rows, and bfloat16 rows where the CPU takes them in bfloat16,
+    through the file layout's kernels over unpacked groups. Kills a repacking or unpacking that
+    moves a block, a scale or a row (planted: the scales of a run shifted by one block, in the
+    repacking; every logit moved), and a one-row stream kernel that differs (planted: -7 for
+    Q4_0's -8 offset; the 1- and 5-row cases fail on Zen 5)."""
     lib = quant_kernels.kernels()
     if lib is None or not lib.q4_0s_fits(4, 512):
         pytest.skip("the stream layout needs the kernels' 512-bit build")

@@ -601,9 +601,10 @@ def test_the_stream_layout_gives_the_file_layouts_products_exactly(
         m: int, cols: int, lib, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Q4_0 weight whose width is a multiple of 128 (here 68 rows of 1,024, and of 1,408:
     runs of 16 blocks, then one of 12) is repacked at load into the stream layout
-    (``kernels/stream.c``): the same bytes, moved. Every product of it (one row by the
-    stream kernel; more rows by the file layout's kernels over unpacked rows: float32 and
-    bfloat16, with the AMX and bfloat16 batch kernels where the CPU has them, the
+    (``kernels/stream.c``): the same bytes, moved. Every product of it (one row, and 2 rows of
+    16-bit activations row after row, by the stream kernel; more rows by the file layout's
+    kernels over unpacked rows: float32 and bfloat16, with the AMX and bfloat16 batch kernels
+    where the CPU has them, the
     deterministic mode's kernel, 8-bit activations) and its expansions (a range, gathered
     rows of an embedding) are the file layout's exactly. Kills an unpacking or a one-row
     sum that differs (planted: the scales of a run shifted by one block, in the repacking)."""
