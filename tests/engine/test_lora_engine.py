@@ -90,7 +90,10 @@ def test_adapter_prompts_attend_in_the_kernel(llm: LLM,
     the projections, not the attention), and give the tokens the torch attention gives. Kills:
     the kernel turned off whenever adapters are installed (as it was: no plan), or handed rows
     it attends wrongly (other tokens than torch's)."""
+    from prefixserve.model.attention import prompt as prompt_attention
     from prefixserve.model.attention.prompt import PromptAttention
+    if not prompt_attention.available(llm.engine.runner.model.config.head_dim):
+        pytest.skip("no 512-bit form of the prompt attention kernel on this CPU")
     plans = []
     plan = PromptAttention.plan
     monkeypatch.setattr(PromptAttention, "plan",
