@@ -340,6 +340,27 @@ def test_projections_of_parts_in_different_formats_run_fused(case: str, extra: i
     """QKV and gate/up whose parts keep different formats (a Q4_K_M file's Q6_K V beside Q4_K Q
     and K) take the fused step, each part a product of its own into its columns (with its
     share of the bias), and agree with the eager path, which concatenates the parts' outputs."""
+    check_split_case(case, extra)
+
+
+@pytest.mark.parametrize("case", ["q4_k-q6_k", "q5_k-q6_k"])
+def test_the_avx2_build_runs_k_quant_parts_as_the_eager_layers(case: str,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """``decode.c`` built without AVX-512 runs a few rows of K-quant parts through its 256-bit
+    one-row kernels, which read the activations as ``split_k`` reorders them (words 0-7, 16-23,
+    8-15, 24-31 of each 32, and Q6_K's sums of each 16 after them), and agrees with the eager
+    layers (skipped where the native build is AVX2: the test above runs those kernels there)."""
+    if not has_avx512_and_avx2():
+        pytest.skip("the native build is the AVX2 one, or there is none")
+    avx2 = quant_kernels.KernelLibrary(decode_kernel.SOURCE, decode_kernel.declare, AVX2_BUILD)
+    monkeypatch.setattr(decode_kernel, "library", avx2)
+    check_split_case(case, 0)
+    assert avx2.lib is not None
+
+
+def check_split_case(case: str, extra: int) -> None:
+    """The fused and the eager path of SPLIT_CASES[case] agree (``extra`` more rows)."""
     qkv, gate_up, hidden, dtype, bias = SPLIT_CASES[case]
     config = replace(tiny_config(heads=4, kv_heads=2, bias=bias, head_dim=hidden // 4),
                      hidden_size=hidden, intermediate_size=hidden)

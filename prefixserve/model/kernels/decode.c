@@ -198,7 +198,7 @@ typedef struct {
                      SPLIT_Q4 (split_q16) at 2 K b, its split_k's (K a multiple of 256) at
                      k_split(q, K, b) */
     int bf16, amx;
-    int need_q4, need_k;   /* whether the model has Q4_0/Q4_1, K-quant products (512-bit builds) */
+    int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (512-bit builds), K-quant products */
     int split_q4, split_k; /* whether xb holds those splits of the last rounded rows */
 } Quantized;
 
@@ -238,9 +238,11 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
      * 4-bit and K-quant formats take bytes */
     q->split_q4 = b0 == 0 && n <= FEW_ROWS && q->need_q4;
     q->split_k = b0 == 0 && n <= FEW_ROWS && q->need_k && K % QK_K == 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX2__
     for (int64_t b = 0; b < n && (q->split_q4 || q->split_k); b++) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
         if (q->split_q4) split_q16(q->xq + b * K, K, SPLIT_Q4, q->xb + 2 * K * b);
+#endif
         if (q->split_k) split_k(q->xq + b * K, K, k_split(q, K, b));
     }
 #endif
@@ -1421,10 +1423,10 @@ typedef struct {
 } Scratch;
 
 /* Which byte splits a one-row step's products take (Quantized.need_q4, need_k): every part
- * of every layer's products looked at once per step; none without the 512-bit kernels. */
+ * of every layer's products looked at once per step (bytes_split; none without AVX2). */
 static void split_needs(const DecodeModel *m, Quantized *q) {
     q->need_q4 = q->need_k = q->split_q4 = q->split_k = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX2__
     for (int64_t i = 0; i < m->num_layers; i++) {
         const DecodeLayer *L = &m->layers[i];
         int64_t fmts[8] = {L->qkv_fmt, L->o_fmt, L->gate_up_fmt, L->down_fmt, -1, -1, -1, -1};

@@ -533,79 +533,134 @@ static float kq6_row_split(const uint8_t *w, const uint8_t *xb, const float *xd,
     return _mm512_reduce_add_ps(acc[0]) - 32.0f * _mm512_reduce_add_ps(bias);
 }
 #elif defined(__AVX2__)
-/* As kq45_row_wide at 256 bits: per sub-block, two 16-element halves of 16-bit products. */
+/* The factors d * sc_j * xd_j of one Q4_K or Q5_K super-block's 8 sub-blocks, and mins plus
+ * dmin * m_j * xs_j in *mins: kq4_factors' numbers, kept in registers. */
+static inline __m256 kq4_factors_reg(const uint8_t *w, const float *xd, const float *xs,
+                                     __m256 *mins) {
+    __m128i scales = kq4_scales_vec(w + 4);
+    __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales));
+    __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales, scales)));
+    *mins = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w + 2)), mnf),
+                            _mm256_loadu_ps(xs), *mins);
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_float(w)), scf),
+                         _mm256_loadu_ps(xd));
+}
+
+/* As kq45_row_wide at 256 bits, from the activations reordered by split_k (xp: per 32, words
+ * 0-7, 16-23, 8-15, 24-31). Each 32 nibble bytes (two sub-blocks) are widened to 16-bit words
+ * in place by vpunpcklbw and vpunpckhbw, in that order, and give both sub-blocks' weights by a
+ * mask and a shift (Q5_K: each sub-block's bit of qh, widened the same way once per
+ * super-block, moved to bit 4); each sub-block's products leave 8 int32 lanes, and per
+ * super-block horizontal adds reduce the 8 sub-blocks' lanes to one vector as hsum8_epi32
+ * does, four sub-blocks at a time (lane j: sub-block j's integer sum), converted once and
+ * multiplied by the 8 factors in one multiply-add. */
 static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *w, int five,
-                                                                 const int16_t *xq,
+                                                                 const int16_t *xp,
                                                                  const float *xd,
                                                                  const float *xs,
                                                                  int64_t supers) {
-    __m256 acc[4], mins = _mm256_setzero_ps(); /* independent chains, as in the 512-bit form */
-    for (int k = 0; k < 4; k++) acc[k] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi16(0x0f), sixteen = _mm256_set1_epi16(16);
+    const __m256i zero = _mm256_setzero_si256();
     int64_t bytes_per = five ? Q5_K_BYTES : Q4_K_BYTES, at = five ? 48 : 16;
     for (int64_t s = 0; s < supers; s++, w += bytes_per) {
-        float unit[8];
-        mins = kq4_factors(w, xd + s * 8, xs + s * 8, unit, mins);
+        _mm_prefetch((const char *)(w + ROW_PREFETCH), ROW_PREFETCH_HINT);
+        _mm_prefetch((const char *)(w + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
         if (five) _mm_prefetch((const char *)(w + ROW_PREFETCH + 128), ROW_PREFETCH_HINT);
-        const int16_t *a = xq + s * QK_K;
-        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + at + 32 * (j / 2)));
-            __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low);
-            if (five) { /* bit j of each qh byte as bit 4 (the 16-bit shift leaves bit 0 of
-                         * each byte that byte's bit j) */
-                __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, j), one);
-                q = _mm256_or_si256(q, _mm256_slli_epi16(high, 4));
+        __m256 f = kq4_factors_reg(w, xd + s * 8, xs + s * 8, &mins);
+        const int16_t *a = xp + s * QK_K;
+        __m256i qh[2] = {zero, zero};
+        if (five) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(w + 16));
+            qh[0] = _mm256_unpacklo_epi8(h, zero);
+            qh[1] = _mm256_unpackhi_epi8(h, zero);
+        }
+        __m256i v[8], half[2];
+        for (int j = 0; j < 8; j += 2) { /* sub-blocks j (low nibbles) and j + 1 (high) */
+            __m256i n = _mm256_loadu_si256((const __m256i *)(w + at + 16 * j));
+            __m256i lo[2], hi[2];
+            for (int e = 0; e < 2; e++) {
+                __m256i u = e ? _mm256_unpackhi_epi8(n, zero) : _mm256_unpacklo_epi8(n, zero);
+                lo[e] = _mm256_and_si256(u, low);
+                hi[e] = _mm256_srli_epi16(u, 4);
+                if (five) { /* bit j of qh as 16, then bit j + 1 */
+                    __m256i b = j >= 4 ? _mm256_srli_epi16(qh[e], j - 4)
+                                       : _mm256_slli_epi16(qh[e], 4 - j);
+                    lo[e] = _mm256_or_si256(lo[e], _mm256_and_si256(b, sixteen));
+                    hi[e] = _mm256_or_si256(
+                        hi[e], _mm256_and_si256(_mm256_srli_epi16(b, 1), sixteen));
+                }
             }
             const int16_t *x = a + 32 * j;
-            __m256i p = _mm256_add_epi32(
-                _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)),
-                                  _mm256_loadu_si256((const __m256i *)x)),
-                _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)),
-                                  _mm256_loadu_si256((const __m256i *)(x + 16))));
-            acc[j % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(unit[j]),
-                                         acc[j % 4]);
+            v[j] = _mm256_add_epi32(
+                _mm256_madd_epi16(lo[0], _mm256_loadu_si256((const __m256i *)x)),
+                _mm256_madd_epi16(lo[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+            v[j + 1] = _mm256_add_epi32(
+                _mm256_madd_epi16(hi[0], _mm256_loadu_si256((const __m256i *)(x + 32))),
+                _mm256_madd_epi16(hi[1], _mm256_loadu_si256((const __m256i *)(x + 48))));
+            if (j % 4 == 2) { /* sub-blocks j - 2 .. j + 1, reduced as hsum8_epi32 does */
+                half[j / 4] = _mm256_hadd_epi32(_mm256_hadd_epi32(v[j - 2], v[j - 1]),
+                                                _mm256_hadd_epi32(v[j], v[j + 1]));
+            }
         }
+        __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
+                                        _mm256_permute2x128_si256(half[0], half[1], 0x31));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), f, acc);
     }
-    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
-           - hsum(mins);
+    return hsum(acc) - hsum(mins);
 }
 
-
-/* As kq6_row_wide at 256 bits: each 16 weights of a scale in one multiply-add. */
-static float kq6_row_wide(const uint8_t *w, const int16_t *xq, const float *xd, int64_t supers) {
-    __m256 acc[4]; /* one per t, independent chains */
-    for (int k = 0; k < 4; k++) acc[k] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
-    const __m256i bias = _mm256_set1_epi8(32);
+/* As kq6_row_wide at 256 bits, from the activations reordered by split_k. Each 32 weights'
+ * 6-bit values are assembled as the stored bytes 0-63 (the weight plus 32) and widened in place
+ * (vpunpcklbw, vpunpckhbw); the products of one t leave the sums of its two scales' 16 weights
+ * in the low and the high 4 lanes, and two rounds of horizontal adds over the 4 t of a half
+ * super-block leave one lane per scale (scales 0, 2, 4, 6, 1, 3, 5, 7 of the half, the order
+ * of split_k's sums and of the factors d * scale_g * xd, computed in registers); 32 times each
+ * scale's activation sum comes off in int32 (exact), then one conversion and one multiply-add. */
+static float kq6_row_wide(const uint8_t *w, const int16_t *xp, const float *xd, int64_t supers) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    const __m256i zero = _mm256_setzero_si256();
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m256i halves[2] = {_mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3),
+                               _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7)};
+    const int32_t *sums32 = (const int32_t *)(xp + QK_K * supers);
     for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
         for (int k = 0; k < 4; k++) {
             _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
         }
-        float d = fp16_to_float(w + 208), units[16];
-        const int8_t *scale = (const int8_t *)(w + 192);
-        for (int g = 0; g < 16; g++) units[g] = d * (float)scale[g] * xd[s * 8 + g / 2];
-        const int16_t *a = xq + s * QK_K;
+        __m256 d = _mm256_set1_ps(fp16_to_float(w + 208));
+        __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), order);
+        __m256 xdv = _mm256_loadu_ps(xd + s * 8);
+        const int16_t *a = xp + s * QK_K;
         for (int h = 0; h < 2; h++) {
+            __m256 f = _mm256_mul_ps(
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                     h ? _mm_srli_si128(sc, 8) : sc))),
+                _mm256_permutevar8x32_ps(xdv, halves[h]));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            __m256i v[4];
             for (int t = 0; t < 4; t++) {
                 __m256i ql = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (t % 2)));
                 __m256i lo = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(ql, 4) : ql, low);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two);
-                __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+                /* bits 2 t and 2 t + 1 of qh as bits 4 and 5 (what crosses a byte is masked) */
+                __m256i hi = t == 2 ? qh : t < 2 ? _mm256_slli_epi16(qh, 4 - 2 * t)
+                                                 : _mm256_srli_epi16(qh, 2);
+                __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hi, top));
                 const int16_t *x = a + 128 * h + 32 * t;
-                int g = 8 * h + 2 * t;
-                __m256i p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
-                                               _mm256_loadu_si256((const __m256i *)x));
-                __m256i p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)),
-                                               _mm256_loadu_si256((const __m256i *)(x + 16)));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(units[g]), acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(units[g + 1]),
-                                         acc[t]);
+                v[t] = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_unpacklo_epi8(q, zero),
+                                      _mm256_loadu_si256((const __m256i *)x)),
+                    _mm256_madd_epi16(_mm256_unpackhi_epi8(q, zero),
+                                      _mm256_loadu_si256((const __m256i *)(x + 16))));
             }
+            __m256i sums = _mm256_sub_epi32(
+                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])),
+                _mm256_loadu_si256((const __m256i *)(sums32 + 8 * (2 * s + h))));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), f, acc);
         }
     }
-    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    return hsum(acc);
 }
 #endif
 
@@ -629,9 +684,9 @@ static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
 static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
                         const int16_t *xq, const uint8_t *xb, const float *xd, const float *xs,
                         float *y) {
-    (void)xb;
 #ifdef __AVX2__
     int64_t row_bytes = fmt_row_bytes(fmt, K);
+    uint8_t *own = NULL;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (fmt == FMT_Q4_K && n1 - n0 == 4 && xb) {
         kq4_rows4_wide(W + n0 * row_bytes, row_bytes, xb, xd, xs, K / QK_K, y + n0);
@@ -647,6 +702,17 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
         }
         return;
     }
+#else
+    /* the 256-bit kernels read the words as split_k orders them */
+    if (!xb) {
+        own = malloc((size_t)SPLIT_K_BYTES(K));
+        if (!own) {
+            kq_rows_any(W, fmt, K, n0, n1, xq, xd, NULL, 1, y, 1);
+            return;
+        }
+        split_k(xq, K, own);
+    }
+    xq = (const int16_t *)(xb ? xb : own);
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = W + n * row_bytes;
@@ -654,8 +720,9 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
                : fmt == FMT_Q5_K ? kq5_row_wide(w, xq, xd, xs, K / QK_K)
                                  : kq6_row_wide(w, xq, xd, K / QK_K);
     }
+    free(own);
 #else
-    (void)xs;
+    (void)xb, (void)xs;
     kq_rows_any(W, fmt, K, n0, n1, xq, xd, NULL, 1, y, 1);
 #endif
 }

@@ -37,7 +37,7 @@
 #include <omp.h>
 
 #define QK 32
-/* Bytes split_k writes for a row of K activations (512-bit builds). */
+/* Bytes split_k writes for a row of K activations (512-bit builds; the AVX2 form, 2 K + K / 4). */
 #define SPLIT_K_BYTES(K) (4 * (K) + (K) / 4)
 #define Q4_1_BYTES 20
 #define Q4_0_BYTES 18
@@ -172,6 +172,15 @@ static inline float hsum(__m256 v) {
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
+}
+
+/* Sums of each of 8 vectors of 8 int32, as one vector (lane r: the sum of v[r]). */
+static inline __m256i hsum8_epi32(const __m256i *v) {
+    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* ab: rows 0-3 in each 128-bit half (low: elements 0-3, high: 4-7 of each row), cd: 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                            _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
 /* 32 unsigned 4-bit weights of a Q4_1 block, in element order, one per byte. */
@@ -772,14 +781,42 @@ static void rows_q8_0_wide(const uint8_t *w, int64_t row_bytes, const int16_t *x
 }
 #endif
 
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+/* A row of K activations (K a multiple of 256) for the 256-bit K-quant one-row kernels: per 32,
+ * the 16-bit words in the order 0-7, 16-23, 8-15, 24-31 (as int16_t at xb), the order in which
+ * vpunpcklbw and vpunpckhbw widen 32 weight bytes in place (each in its 128-bit lane, one
+ * instruction, where vpmovzxbw from memory takes three); then at xb + 2 K, for kq6_row_wide, 32
+ * times the sum of each 16 activations (int32), per 128 in the order 0, 2, 4, 6, 1, 3, 5, 7. */
+static void split_k(const int16_t *xq, int64_t K, uint8_t *xb) {
+    int16_t *o = (int16_t *)xb;
+    int32_t *sums = (int32_t *)(xb + 2 * K);
+    static const int at[8] = {0, 4, 1, 5, 2, 6, 3, 7}; /* where group g of 8 goes */
+    for (int64_t e = 0; e < K; e += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(xq + e));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(xq + e + 16));
+        _mm256_storeu_si256((__m256i *)(o + e), _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *)(o + e + 16), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    for (int64_t g = 0; g < K / 16; g++) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += xq[16 * g + i];
+        sums[g / 8 * 8 + at[g % 8]] = 32 * t;
+    }
+}
+#endif
+
 #include "kquant.c"
 
-/* Which split the 512-bit one-row kernels of format fmt take: BYTES_Q4 (split_q16's
- * SPLIT_Q4), BYTES_K (split_k) or none (0: Q8_0 keeps 16-bit words). */
+/* Which split the one-row kernels of format fmt take: BYTES_Q4 (split_q16's SPLIT_Q4, 512-bit
+ * builds), BYTES_K (split_k: the K-quants; at 256 bits the words reordered) or none (0: Q8_0
+ * keeps 16-bit words, as do the 4-bit formats at 256 bits). */
 #define BYTES_Q4 1
 #define BYTES_K 2
 static inline int bytes_split(int64_t fmt) {
-    return is_q4((int)fmt) || fmt == FMT_Q4_0S ? BYTES_Q4 : is_kquant((int)fmt) ? BYTES_K : 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (is_q4((int)fmt) || fmt == FMT_Q4_0S) return BYTES_Q4;
+#endif
+    return is_kquant((int)fmt) ? BYTES_K : 0;
 }
 
 /* The most activation rows whose 16-bit products run the one-row kernels, one row after
@@ -836,14 +873,19 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
  * where they take 16-bit words or the build has no 512-bit kernels (or no memory: the 16-bit
  * kernels then run). */
 static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX2__
     int split = bytes_split(fmt);
     if (!split) return NULL;
     int64_t each = split == BYTES_K ? SPLIT_K_BYTES(K) : 2 * K;
     uint8_t *xb = malloc((size_t)(each * M));
     for (int64_t m = 0; xb && m < M; m++) {
-        if (split == BYTES_K) split_k(xq + m * K, K, xb + each * m);
-        else split_q16(xq + m * K, K, SPLIT_Q4, xb + each * m);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if (split == BYTES_Q4) {
+            split_q16(xq + m * K, K, SPLIT_Q4, xb + each * m);
+            continue;
+        }
+#endif
+        split_k(xq + m * K, K, xb + each * m);
     }
     return xb;
 #else
@@ -893,15 +935,6 @@ void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t
 }
 
 #ifdef __AVX2__
-/* Sums of each of 8 vectors of 8 int32, as one vector (lane r: the sum of v[r]). */
-static inline __m256i hsum8_epi32(const __m256i *v) {
-    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    /* ab: rows 0-3 in each 128-bit half (low: elements 0-3, high: 4-7 of each row), cd: 4-7 */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
-                            _mm256_permute2x128_si256(ab, cd, 0x31));
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* Outputs y[t * ldy] of weight row w for 8 activation rows t (K apart in xq); dT and sT hold
  * each block's 8 activation scales and sums (dT[b * 8 + t]). At 512 bits a block of 32 weights
