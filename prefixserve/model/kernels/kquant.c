@@ -551,9 +551,10 @@ static inline __m256 kq4_factors_reg(const uint8_t *w, const float *xd, const fl
  * in place by vpunpcklbw and vpunpckhbw, in that order, and give both sub-blocks' weights by a
  * mask and a shift (Q5_K: each sub-block's bit of qh, widened the same way once per
  * super-block, moved to bit 4); each sub-block's products leave 8 int32 lanes, and per
- * super-block horizontal adds reduce the 8 sub-blocks' lanes to one vector as hsum8_epi32
- * does, four sub-blocks at a time (lane j: sub-block j's integer sum), converted once and
- * multiplied by the 8 factors in one multiply-add. */
+ * super-block horizontal adds reduce the 8 sub-blocks' lanes to one vector (hadd4_epi32 as
+ * soon as four sub-blocks are there, which keeps the registers from spilling; lane j:
+ * sub-block j's integer sum), converted once and multiplied by the 8 factors in one
+ * multiply-add. */
 static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *w, int five,
                                                                  const int16_t *xp,
                                                                  const float *xd,
@@ -598,14 +599,11 @@ static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *
             v[j + 1] = _mm256_add_epi32(
                 _mm256_madd_epi16(hi[0], _mm256_loadu_si256((const __m256i *)(x + 32))),
                 _mm256_madd_epi16(hi[1], _mm256_loadu_si256((const __m256i *)(x + 48))));
-            if (j % 4 == 2) { /* sub-blocks j - 2 .. j + 1, reduced as hsum8_epi32 does */
-                half[j / 4] = _mm256_hadd_epi32(_mm256_hadd_epi32(v[j - 2], v[j - 1]),
-                                                _mm256_hadd_epi32(v[j], v[j + 1]));
+            if (j % 4 == 2) { /* sub-blocks j - 2 .. j + 1, as soon as they are there */
+                half[j / 4] = hadd4_epi32(v[j - 2], v[j - 1], v[j], v[j + 1]);
             }
         }
-        __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half[0], half[1], 0x20),
-                                        _mm256_permute2x128_si256(half[0], half[1], 0x31));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), f, acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hadd4_halves(half[0], half[1])), f, acc);
     }
     return hsum(acc) - hsum(mins);
 }
@@ -655,7 +653,7 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xp, const float *xd, 
                                       _mm256_loadu_si256((const __m256i *)(x + 16))));
             }
             __m256i sums = _mm256_sub_epi32(
-                _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])),
+                hadd4_epi32(v[0], v[1], v[2], v[3]),
                 _mm256_loadu_si256((const __m256i *)(sums32 + 8 * (2 * s + h))));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), f, acc);
         }

@@ -174,13 +174,22 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* Sums of each of 8 vectors of 8 int32, as one vector (lane r: the sum of v[r]). */
-static inline __m256i hsum8_epi32(const __m256i *v) {
-    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    /* ab: rows 0-3 in each 128-bit half (low: elements 0-3, high: 4-7 of each row), cd: 4-7 */
+/* Per 128-bit half, the sums of that half's 4 int32 lanes of a, b, c and d (lanes 0-3 and 4-7
+ * of the result: a, b, c, d's low halves and high halves). */
+static inline __m256i hadd4_epi32(__m256i a, __m256i b, __m256i c, __m256i d) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+}
+
+/* The sums of the 8 int32 lanes of each of 4 vectors v0-v3 and of 4 vectors v4-v7, from their
+ * hadd4_epi32 results ab and cd: lane r the sum of v_r. */
+static inline __m256i hadd4_halves(__m256i ab, __m256i cd) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
                             _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* Sums of each of 8 vectors of 8 int32, as one vector (lane r: the sum of v[r]). */
+static inline __m256i hsum8_epi32(const __m256i *v) {
+    return hadd4_halves(hadd4_epi32(v[0], v[1], v[2], v[3]), hadd4_epi32(v[4], v[5], v[6], v[7]));
 }
 
 /* 32 unsigned 4-bit weights of a Q4_1 block, in element order, one per byte. */
@@ -867,11 +876,11 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
 }
 #endif
 
-/* The activation rows xq [M, K] split into bytes for the one-row kernels of format fmt
+/* The activation rows xq [M, K] split (or reordered) for the one-row kernels of format fmt
  * (split_q16's SPLIT_Q4, 2 K bytes a row, or split_k's, SPLIT_K_BYTES(K) a row; row after
- * row; the caller frees it), or NULL
- * where they take 16-bit words or the build has no 512-bit kernels (or no memory: the 16-bit
- * kernels then run). */
+ * row; the caller frees it), or NULL where they take 16-bit words as they are or the build has
+ * no AVX2 (or no memory: the 16-bit kernels then run; the K-quants' 256-bit kernels split each
+ * row themselves). */
 static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
 #ifdef __AVX2__
     int split = bytes_split(fmt);
