@@ -677,14 +677,13 @@ static float kq5_row_wide(const uint8_t *w, const int16_t *xq, const float *xd,
 /* Outputs y[n0 .. n1) of a one-row product (y indexed by output), the fastest way the build
  * has: four Q4_K or Q5_K rows through kq4_rows4_wide / kq5_rows4_wide and Q6_K rows through
  * kq6_row_split (512 bits; xb the activations split by split_k, or NULL), else kq4_row_wide /
- * kq5_row_wide / kq6_row_wide at 512 or 256 bits (sums in another order than kq_rows), else
- * kq_rows. */
+ * kq5_row_wide / kq6_row_wide (sums in another order than kq_rows): at 512 bits from xq, at 256
+ * bits from xb (split_k's reordered words); else (no xb at 256 bits, no AVX2) kq_rows. */
 static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
                         const int16_t *xq, const uint8_t *xb, const float *xd, const float *xs,
                         float *y) {
 #ifdef __AVX2__
     int64_t row_bytes = fmt_row_bytes(fmt, K);
-    uint8_t *own = NULL;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (fmt == FMT_Q4_K && n1 - n0 == 4 && xb) {
         kq4_rows4_wide(W + n0 * row_bytes, row_bytes, xb, xd, xs, K / QK_K, y + n0);
@@ -701,16 +700,13 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
         return;
     }
 #else
-    /* the 256-bit kernels read the words as split_k orders them */
+    /* the 256-bit kernels read the words as split_k orders them; every caller passes them
+     * (split_rows, the fused step's k_split) unless an allocation failed */
     if (!xb) {
-        own = malloc((size_t)SPLIT_K_BYTES(K));
-        if (!own) {
-            kq_rows_any(W, fmt, K, n0, n1, xq, xd, NULL, 1, y, 1);
-            return;
-        }
-        split_k(xq, K, own);
+        kq_rows_any(W, fmt, K, n0, n1, xq, xd, NULL, 1, y, 1);
+        return;
     }
-    xq = (const int16_t *)(xb ? xb : own);
+    xq = (const int16_t *)xb;
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = W + n * row_bytes;
@@ -718,7 +714,6 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
                : fmt == FMT_Q5_K ? kq5_row_wide(w, xq, xd, xs, K / QK_K)
                                  : kq6_row_wide(w, xq, xd, K / QK_K);
     }
-    free(own);
 #else
     (void)xb, (void)xs;
     kq_rows_any(W, fmt, K, n0, n1, xq, xd, NULL, 1, y, 1);

@@ -879,8 +879,7 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
 /* The activation rows xq [M, K] split (or reordered) for the one-row kernels of format fmt
  * (split_q16's SPLIT_Q4, 2 K bytes a row, or split_k's, SPLIT_K_BYTES(K) a row; row after
  * row; the caller frees it), or NULL where they take 16-bit words as they are or the build has
- * no AVX2 (or no memory: the 16-bit kernels then run; the K-quants' 256-bit kernels split each
- * row themselves). */
+ * no AVX2 (or no memory: the 16-bit kernels, or for K-quants at 256 bits kq_rows, then run). */
 static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
 #ifdef __AVX2__
     int split = bytes_split(fmt);
