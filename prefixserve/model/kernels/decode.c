@@ -560,11 +560,17 @@ DEFINE_SCALAR(bf16, uint16_t)
 DEFINE_SCALAR(f16, uint16_t)
 
 #ifdef __AVX2__
+/* vhaddps(a, b) as two shuffles and an add: the same sums of adjacent lanes, in the same
+ * order (bit for bit), where vhaddps takes about four times a shuffle's time on AMD Zen 3. */
+static inline __m256 hadd_pairs(__m256 a, __m256 b) {
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xdd));
+}
+
 /* The eight horizontal sums of a[0..7], in order, as one vector. */
 static inline __m256 sum8(const __m256 *a) {
-    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
+    __m256 s01 = hadd_pairs(a[0], a[1]), s23 = hadd_pairs(a[2], a[3]);
+    __m256 s45 = hadd_pairs(a[4], a[5]), s67 = hadd_pairs(a[6], a[7]);
+    __m256 lo = hadd_pairs(s01, s23), hi = hadd_pairs(s45, s67);
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
                          _mm256_permute2f128_ps(lo, hi, 0x31));
 }
