@@ -613,15 +613,14 @@ static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *
  * (vpunpcklbw, vpunpckhbw); the products of one t leave the sums of its two scales' 16 weights
  * in the low and the high 4 lanes, and two rounds of horizontal adds over the 4 t of a half
  * super-block leave one lane per scale (scales 0, 2, 4, 6, 1, 3, 5, 7 of the half, the order
- * of split_k's sums and of the factors d * scale_g * xd, computed in registers); 32 times each
- * scale's activation sum comes off in int32 (exact), then one conversion and one multiply-add. */
+ * of split_k's sums and of the factors d * scale_g * xd, the half's 4 xd broadcast from memory,
+ * not permuted: vpermps is slow on Zen 3); 32 times each scale's activation sum comes off in
+ * int32 (exact), then one conversion and one multiply-add. */
 static float kq6_row_wide(const uint8_t *w, const int16_t *xp, const float *xd, int64_t supers) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
     const __m256i zero = _mm256_setzero_si256();
     const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-    const __m256i halves[2] = {_mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3),
-                               _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7)};
     const int32_t *sums32 = (const int32_t *)(xp + QK_K * supers);
     for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
         for (int k = 0; k < 4; k++) {
@@ -629,13 +628,12 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xp, const float *xd, 
         }
         __m256 d = _mm256_set1_ps(fp16_to_float(w + 208));
         __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), order);
-        __m256 xdv = _mm256_loadu_ps(xd + s * 8);
         const int16_t *a = xp + s * QK_K;
         for (int h = 0; h < 2; h++) {
             __m256 f = _mm256_mul_ps(
                 _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                      h ? _mm_srli_si128(sc, 8) : sc))),
-                _mm256_permutevar8x32_ps(xdv, halves[h]));
+                _mm256_broadcast_ps((const __m128 *)(xd + s * 8 + 4 * h)));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
             __m256i v[4];
             for (int t = 0; t < 4; t++) {
