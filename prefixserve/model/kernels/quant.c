@@ -175,10 +175,10 @@ static inline float hsum(__m256 v) {
 }
 
 /* Per 128-bit half, the sums of that half's 4 int32 lanes of a, b, c and d (lanes 0-3 and 4-7
- * of the result: a, b, c, d's low halves and high halves). By unpacks and adds: vphaddd takes
- * about four times a shuffle's time on AMD Zen 3, and the K-quant one-row kernels, which reduce
- * this way per super-block, ran 5-11% faster without it (the sums are exact integers: the same
- * results in any order). */
+ * of the result: a, b, c, d's low halves and high halves), by unpacks and adds: vphaddd takes
+ * about four times a shuffle's time on AMD Zen 3, where the K-quant one-row kernels (which
+ * reduce this way per super-block) are 5-11% faster so. The sums are exact integers, the same
+ * in any order. */
 static inline __m256i hadd4_epi32(__m256i a, __m256i b, __m256i c, __m256i d) {
     __m256i ab = _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
     __m256i cd = _mm256_add_epi32(_mm256_unpacklo_epi32(c, d), _mm256_unpackhi_epi32(c, d));
