@@ -273,6 +273,34 @@ static inline float dot256(const float *w, const float *x) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* dot256 of one activation slice x with four weight slices (ldw floats apart) at once, into
+ * out[0..4): each dot's four chains summed in dot256's order, so the same bits; two chains of
+ * the four rows at a time (8 accumulators) share each activation load, which dot256 row by row
+ * loaded again for every weight row. */
+static inline void dot256_x4(const float *w, int64_t ldw, const float *x, float *out) {
+    __m256 half[4];
+    for (int k0 = 0; k0 < 4; k0 += 2) {
+        __m256 acc[4][2];
+        for (int n = 0; n < 4; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+        for (int j = 0; j < QK_K; j += 32) {
+            for (int k = 0; k < 2; k++) {
+                __m256 xv = _mm256_loadu_ps(x + j + 8 * (k0 + k));
+                for (int n = 0; n < 4; n++) {
+                    acc[n][k] = _mm256_fmadd_ps(_mm256_loadu_ps(w + n * ldw + j + 8 * (k0 + k)), xv,
+                                                acc[n][k]);
+                }
+            }
+        }
+        for (int n = 0; n < 4; n++) {
+            __m256 pair = _mm256_add_ps(acc[n][0], acc[n][1]);
+            half[n] = k0 == 0 ? pair : _mm256_add_ps(half[n], pair);
+        }
+    }
+    for (int n = 0; n < 4; n++) out[n] = hsum(half[n]);
+}
+#endif
+
 /* Rows of activations whose super-block slices kq_rows multiplies with the weight rows' slice
  * before moving on to the next super-block: 16 rows' slices (16 KB) and four weight rows' (4 KB)
  * stay in L1, where running every row over the whole width first read both from L2 (on Zen 3,
@@ -299,6 +327,14 @@ static void kq_rows(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1
         }
         for (int64_t s = 0; s < supers; s++) {
             for (int64_t m = m0; m < m1; m++) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+                if (n1 - n0 == 4) {
+                    float four[4];
+                    dot256_x4(wf + s * QK_K, K, xf + m * K + s * QK_K, four);
+                    for (int n = 0; n < 4; n++) total[m - m0][n] += four[n];
+                    continue;
+                }
+#endif
                 for (int64_t n = n0; n < n1; n++) {
                     total[m - m0][n - n0] += dot256(wf + (n - n0) * K + s * QK_K,
                                                     xf + m * K + s * QK_K);
