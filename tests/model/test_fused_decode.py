@@ -351,9 +351,9 @@ def test_the_avx2_build_runs_k_quant_parts_as_the_eager_layers(case: str, extra:
     """``decode.c`` built without AVX-512 runs K-quant parts through its 256-bit kernels and
     agrees with the eager layers: 5 rows through the one-row kernels, which read the
     activations as ``split_k`` reorders them (words 0-7, 16-23, 8-15, 24-31 of each 32, and
-    Q6_K's sums of each 16 after them); 11 rows through ``kq_rows``, its weights expanded 8 at
-    a time and dotted four rows at once (``dot256_x4``). Skipped where the native build is
-    AVX2: the test above runs those kernels there."""
+    Q6_K's sums of each 16 after them); 11 rows through the many-row kernels
+    (``kq_rows_few``), which read them so too. Skipped where the native build is AVX2: the
+    test above runs those kernels there."""
     if not has_avx512_and_avx2():
         pytest.skip("the native build is the AVX2 one, or there is none")
     avx2 = quant_kernels.KernelLibrary(decode_kernel.SOURCE, decode_kernel.declare, AVX2_BUILD)

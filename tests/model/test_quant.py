@@ -38,7 +38,7 @@ import torch
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from isa_helpers import AVX2_BUILD, has_avx512_and_avx2, kernels_or_skip
+from isa_helpers import AVX2_BUILD, cpu_flags, has_avx512_and_avx2, kernels_or_skip
 from safetensors.numpy import save_file
 from torch import nn
 
@@ -667,6 +667,37 @@ def test_up_to_seven_rows_are_each_the_product_of_that_row_alone(fmt: int, lib) 
         assert torch.equal(layer(x), alone), m
 
 
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
+def test_k_quant_rows_of_the_avx2_build_are_each_the_product_of_that_row_alone(qtype: Q,
+                                                                              lib) -> None:
+    """Built for AVX2 without AVX-512 (natively, or with ``-mno-avx512f`` on an AVX-512 CPU),
+    a K-quant product of any number of 16-bit rows is, bit for bit, each row's product alone,
+    within the bound of gguf-py's values: the many-row kernels (``kq_rows_few``) widen a
+    super-block of four weight rows once, then run 16 activation rows at a time over it as the
+    one-row kernels run one. 8 and 37 rows (two runs of 16 and a partial one) of 22 weight rows
+    (a last group of 2) over 3 super-blocks. Kills a row's factors or sums taken from another
+    row (planted: the first row's scales xd for every row of Q4_K and Q5_K; both fail) and a
+    run of 16 rows that stops short (planted: 15; 3 of 3)."""
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
+        pytest.skip("no AVX2")
+    avx2 = lib
+    if has_avx512_and_avx2():
+        avx2 = quant_kernels.KernelLibrary(quant_kernels._SOURCE, quant_kernels._declare,
+                                           AVX2_BUILD).get()
+        assert avx2 is not None
+    raw = gguf_raw(qtype, 22, 768, seed=5)
+    ref = dequantize(raw, qtype).astype(np.float64)
+    layer = QuantLinear(pack_gguf(raw, int(qtype), 768, lambda: ref.astype(np.float32)))
+    layer._lib = avx2
+    for m in (8, 37):
+        x = activations(m, 768)
+        many = layer._small(x)
+        assert torch.equal(many, torch.cat([layer._small(x[i:i + 1]) for i in range(m)])), m
+        x64 = x.double().numpy()
+        rowwise = np.vstack([product_bound(x64[i:i + 1], np.abs(ref)) for i in range(m)])
+        assert_within(many, x64 @ ref.T, rowwise, f"{qtype.name} M={m}")
+
+
 def test_quant_linear_input_layouts_and_bias(lib) -> None:
     """bf16 and non-contiguous inputs, leading dims and a bias."""
     _, ref, packed = packed_case(Q.Q4_1)
@@ -696,7 +727,8 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
     (the AVX2 kernels, which an AVX-512 machine's own build leaves out; skipped elsewhere),
     ``avx512-no-vnni`` native without AVX512-VNNI and VBMI (the byte products' pairs summed
     in 16 bits first, nibbles gathered without byte permutes, as on CPUs before Cascade Lake;
-    skipped without AVX-512)."""
+    skipped without AVX-512); 11 rows also in the deterministic mode (K-quants: ``kq_rows``,
+    which the other products of the AVX2 build no longer reach)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
@@ -715,14 +747,18 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
     for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
         _, ref, packed = packed_case(qtype)
         w64 = ref.astype(np.float64)
-        for m, bits in ((1, 16), (5, 16), (5, 8), (SMALL_M, 16), (SMALL_M + 1, 16)):
+        for m, bits, invariant in ((1, 16, False), (5, 16, False), (5, 8, False),
+                                   (SMALL_M, 16, False), (SMALL_M + 1, 16, False), (11, 16, True)):
             layer = QuantLinear(packed)
             layer._lib = portable
             layer.activation_bits = bits
+            layer.row_invariant = invariant
             x = activations(m)
             x64 = x.double().numpy()
-            assert_within(layer(x), x64 @ w64.T, product_bound(x64, np.abs(w64), bits),
-                          f"{build} {qtype.name} M={m} bits={bits}")
+            bound = np.vstack([product_bound(x64[i:i + 1], np.abs(w64), bits) for i in range(m)])
+            assert_within(layer(x), x64 @ w64.T, bound if invariant else
+                          product_bound(x64, np.abs(w64), bits),
+                          f"{build} {qtype.name} M={m} bits={bits} invariant={invariant}")
     for packed in (tie_blocks(), packed_case(Q.Q4_1)[2]):  # the scalar bfloat16 rounding
         layer = QuantLinear(packed)
         layer._lib = portable

@@ -195,8 +195,8 @@ typedef struct {
     float *xd, *xs, *dT, *sT;
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
     uint8_t *xb;  /* the activations of a step of up to FEW_ROWS rows split into bytes: row b's
-                     SPLIT_Q4 (split_q16) at 2 K b, its split_k's (K a multiple of 256) at
-                     k_split(q, K, b) */
+                     SPLIT_Q4 (split_q16) at 2 K b, its split_k's (K a multiple of 256; of
+                     every row where KQ_MANY_ROWS) at k_split(q, K, b) */
     int bf16, amx;
     int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (512-bit builds), K-quant products */
     int split_q4, split_k; /* whether xb holds those splits of the last rounded rows */
@@ -235,15 +235,16 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
     /* a step of up to FEW_ROWS rows (one unit: b0 is 0): the one-row kernels of the model's
-     * 4-bit and K-quant formats take bytes */
+     * 4-bit and K-quant formats take bytes; so do the K-quants' many-row kernels of a step of
+     * any size (kq_rows_few, where the build has them) */
     q->split_q4 = b0 == 0 && n <= FEW_ROWS && q->need_q4;
-    q->split_k = b0 == 0 && n <= FEW_ROWS && q->need_k && K % QK_K == 0;
+    q->split_k = (KQ_MANY_ROWS || (b0 == 0 && n <= FEW_ROWS)) && q->need_k && K % QK_K == 0;
 #ifdef __AVX2__
     for (int64_t b = 0; b < n && (q->split_q4 || q->split_k); b++) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         if (q->split_q4) split_q16(q->xq + b * K, K, SPLIT_Q4, q->xb + 2 * K * b);
 #endif
-        if (q->split_k) split_k(q->xq + b * K, K, k_split(q, K, b));
+        if (q->split_k) split_k(q->xq + (b0 + b) * K, K, k_split(q, K, b0 + b));
     }
 #endif
 }
@@ -339,17 +340,15 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
     }
     int64_t nb = K / QK, row_bytes = nb * block_bytes((int)fmt);
     if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
-        int few = B <= FEW_ROWS; /* one-row kernels, row after row */
+        /* each row the product of that row alone (kq_rows_few), else kq_rows */
+        int few = B <= FEW_ROWS || (KQ_MANY_ROWS && q->split_k);
         float *xf = few ? NULL : kq_float_rows(q->xq, q->xd, B, K); /* each thread's own */
+        const uint8_t *xb = q->split_k ? k_split(q, K, 0) : NULL;
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += 4) {
             int64_t end = n + 4 < N ? n + 4 : N;
-            for (int64_t b = 0; few && b < B; b++) {
-                kq_rows_one(W, (int)fmt, K, n, end, q->xq + b * K,
-                            q->split_k ? k_split(q, K, b) : NULL, q->xd + b * nb, q->xs + b * nb,
-                            y + b * ldy);
-            }
-            if (!few) kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, ldy);
+            if (few) kq_rows_few(W, (int)fmt, K, n, end, q->xq, xb, q->xd, q->xs, B, y, ldy);
+            else kq_rows_any(W, (int)fmt, K, n, end, q->xq, q->xd, xf, B, y, ldy);
             for (int64_t r = n; bias && r < end; r++) {
                 for (int64_t b = 0; b < B; b++) y[b * ldy + r] += bias[r];
             }
@@ -1459,7 +1458,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * FEW_ROWS * widest
-                    + FEW_ROWS * SPLIT_K_BYTES(widest) + 128;
+                    + (KQ_MANY_ROWS && B > FEW_ROWS ? B : FEW_ROWS) * SPLIT_K_BYTES(widest) + 128;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;
     sc->base = p;

@@ -663,59 +663,73 @@ static inline __m256 kq4_factors_reg(const uint8_t *w, const float *xd, const fl
     return _mm256_mul_ps(_mm256_mul_ps(d, scf), _mm256_loadu_ps(xd));
 }
 
+/* The 16-bit weights of sub-blocks j (q[0], q[1]) and j + 1 (q[2], q[3]; j even) of the Q4_K
+ * (five = 0) or Q5_K super-block at w, in split_k's word order: their 32 nibble bytes widened
+ * to words in place by vpunpcklbw and vpunpckhbw, a mask and a shift giving the two
+ * sub-blocks (Q5_K: each sub-block's bit of qh, the super-block's qh bytes widened the same
+ * way, moved to bit 4). */
+static inline __attribute__((always_inline)) void kq45_widen_pair(const uint8_t *w, int five,
+                                                                  int j, const __m256i *qh,
+                                                                  __m256i *q) {
+    const __m256i low = _mm256_set1_epi16(0x0f), sixteen = _mm256_set1_epi16(16);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i n = _mm256_loadu_si256((const __m256i *)(w + (five ? 48 : 16) + 16 * j));
+    for (int e = 0; e < 2; e++) {
+        __m256i u = e ? _mm256_unpackhi_epi8(n, zero) : _mm256_unpacklo_epi8(n, zero);
+        q[e] = _mm256_and_si256(u, low);
+        q[2 + e] = _mm256_srli_epi16(u, 4);
+        if (five) { /* bit j of qh as 16, then bit j + 1 */
+            __m256i b = j >= 4 ? _mm256_srli_epi16(qh[e], j - 4) : _mm256_slli_epi16(qh[e], 4 - j);
+            q[e] = _mm256_or_si256(q[e], _mm256_and_si256(b, sixteen));
+            q[2 + e] = _mm256_or_si256(q[2 + e],
+                                       _mm256_and_si256(_mm256_srli_epi16(b, 1), sixteen));
+        }
+    }
+}
+
+/* A Q5_K super-block's 32 bytes qh widened to words as kq45_widen_pair takes them. */
+static inline void kq5_widen_qh(const uint8_t *w, int five, __m256i *qh) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i h = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : zero;
+    qh[0] = _mm256_unpacklo_epi8(h, zero);
+    qh[1] = _mm256_unpackhi_epi8(h, zero);
+}
+
+/* The products of a sub-block pair's words q (kq45_widen_pair) with their 64 activations at x:
+ * 8 int32 lanes for each sub-block, v[0] and v[1]. */
+static inline void kq45_pair_products(const __m256i *q, const int16_t *x, __m256i *v) {
+    v[0] = _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(q[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+    v[1] = _mm256_add_epi32(
+        _mm256_madd_epi16(q[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
+        _mm256_madd_epi16(q[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
+}
+
 /* As kq45_row_wide at 256 bits, from the activations reordered by split_k (xp: per 32, words
- * 0-7, 16-23, 8-15, 24-31). Each 32 nibble bytes (two sub-blocks) are widened to 16-bit words
- * in place by vpunpcklbw and vpunpckhbw, in that order, and give both sub-blocks' weights by a
- * mask and a shift (Q5_K: each sub-block's bit of qh, widened the same way once per
- * super-block, moved to bit 4); each sub-block's products leave 8 int32 lanes, and per
- * super-block horizontal adds reduce the 8 sub-blocks' lanes to one vector (hadd4_epi32 as
- * soon as four sub-blocks are there, which keeps the registers from spilling; lane j:
- * sub-block j's integer sum), converted once and multiplied by the 8 factors in one
- * multiply-add. */
+ * 0-7, 16-23, 8-15, 24-31). Each two sub-blocks' weights are widened by kq45_widen_pair; each
+ * sub-block's products leave 8 int32 lanes, and per super-block horizontal adds reduce the 8
+ * sub-blocks' lanes to one vector (hadd4_epi32 as soon as four sub-blocks are there, which
+ * keeps the registers from spilling; lane j: sub-block j's integer sum), converted once and
+ * multiplied by the 8 factors in one multiply-add. */
 static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *w, int five,
                                                                  const int16_t *xp,
                                                                  const float *xd,
                                                                  const float *xs,
                                                                  int64_t supers) {
     __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi16(0x0f), sixteen = _mm256_set1_epi16(16);
-    const __m256i zero = _mm256_setzero_si256();
-    int64_t bytes_per = five ? Q5_K_BYTES : Q4_K_BYTES, at = five ? 48 : 16;
+    int64_t bytes_per = five ? Q5_K_BYTES : Q4_K_BYTES;
     for (int64_t s = 0; s < supers; s++, w += bytes_per) {
         _mm_prefetch((const char *)(w + ROW_PREFETCH), ROW_PREFETCH_HINT);
         _mm_prefetch((const char *)(w + ROW_PREFETCH + 64), ROW_PREFETCH_HINT);
         if (five) _mm_prefetch((const char *)(w + ROW_PREFETCH + 128), ROW_PREFETCH_HINT);
         __m256 f = kq4_factors_reg(w, xd + s * 8, xs + s * 8, &mins);
         const int16_t *a = xp + s * QK_K;
-        __m256i qh[2] = {zero, zero};
-        if (five) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)(w + 16));
-            qh[0] = _mm256_unpacklo_epi8(h, zero);
-            qh[1] = _mm256_unpackhi_epi8(h, zero);
-        }
-        __m256i v[8], half[2];
+        __m256i qh[2], v[8], half[2];
+        kq5_widen_qh(w, five, qh);
         for (int j = 0; j < 8; j += 2) { /* sub-blocks j (low nibbles) and j + 1 (high) */
-            __m256i n = _mm256_loadu_si256((const __m256i *)(w + at + 16 * j));
-            __m256i lo[2], hi[2];
-            for (int e = 0; e < 2; e++) {
-                __m256i u = e ? _mm256_unpackhi_epi8(n, zero) : _mm256_unpacklo_epi8(n, zero);
-                lo[e] = _mm256_and_si256(u, low);
-                hi[e] = _mm256_srli_epi16(u, 4);
-                if (five) { /* bit j of qh as 16, then bit j + 1 */
-                    __m256i b = j >= 4 ? _mm256_srli_epi16(qh[e], j - 4)
-                                       : _mm256_slli_epi16(qh[e], 4 - j);
-                    lo[e] = _mm256_or_si256(lo[e], _mm256_and_si256(b, sixteen));
-                    hi[e] = _mm256_or_si256(
-                        hi[e], _mm256_and_si256(_mm256_srli_epi16(b, 1), sixteen));
-                }
-            }
-            const int16_t *x = a + 32 * j;
-            v[j] = _mm256_add_epi32(
-                _mm256_madd_epi16(lo[0], _mm256_loadu_si256((const __m256i *)x)),
-                _mm256_madd_epi16(lo[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
-            v[j + 1] = _mm256_add_epi32(
-                _mm256_madd_epi16(hi[0], _mm256_loadu_si256((const __m256i *)(x + 32))),
-                _mm256_madd_epi16(hi[1], _mm256_loadu_si256((const __m256i *)(x + 48))));
+            __m256i q[4];
+            kq45_widen_pair(w, five, j, qh, q);
+            kq45_pair_products(q, a + 32 * j, v + j);
             if (j % 4 == 2) { /* sub-blocks j - 2 .. j + 1, as soon as they are there */
                 half[j / 4] = hadd4_epi32(v[j - 2], v[j - 1], v[j], v[j + 1]);
             }
@@ -725,9 +739,44 @@ static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *
     return hsum(acc) - hsum(mins);
 }
 
+/* Words of one t of a Q6_K half super-block h (ql and qh its bytes there) as kq6_row_wide
+ * multiplies them: the 6-bit values (the weight plus 32) of 32 weights widened in place. */
+static inline __attribute__((always_inline)) void kq6_widen_t(const uint8_t *w, int h, int t,
+                                                              __m256i qh, __m256i *q) {
+    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (t % 2)));
+    __m256i lo = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(ql, 4) : ql, low);
+    /* bits 2 t and 2 t + 1 of qh as bits 4 and 5 (what crosses a byte is masked) */
+    __m256i hi = t == 2 ? qh : t < 2 ? _mm256_slli_epi16(qh, 4 - 2 * t) : _mm256_srli_epi16(qh, 2);
+    __m256i b = _mm256_or_si256(lo, _mm256_and_si256(hi, top));
+    q[0] = _mm256_unpacklo_epi8(b, zero);
+    q[1] = _mm256_unpackhi_epi8(b, zero);
+}
+
+/* The products of one t's words q (kq6_widen_t) with its 32 activations at x: 8 int32 lanes,
+ * the low 4 one scale's 16 weights, the high 4 the next's. */
+static inline __m256i kq6_t_products(const __m256i *q, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(q[0], _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(q[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* The 8 factors' d * scale_g of a Q6_K half super-block h, sc its scales in split_k's order. */
+static inline __m256 kq6_half_scales(__m256 d, __m128i sc, int h) {
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc, 8)
+                                                                        : sc)));
+}
+
+/* A Q6_K super-block's 16 scales in the order of split_k's sums (0, 2, 4, 6, 1, 3, 5, 7 of each
+ * half). */
+static inline __m128i kq6_scales_ordered(const uint8_t *w) {
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), order);
+}
+
 /* As kq6_row_wide at 256 bits, from the activations reordered by split_k. Each 32 weights'
  * 6-bit values are assembled as the stored bytes 0-63 (the weight plus 32) and widened in place
- * (vpunpcklbw, vpunpckhbw); the products of one t leave the sums of its two scales' 16 weights
+ * (kq6_widen_t); the products of one t leave the sums of its two scales' 16 weights
  * in the low and the high 4 lanes, and two rounds of horizontal adds over the 4 t of a half
  * super-block leave one lane per scale (scales 0, 2, 4, 6, 1, 3, 5, 7 of the half, the order
  * of split_k's sums and of the factors d * scale_g * xd, the half's 4 xd broadcast from memory,
@@ -735,37 +784,23 @@ static inline __attribute__((always_inline)) float kq45_row_wide(const uint8_t *
  * int32 (exact), then one conversion and one multiply-add. */
 static float kq6_row_wide(const uint8_t *w, const int16_t *xp, const float *xd, int64_t supers) {
     __m256 acc = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
-    const __m256i zero = _mm256_setzero_si256();
-    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     const int32_t *sums32 = (const int32_t *)(xp + QK_K * supers);
     for (int64_t s = 0; s < supers; s++, w += Q6_K_BYTES) {
         for (int k = 0; k < 4; k++) {
             _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
         }
         __m256 d = _mm256_set1_ps(fp16_to_float(w + 208));
-        __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w + 192)), order);
+        __m128i sc = kq6_scales_ordered(w);
         const int16_t *a = xp + s * QK_K;
         for (int h = 0; h < 2; h++) {
-            __m256 f = _mm256_mul_ps(
-                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                     h ? _mm_srli_si128(sc, 8) : sc))),
-                _mm256_broadcast_ps((const __m128 *)(xd + s * 8 + 4 * h)));
+            __m256 f = _mm256_mul_ps(kq6_half_scales(d, sc, h),
+                                     _mm256_broadcast_ps((const __m128 *)(xd + s * 8 + 4 * h)));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
             __m256i v[4];
             for (int t = 0; t < 4; t++) {
-                __m256i ql = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (t % 2)));
-                __m256i lo = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(ql, 4) : ql, low);
-                /* bits 2 t and 2 t + 1 of qh as bits 4 and 5 (what crosses a byte is masked) */
-                __m256i hi = t == 2 ? qh : t < 2 ? _mm256_slli_epi16(qh, 4 - 2 * t)
-                                                 : _mm256_srli_epi16(qh, 2);
-                __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hi, top));
-                const int16_t *x = a + 128 * h + 32 * t;
-                v[t] = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_unpacklo_epi8(q, zero),
-                                      _mm256_loadu_si256((const __m256i *)x)),
-                    _mm256_madd_epi16(_mm256_unpackhi_epi8(q, zero),
-                                      _mm256_loadu_si256((const __m256i *)(x + 16))));
+                __m256i q[2];
+                kq6_widen_t(w, h, t, qh, q);
+                v[t] = kq6_t_products(q, a + 128 * h + 32 * t);
             }
             __m256i sums = _mm256_sub_epi32(
                 hadd4_epi32(v[0], v[1], v[2], v[3]),
@@ -774,6 +809,125 @@ static float kq6_row_wide(const uint8_t *w, const int16_t *xp, const float *xd, 
         }
     }
     return hsum(acc);
+}
+
+/* Weight rows that the many-row kernels widen together, one super-block each, before the
+ * activation rows run over them (defined where the build has those kernels). */
+#define KQ_MANY 4
+
+/* kq45_row_wide's outputs (their bits) for weight rows n0 <= n < n1 (at most KQ_MANY, row_bytes
+ * apart) and M activation rows at once (xb: each row's split_k bytes, SPLIT_K_BYTES(K) a row;
+ * xd, xs K / 32 a row), into y[m * ldy + n]: each super-block of the weight rows is widened
+ * once (kq45_widen_pair) for all M rows, where kq45_row_wide row after row widened it M times;
+ * each row's factors, integer sums and multiply-adds are kq45_row_wide's, in its order. */
+static inline __attribute__((always_inline)) void kq45_rows_many(
+    const uint8_t *W, int five, int64_t row_bytes, int64_t n0, int64_t n1, const uint8_t *xb,
+    const float *xd, const float *xs, int64_t K, int64_t M, float *y, int64_t ldy) {
+    int64_t R = n1 - n0, supers = K / QK_K, nb = K / QK;
+    int64_t bytes_per = five ? Q5_K_BYTES : Q4_K_BYTES;
+    float acc[M][KQ_MANY][8], mins[M][KQ_MANY][8];
+    memset(acc, 0, sizeof acc);
+    memset(mins, 0, sizeof mins);
+    for (int64_t s = 0; s < supers; s++) {
+        __m256i q[KQ_MANY][16];
+        __m256 dsc[KQ_MANY], dmn[KQ_MANY];
+        for (int64_t r = 0; r < R; r++) {
+            const uint8_t *w = W + (n0 + r) * row_bytes + s * bytes_per;
+            for (int k = 0; k < (five ? 3 : 2); k++) {
+                _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
+            }
+            __m128i header = _mm_loadu_si128((const __m128i *)w);
+            __m128i scales = kq4_scales_xmm(header);
+            __m128 dm = _mm_cvtph_ps(header);
+            dsc[r] = _mm256_mul_ps(_mm256_broadcastss_ps(dm),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales)));
+            dmn[r] = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                       _mm_unpackhi_epi64(scales, scales))));
+            __m256i qh[2];
+            kq5_widen_qh(w, five, qh);
+            for (int j = 0; j < 8; j += 2) kq45_widen_pair(w, five, j, qh, q[r] + 2 * j);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *a = (const int16_t *)(xb + m * SPLIT_K_BYTES(K)) + s * QK_K;
+            __m256 xdv = _mm256_loadu_ps(xd + m * nb + s * 8);
+            __m256 xsv = _mm256_loadu_ps(xs + m * nb + s * 8);
+            for (int64_t r = 0; r < R; r++) {
+                __m256i v[8];
+                for (int j = 0; j < 8; j += 2) kq45_pair_products(q[r] + 2 * j, a + 32 * j, v + j);
+                __m256i sums = hadd4_halves(hadd4_epi32(v[0], v[1], v[2], v[3]),
+                                            hadd4_epi32(v[4], v[5], v[6], v[7]));
+                _mm256_storeu_ps(acc[m][r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                                            _mm256_mul_ps(dsc[r], xdv),
+                                                            _mm256_loadu_ps(acc[m][r])));
+                _mm256_storeu_ps(mins[m][r], _mm256_fmadd_ps(dmn[r], xsv,
+                                                             _mm256_loadu_ps(mins[m][r])));
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t r = 0; r < R; r++) {
+            y[m * ldy + n0 + r] = hsum(_mm256_loadu_ps(acc[m][r]))
+                                  - hsum(_mm256_loadu_ps(mins[m][r]));
+        }
+    }
+}
+
+static void kq4_rows_many(const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
+                          const uint8_t *xb, const float *xd, const float *xs, int64_t K,
+                          int64_t M, float *y, int64_t ldy) {
+    kq45_rows_many(W, 0, row_bytes, n0, n1, xb, xd, xs, K, M, y, ldy);
+}
+
+static void kq5_rows_many(const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
+                          const uint8_t *xb, const float *xd, const float *xs, int64_t K,
+                          int64_t M, float *y, int64_t ldy) {
+    kq45_rows_many(W, 1, row_bytes, n0, n1, xb, xd, xs, K, M, y, ldy);
+}
+
+/* kq6_row_wide's outputs for weight rows n0 <= n < n1 and M activation rows at once, as
+ * kq45_rows_many does for Q4_K and Q5_K: each half super-block of the weight rows widened once
+ * (kq6_widen_t), each row's sums and multiply-adds kq6_row_wide's, in its order. */
+static void kq6_rows_many(const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
+                          const uint8_t *xb, const float *xd, int64_t K, int64_t M, float *y,
+                          int64_t ldy) {
+    int64_t R = n1 - n0, supers = K / QK_K, nb = K / QK;
+    float acc[M][KQ_MANY][8];
+    memset(acc, 0, sizeof acc);
+    for (int64_t s = 0; s < supers; s++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i q[KQ_MANY][8];
+            __m256 dsc[KQ_MANY];
+            for (int64_t r = 0; r < R; r++) {
+                const uint8_t *w = W + (n0 + r) * row_bytes + s * Q6_K_BYTES;
+                for (int k = 0; h == 0 && k < 4; k++) {
+                    _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
+                }
+                dsc[r] = kq6_half_scales(_mm256_set1_ps(fp16_to_float(w + 208)),
+                                         kq6_scales_ordered(w), h);
+                __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+                for (int t = 0; t < 4; t++) kq6_widen_t(w, h, t, qh, q[r] + 2 * t);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                const uint8_t *row = xb + m * SPLIT_K_BYTES(K);
+                const int16_t *a = (const int16_t *)row + s * QK_K + 128 * h;
+                __m256 xdv = _mm256_broadcast_ps((const __m128 *)(xd + m * nb + s * 8 + 4 * h));
+                __m256i bias = _mm256_loadu_si256(
+                    (const __m256i *)((const int32_t *)(row + 2 * K) + 8 * (2 * s + h)));
+                for (int64_t r = 0; r < R; r++) {
+                    __m256i v[4];
+                    for (int t = 0; t < 4; t++) v[t] = kq6_t_products(q[r] + 2 * t, a + 32 * t);
+                    __m256i sums = _mm256_sub_epi32(hadd4_epi32(v[0], v[1], v[2], v[3]), bias);
+                    _mm256_storeu_ps(acc[m][r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                                                _mm256_mul_ps(dsc[r], xdv),
+                                                                _mm256_loadu_ps(acc[m][r])));
+                }
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t r = 0; r < R; r++) y[m * ldy + n0 + r] = hsum(_mm256_loadu_ps(acc[m][r]));
+    }
 }
 #endif
 
@@ -833,4 +987,49 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
     (void)xb, (void)xs;
     kq_rows_any(W, fmt, K, n0, n1, xq, xd, NULL, 1, y, 1);
 #endif
+}
+
+/* Whether the K-quant products of any number of 16-bit rows take kq_rows_few: where the build
+ * has its many-row kernels (else from 8 rows kq_rows, which is faster than the one-row
+ * kernels there). */
+#ifdef KQ_MANY
+#define KQ_MANY_ROWS 1
+#else
+#define KQ_MANY_ROWS 0
+#endif
+
+/* Activation rows from which kq_rows_few takes its many-row kernels: below, kq_rows_one row
+ * after row is as fast or faster (on Zen 3, 2 rows 0.76x, 4 rows 0.96x), from 8 the many-row
+ * kernels are 1.4-2.5x kq_rows' float products (which made 8 and 16 sequences of a Q4_K_M model
+ * decode below one sequence's tokens/s in all). */
+#define KQ_MANY_FROM 8
+
+/* Outputs y[m * ldy + n] of weight rows n0 <= n < n1 (at most 4) for M activation rows (xq K a
+ * row, xd and xs K / 32, xb each row's split_k bytes, SPLIT_K_BYTES(K) a row, or NULL), each
+ * row's bits those of kq_rows_one for that row alone: on AVX2 builds without AVX-512, from
+ * KQ_MANY_FROM rows, by the many-row kernels, 16 activation rows at a time; else by
+ * kq_rows_one row after row. */
+static void kq_rows_few(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_t n1,
+                        const int16_t *xq, const uint8_t *xb, const float *xd, const float *xs,
+                        int64_t M, float *y, int64_t ldy) {
+    int64_t nb = K / QK;
+#ifdef KQ_MANY
+    int64_t row_bytes = fmt_row_bytes(fmt, K);
+    for (int64_t m = 0; xb && M >= KQ_MANY_FROM && m < M; m += KQ_ROWS_AT_ONCE) {
+        int64_t rows = M - m < KQ_ROWS_AT_ONCE ? M - m : KQ_ROWS_AT_ONCE;
+        const uint8_t *x = xb + SPLIT_K_BYTES(K) * m;
+        if (fmt == FMT_Q6_K) {
+            kq6_rows_many(W, row_bytes, n0, n1, x, xd + m * nb, K, rows, y + m * ldy, ldy);
+        } else {
+            (fmt == FMT_Q5_K ? kq5_rows_many : kq4_rows_many)(W, row_bytes, n0, n1, x, xd + m * nb,
+                                                               xs + m * nb, K, rows, y + m * ldy,
+                                                               ldy);
+        }
+    }
+    if (xb && M >= KQ_MANY_FROM) return;
+#endif
+    for (int64_t m = 0; m < M; m++) {
+        kq_rows_one(W, fmt, K, n0, n1, xq + m * K, xb ? xb + SPLIT_K_BYTES(K) * m : NULL,
+                    xd + m * nb, xs + m * nb, y + m * ldy);
+    }
 }

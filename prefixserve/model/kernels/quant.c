@@ -1075,15 +1075,11 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
         return;
     }
     int64_t nb = K / QK, tiles = M / 8;
-    if (is_kquant(fmt) && M <= FEW_ROWS) {
+    if (is_kquant(fmt) && (M <= FEW_ROWS || KQ_MANY_ROWS)) {
         uint8_t *xb = K % QK_K == 0 ? split_rows(xq, M, K, fmt) : NULL;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
         for (int64_t n = 0; n < N; n += 4) {
-            for (int64_t m = 0; m < M; m++) {
-                kq_rows_one(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq + m * K,
-                            xb ? xb + SPLIT_K_BYTES(K) * m : NULL, xd + m * nb, xs + m * nb,
-                            y + m * ldy);
-            }
+            kq_rows_few(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xb, xd, xs, M, y, ldy);
         }
         free(xb);
         return;
