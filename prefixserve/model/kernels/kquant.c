@@ -648,19 +648,26 @@ static inline __m128i kq4_scales_xmm(__m128i header) {
     return _mm_blend_epi32(low6, _mm_or_si128(nib, top2), 0xa); /* sc 0-3, 4-7, m 0-3, 4-7 */
 }
 
-/* The factors d * sc_j * xd_j of one Q4_K or Q5_K super-block's 8 sub-blocks, and mins plus
- * dmin * m_j * xs_j in *mins: kq4_factors' numbers, kept in registers (d and dmin converted
- * together from the header). */
-static inline __m256 kq4_factors_reg(const uint8_t *w, const float *xd, const float *xs,
-                                     __m256 *mins) {
+/* d * sc_j of the Q4_K or Q5_K super-block at w's 8 sub-blocks, and dmin * m_j in *dmn (d and
+ * dmin converted together from the header). */
+static inline __m256 kq4_scaled(const uint8_t *w, __m256 *dmn) {
     __m128i header = _mm_loadu_si128((const __m128i *)w);
     __m128i scales = kq4_scales_xmm(header);
     __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales));
     __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales, scales)));
     __m128 dm = _mm_cvtph_ps(header); /* d, dmin in lanes 0 and 1 */
     __m256 d = _mm256_broadcastss_ps(dm), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-    *mins = _mm256_fmadd_ps(_mm256_mul_ps(dmin, mnf), _mm256_loadu_ps(xs), *mins);
-    return _mm256_mul_ps(_mm256_mul_ps(d, scf), _mm256_loadu_ps(xd));
+    *dmn = _mm256_mul_ps(dmin, mnf);
+    return _mm256_mul_ps(d, scf);
+}
+
+/* The factors d * sc_j * xd_j of one Q4_K or Q5_K super-block's 8 sub-blocks, and mins plus
+ * dmin * m_j * xs_j in *mins: kq4_factors' numbers, kept in registers. */
+static inline __m256 kq4_factors_reg(const uint8_t *w, const float *xd, const float *xs,
+                                     __m256 *mins) {
+    __m256 dmn, dsc = kq4_scaled(w, &dmn);
+    *mins = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(xs), *mins);
+    return _mm256_mul_ps(dsc, _mm256_loadu_ps(xd));
 }
 
 /* The 16-bit weights of sub-blocks j (q[0], q[1]) and j + 1 (q[2], q[3]; j even) of the Q4_K
@@ -836,14 +843,7 @@ static inline __attribute__((always_inline)) void kq45_rows_many(
             for (int k = 0; k < (five ? 3 : 2); k++) {
                 _mm_prefetch((const char *)(w + ROW_PREFETCH + 64 * k), ROW_PREFETCH_HINT);
             }
-            __m128i header = _mm_loadu_si128((const __m128i *)w);
-            __m128i scales = kq4_scales_xmm(header);
-            __m128 dm = _mm_cvtph_ps(header);
-            dsc[r] = _mm256_mul_ps(_mm256_broadcastss_ps(dm),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales)));
-            dmn[r] = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                       _mm_unpackhi_epi64(scales, scales))));
+            dsc[r] = kq4_scaled(w, dmn + r);
             __m256i qh[2];
             kq5_widen_qh(w, five, qh);
             for (int j = 0; j < 8; j += 2) kq45_widen_pair(w, five, j, qh, q[r] + 2 * j);
