@@ -248,7 +248,10 @@ def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
     """The one-row product (a decode step of one sequence) at widths with a whole number of
     16-block groups and with a remainder (576: 18 blocks), an odd block count (96: 3 blocks,
     which the 512-bit Q4_1 kernel leaves to the 256-bit one), and for 8 and 12 output rows;
-    every output within the product bound of the reference values."""
+    every output within the product bound of the reference values. The AVX2 Q8_0 kernel takes
+    rows under SEQUENTIAL_ROW_BYTES (2 KB) one after another (64-1,056 wide) and longer ones
+    four side by side (2,048). (Planted: the first block's activation scale for every block of
+    the rows taken one after another: the 4 Q8_0 widths under 2,048 fail.)"""
     for rows in (8, 12):
         values = (0.1 * np.random.default_rng(cols + rows).standard_normal((rows, cols)))
         packed = pack_float(values.astype(np.float32), fmt)
