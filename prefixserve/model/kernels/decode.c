@@ -1456,9 +1456,11 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + 2 * D) + 4 * B * widest / QK
                      + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows;
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
+    split_needs(m, &sc->q);
+    int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS ? B : FEW_ROWS; /* split_k's */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * FEW_ROWS * widest
-                    + (KQ_MANY_ROWS && B > FEW_ROWS ? B : FEW_ROWS) * SPLIT_K_BYTES(widest) + 128;
+                    + k_rows * SPLIT_K_BYTES(widest) + 128;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;
     sc->base = p;
@@ -1482,7 +1484,6 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->q.xv = (uint32_t *)f; f += words;
     sc->q.xq = (int16_t *)f;
     sc->q.xb = (uint8_t *)(((uintptr_t)(sc->q.xq + B * widest) + 63) & ~(uintptr_t)63);
-    split_needs(m, &sc->q);
     return 0;
 }
 
