@@ -248,10 +248,13 @@ def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
     """The one-row product (a decode step of one sequence) at widths with a whole number of
     16-block groups and with a remainder (576: 18 blocks), an odd block count (96: 3 blocks,
     which the 512-bit Q4_1 kernel leaves to the 256-bit one), and for 8 and 12 output rows;
-    every output within the product bound of the reference values. The AVX2 Q8_0 kernel takes
-    rows under SEQUENTIAL_ROW_BYTES (2 KB) one after another (64-1,056 wide) and longer ones
-    four side by side (2,048). (Planted: the first block's activation scale for every block of
-    the rows taken one after another: the 4 Q8_0 widths under 2,048 fail.)"""
+    every output within the product bound of the reference values. The AVX2 kernels take some
+    rows one after another and others four side by side: Q8_0 under SEQUENTIAL_ROW_BYTES (2 KB;
+    64-1,056 wide) one after another, 2,048 side by side; Q4_0 and Q4_1 from Q4_SEQUENTIAL_FROM
+    (512 bytes; 1,056 and 2,048 wide) one after another, up to 576 side by side. (Planted: the
+    first block's activation scale for every Q8_0 block taken one after another fails the 4
+    Q8_0 widths under 2,048; the first block's activation sum for every Q4 offset taken one
+    after another fails Q4_0 and Q4_1 at 1,056 and 2,048.)"""
     for rows in (8, 12):
         values = (0.1 * np.random.default_rng(cols + rows).standard_normal((rows, cols)))
         packed = pack_float(values.astype(np.float32), fmt)

@@ -465,43 +465,78 @@ static inline __m128i insert16(__m128i v, uint16_t x, int r) {
     }
 }
 
+/* Q4_0/Q4_1 rows of at least this many bytes go through the AVX2 one-row kernel one after
+ * another, shorter ones four side by side, block by block (each row's sums the same either
+ * way). On Zen 3, one after another was 1.08-1.18x as fast at 1,024-2,048 wide, 0.99-1.09x at
+ * 4,096-8,192, and 0.86-0.89x at 576 (324-360 bytes a row: its per-row costs, a horizontal sum
+ * and the offsets' scalar chain, weigh more there than the longer streams gain). */
+#ifndef Q4_SEQUENTIAL_FROM
+#define Q4_SEQUENTIAL_FROM 512
+#endif
+
+/* acc plus one Q4_0/Q4_1 block's products with the 16-bit activations a0, a1 (elements 0-15,
+ * 16-31) times d * xscale, after prefetching ahead of the block. */
+static inline __m256 q4_block_q16(const uint8_t *br, int nib, __m256i a0, __m256i a1,
+                                  __m256 xscale, __m256 acc) {
+    _mm_prefetch((const char *)(br + ROW_PREFETCH), ROW_PREFETCH_HINT);
+    /* bytes widened to 16 bits: the low nibble is element j, the high one j + 16 */
+    __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(br + nib)));
+    __m256i lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
+    __m256i hi = _mm256_srli_epi16(both, 4);
+    __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, a0),
+                                                   _mm256_madd_epi16(hi, a1)));
+    __m256 d = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(br)), xscale);
+    return _mm256_fmadd_ps(d, p, acc);
+}
+
+/* The outputs of ROWS Q4_0/Q4_1 rows (row_bytes apart) for one activation row, one row after
+ * another from Q4_SEQUENTIAL_FROM bytes a row. Each row's offset term sums, block by block,
+ * the offset (float16; Q4_0: -8 times the scale) times the block's activation sum: multiplied,
+ * then added, the rounding of tile_q16's scalar sums, so that a row's result does not depend
+ * on the number of rows (the deterministic mode relies on it). */
 static inline __attribute__((always_inline)) void rows_q4_q16(const uint8_t *w, int fmt,
                                                               int64_t row_bytes,
                                                               const int16_t *xq, const float *xd,
                                                               const float *xs, int64_t nb,
                                                               float *y) {
-    __m256 acc[ROWS], offsets = _mm256_setzero_ps();
     int64_t bytes = block_bytes(fmt);
     int nib = nibbles_at(fmt), stored = fmt == FMT_Q4_1 ? 2 : 0; /* Q4_0: the scale's bits */
+    if (row_bytes >= Q4_SEQUENTIAL_FROM) {
+        for (int r = 0; r < ROWS; r++) {
+            const uint8_t *row = w + r * row_bytes;
+            __m256 sums = _mm256_setzero_ps();
+            float offsets = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *br = row + b * bytes;
+                sums = q4_block_q16(br, nib, _mm256_loadu_si256((const __m256i *)(xq + b * QK)),
+                                    _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16)),
+                                    _mm256_set1_ps(xd[b]), sums);
+                float m = fp16_to_float(br + stored);
+                offsets += (fmt == FMT_Q4_0 ? -8.0f * m : m) * xs[b];
+            }
+            y[r] = hsum(sums) + offsets;
+        }
+        return;
+    }
+    __m256 acc[ROWS], offsets = _mm256_setzero_ps();
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
         __m256i a1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
         __m256 xscale = _mm256_set1_ps(xd[b]);
         const uint8_t *blk = w + b * bytes;
-        /* the rows' offsets (float16; for Q4_0 the scales, times -8 below) gathered in a
-         * register: through a stack array, four 2-byte stores read back by one 16-byte load
-         * stalled store forwarding, a third of this loop's time */
+        /* the rows' offsets gathered in a register: through a stack array, four 2-byte stores
+         * read back by one 16-byte load stalled store forwarding, a third of this loop's time */
         __m128i m = _mm_setzero_si128();
         for (int r = 0; r < ROWS; r++) {
             const uint8_t *br = blk + r * row_bytes;
-            _mm_prefetch((const char *)(br + ROW_PREFETCH), ROW_PREFETCH_HINT);
-            /* bytes widened to 16 bits: the low nibble is element j, the high one j + 16 */
-            __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(br + nib)));
-            __m256i lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
-            __m256i hi = _mm256_srli_epi16(both, 4);
-            __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, a0),
-                                                           _mm256_madd_epi16(hi, a1)));
-            __m256 d = _mm256_mul_ps(_mm256_set1_ps(fp16_to_float(br)), xscale);
-            acc[r] = _mm256_fmadd_ps(d, p, acc[r]);
+            acc[r] = q4_block_q16(br, nib, a0, a1, xscale, acc[r]);
             uint16_t offset;
             memcpy(&offset, br + stored, 2);
             m = insert16(m, offset, r);
         }
         __m256 mf = _mm256_cvtph_ps(m);
         if (fmt == FMT_Q4_0) mf = _mm256_mul_ps(mf, _mm256_set1_ps(-8.0f));
-        /* multiply, then add: the rounding of tile_q16's scalar sums, so that a row's result
-         * does not depend on the number of rows (the deterministic mode relies on it) */
         offsets = _mm256_add_ps(offsets, _mm256_mul_ps(mf, _mm256_set1_ps(xs[b])));
     }
     float off[8];
@@ -514,8 +549,8 @@ static inline __attribute__((always_inline)) void rows_q4_q16(const uint8_t *w, 
  * way). Four short streams side by side left the hardware prefetchers little to follow: on
  * Zen 3 the Q8_0 head of Gemma 3 (640 wide, 680 bytes a row) streamed at 9.3 GB/s on one
  * thread against 12.6 at 2,048 wide; one row after another it runs 1.44-1.47x faster at 576
- * and 640 wide, 1.05x at 1,536, and 0.85-0.92x at 2,048-8,192. The 4-bit kernel was not faster
- * so (0.84-0.88x at 576: its offsets, gathered for four rows at once, came row by row). */
+ * and 640 wide, 1.05x at 1,536, and 0.85-0.92x at 2,048-8,192 (the 4-bit kernel's rule,
+ * Q4_SEQUENTIAL_FROM, runs the other way). */
 #ifndef SEQUENTIAL_ROW_BYTES
 #define SEQUENTIAL_ROW_BYTES 2048
 #endif
