@@ -10,7 +10,9 @@ the batch kernels), a child process loads the file and, for each number of seque
 that many greedy sequences together (48 tokens each after a 32-token prompt, the prompts
 cached first), ``--rounds`` times; the builds alternate round by round. Prints the tokens/s of
 all sequences together and the ms a step (median and range), and the ratio of the two builds.
-From 8 sequences a bfloat16 model's steps take the bfloat16 batch kernels in both builds.
+From 8 sequences a bfloat16 model's steps take the bfloat16 batch kernels in both builds. On
+AVX2 builds without AVX-512 a K-quant model's products of 8 rows and more take the many-row
+kernels (``kq_rows_few``) in both builds, and fewer rows the one-row kernels in both.
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@
  *
  * Included by quant.c. Each 32 weights of a super-block meet one 16-bit activation block
  * (quantize_q16: scale xd, sum xs = xd * sum(q)). The products here are the one-row kernels of
- * decode steps (kq4_row_wide, kq6_row_wide: AVX-512 or AVX2), and kq_rows for every other case
- * and the portable build: a few weight rows expanded to floats (on the stack), then their dot
+ * decode steps (kq4_row_wide, kq6_row_wide: AVX-512 or AVX2), on AVX2 builds without AVX-512
+ * the many-row kernels (kq_rows_few: 8 rows and more, each row with its one-row bits), and
+ * kq_rows for every other case and the portable build: a few weight rows expanded to floats
+ * (on the stack), then their dot
  * products with the activation rows (converted to floats once per product), each row's sums
  * in the same order whatever their number (row-invariant, as the deterministic mode needs).
  * Prefill expands whole rows (kq_dequant_row) for a float GEMM.
