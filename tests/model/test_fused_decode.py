@@ -109,11 +109,11 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     return logits, runner.kv_cache, runner
 
 
-#: A model whose every product's width is a multiple of 128 (hidden 512, 8 heads of 64, FFN
-#: 640: down's runs of 16 blocks end with one of 4), so that its Q4_0 weights take the stream
-#: layout.
-STREAM_CONFIG = replace(tiny_config(heads=8, kv_heads=2, head_dim=64), hidden_size=512,
-                        intermediate_size=640)
+#: A model whose every product's width is a multiple of 128 and at least 1,024 (hidden 1,024,
+#: 16 heads of 64, FFN 1,152: down's runs of 16 blocks end with one of 4), so that its Q4_0
+#: weights take the stream layout (``q4_0s_fits``; AVX2 builds from 1,024 wide).
+STREAM_CONFIG = replace(tiny_config(heads=16, kv_heads=4, head_dim=64), hidden_size=1024,
+                        intermediate_size=1152)
 #: (config, weight format, block size, activations, cache (None: the activations' dtype)).
 CASES: dict[str, tuple[ModelConfig, int, int, torch.dtype, torch.dtype | None]] = {
     "q4_1-gqa2": (tiny_config(), FMT_Q4_1, 16, torch.float32, None),
@@ -261,8 +261,8 @@ def test_the_stream_layout_changes_no_number_of_the_fused_step(
     repacking; every logit moved), and a one-row stream kernel that differs (planted: -7 for
     Q4_0's -8 offset; the 1- and 5-row cases fail on Zen 5)."""
     lib = quant_kernels.kernels()
-    if lib is None or not lib.q4_0s_fits(4, 512):
-        pytest.skip("the stream layout needs the kernels' 512-bit build")
+    if lib is None or not lib.q4_0s_fits(4, 1024):
+        pytest.skip("the stream layout needs the kernels' AVX2 or 512-bit build")
 
     def model() -> CausalLM:
         return packed_model(STREAM_CONFIG, FMT_Q4_0).to(dtype)

@@ -242,7 +242,7 @@ def test_quant_linear_matches_reference(qtype: Q, m: int, lib) -> None:
     assert_within(y, expected, bound, f"{qtype.name} M={m}")
 
 
-@pytest.mark.parametrize("cols", (64, 96, 576, 1056, 2048))
+@pytest.mark.parametrize("cols", (64, 96, 576, 1056, 1088, 1152, 1216, 2048))
 @pytest.mark.parametrize("fmt", (FMT_Q4_0, FMT_Q4_1, FMT_Q8_0), ids=("Q4_0", "Q4_1", "Q8_0"))
 def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
     """The one-row product (a decode step of one sequence) at widths with a whole number of
@@ -250,11 +250,16 @@ def test_one_row_kernel_at_any_width(fmt: int, cols: int, lib) -> None:
     which the 512-bit Q4_1 kernel leaves to the 256-bit one), and for 8 and 12 output rows;
     every output within the product bound of the reference values. The AVX2 kernels take some
     rows one after another and others four side by side: Q8_0 under SEQUENTIAL_ROW_BYTES (2 KB;
-    64-1,056 wide) one after another, 2,048 side by side; Q4_0 and Q4_1 from Q4_SEQUENTIAL_FROM
-    (512 bytes; 1,056 and 2,048 wide) one after another, up to 576 side by side. (Planted: the
-    first block's activation scale for every Q8_0 block taken one after another fails the 4
-    Q8_0 widths under 2,048; the first block's activation sum for every Q4 offset taken one
-    after another fails Q4_0 and Q4_1 at 1,056 and 2,048.)"""
+    64-1,216 wide) one after another, 2,048 side by side; Q4_0 and Q4_1 rows of PAIRS_FROM (512
+    bytes) and more with an even block count by runs of 8 blocks (``row_q4_pairs``; 1,088-2,048
+    wide: last runs of 2, 4, 6 and 8 blocks; Q4_0 at 1,152 and 2,048 in the stream layout,
+    ``rows_q4_0s``), else by ``rows_q16`` (1,056: 33 blocks, one after another; up to 576 side
+    by side). (Planted: the first block's activation scale for every Q8_0 block taken one after
+    another fails the 4 Q8_0 widths under 2,048; the first block's activation sum for every Q4
+    offset taken one after another fails Q4_0 and Q4_1 at 1,056. In the runs of 8: the
+    activations' scales not moved into run order fails Q4_0 and Q4_1 from 1,088 wide; a last
+    run's blocks beyond the first two dropped fails 1,216, and 1,152 in the kernel that runs
+    it, ``row_q4_pairs`` for Q4_1, ``rows_q4_0s`` for Q4_0.)"""
     for rows in (8, 12):
         values = (0.1 * np.random.default_rng(cols + rows).standard_normal((rows, cols)))
         packed = pack_float(values.astype(np.float32), fmt)
@@ -618,8 +623,8 @@ def test_the_stream_layout_gives_the_file_layouts_products_exactly(
     deterministic mode's kernel, 8-bit activations) and its expansions (a range, gathered
     rows of an embedding) are the file layout's exactly. Kills an unpacking or a one-row
     sum that differs (planted: the scales of a run shifted by one block, in the repacking)."""
-    if not lib.q4_0s_fits(4, 512):
-        pytest.skip("the stream layout needs the kernels' 512-bit build")
+    if not lib.q4_0s_fits(4, 1024):
+        pytest.skip("the stream layout needs the kernels' AVX2 or 512-bit build")
     rng = np.random.default_rng(m)
     packed = pack_float(rng.standard_normal((68, cols)).astype(np.float32), FMT_Q4_0)
     streamed, filed = QuantLinear(packed), QuantLinear(packed, stream=False)
@@ -653,8 +658,8 @@ def test_up_to_seven_rows_are_each_the_product_of_that_row_alone(fmt: int, lib) 
     row's scales for every row in the file's layout, its sums in the stream layout) and the
     batch kernel taking these rows back (its sums run in another order; planted, FEW_ROWS 1:
     all seven cases fail)."""
-    if fmt == FMT_Q4_0S and not lib.q4_0s_fits(4, 512):
-        pytest.skip("the stream layout needs the kernels' 512-bit build")
+    if fmt == FMT_Q4_0S and not lib.q4_0s_fits(4, 1024):
+        pytest.skip("the stream layout needs the kernels' AVX2 or 512-bit build")
     rng = np.random.default_rng(fmt)
     kquants = {FMT_Q4_K: Q.Q4_K, FMT_Q5_K: Q.Q5_K, FMT_Q6_K: Q.Q6_K}
     if fmt in kquants:  # ROWS x COLS from gguf-py's quantizer
@@ -1206,12 +1211,15 @@ def test_the_loader_streams_q4_0_weights_and_the_file_layout_keeps_them_as_views
     same bits, and ``LLM(weight_layout=...)`` reaches the loader. Kills a loader that ignores
     ``layout`` (planted: ``stream=True`` always in ``_install_packed``, and ``stream=False``
     always) and an engine that does not pass it on."""
-    if not lib.q4_0s_fits(4, 512):
-        pytest.skip("the stream layout needs the kernels' 512-bit build")
+    if not lib.q4_0s_fits(4, 1024):
+        pytest.skip("the stream layout needs the kernels' AVX2 or 512-bit build")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import real_size_gguf
 
+    # the narrowest widths the build streams: 256 and 384 at 512 bits, 1,024 and 1,152 at 256
+    wide = not lib.q4_0s_fits(4, 256)
     monkeypatch.setitem(real_size_gguf.SHAPES, "tiny",
+                        real_size_gguf.Shape("llama", 1024, 2, 1152, 16, 4, 64) if wide else
                         real_size_gguf.Shape("llama", 256, 2, 384, 4, 2, 64))
     path = tmp_path / "tiny-q4_0.gguf"
     real_size_gguf.write("tiny", str(path), "Q4_0", 0)

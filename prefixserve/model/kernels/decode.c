@@ -194,15 +194,15 @@ typedef struct {
     int16_t *xq; /* 16-bit integers per block, or bfloat16 bits when bf16 is set */
     float *xd, *xs, *dT, *sT;
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
-    uint8_t *xb;  /* the activations of a step of up to FEW_ROWS rows split into bytes: row b's
-                     SPLIT_Q4 (split_q16) at 2 K b, its split_k's (K a multiple of 256; of
+    uint8_t *xb;  /* the activations of a step of up to FEW_ROWS rows split or reordered: row b's
+                     split_q4's at 2 K b, its split_k's (K a multiple of 256; of
                      every row where KQ_MANY_ROWS) at k_split(q, K, b) */
     int bf16, amx;
-    int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (512-bit builds), K-quant products */
+    int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (AVX2 builds), K-quant products */
     int split_q4, split_k; /* whether xb holds those splits of the last rounded rows */
 } Quantized;
 
-/* Where row b's split_k bytes lie in q->xb, after FEW_ROWS rows of SPLIT_Q4's. */
+/* Where row b's split_k bytes lie in q->xb, after FEW_ROWS rows of split_q4's. */
 static inline uint8_t *k_split(const Quantized *q, int64_t K, int64_t b) {
     return q->xb + 2 * K * FEW_ROWS + b * SPLIT_K_BYTES(K);
 }
@@ -241,9 +241,7 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     q->split_k = (KQ_MANY_ROWS || (b0 == 0 && n <= FEW_ROWS)) && q->need_k && K % QK_K == 0;
 #ifdef __AVX2__
     for (int64_t b = 0; b < n && (q->split_q4 || q->split_k); b++) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        if (q->split_q4) split_q16(q->xq + b * K, K, SPLIT_Q4, q->xb + 2 * K * b);
-#endif
+        if (q->split_q4) split_q4(q->xq + b * K, K, q->xb + 2 * K * b);
         if (q->split_k) split_k(q->xq + (b0 + b) * K, K, k_split(q, K, b0 + b));
     }
 #endif
@@ -284,7 +282,7 @@ static void team_stream_amx(const uint8_t *W, int64_t N, int64_t K, const float 
 static void team_stream(const uint8_t *W, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y, int64_t ldy) {
     int64_t row_bytes = K / QK * Q4_0_BYTES;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX2__
     if (!q->bf16 && B <= FEW_ROWS && q->split_q4) {
         int64_t nb = K / QK;
 #pragma omp for schedule(static)

@@ -470,6 +470,13 @@ static inline __m128i insert16(__m128i v, uint16_t x, int r) {
  * way). On Zen 3, one after another was 1.08-1.18x as fast at 1,024-2,048 wide, 0.99-1.09x at
  * 4,096-8,192, and 0.86-0.89x at 576 (324-360 bytes a row: its per-row costs, a horizontal sum
  * and the offsets' scalar chain, weigh more there than the longer streams gain). */
+/* AVX2 builds without AVX-512: Q4_0/Q4_1 rows of at least this many bytes (with an even block
+ * count) take row_q4_pairs, shorter ones rows_q16. On Zen 3, from L2, row_q4_pairs took
+ * 0.91-0.98x rows_q16's time at 1,024 wide and 0.80-0.89x from 1,536, but 1.1-1.6x at 576-640
+ * (its costs per run of 8 blocks and per row weigh more in rows of 18-20 blocks). */
+#ifndef PAIRS_FROM
+#define PAIRS_FROM 512
+#endif
 #ifndef Q4_SEQUENTIAL_FROM
 #define Q4_SEQUENTIAL_FROM 512
 #endif
@@ -610,6 +617,147 @@ static inline void rows_q16(const uint8_t *W, int fmt, int64_t row_bytes, int64_
         rows_q8_0_q16(W + n * row_bytes, row_bytes, xq, xd, nb, y + n);
     }
 }
+#endif
+
+#ifdef __AVX2__
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+/*
+ * The AVX2 one-row product of Q4_0/Q4_1 rows (rows_fast: decode steps of up to FEW_ROWS rows,
+ * nb even), from the activations in pair order (pair_q16). Two blocks share one vector: their
+ * 32 nibble bytes (block j in 128-bit lane 0, j + 1 in lane 1) widen to 16 bits in place
+ * (vpunpcklbw, vpunpckhbw), so the activations come in the order of that widening. Each run of
+ * 8 blocks reduces its four pairs' sums to one vector of exact block sums (hadd4_epi32, in run
+ * order: blocks 0, 2, 4, 6, 1, 3, 5, 7), converted and multiplied by the 8 blocks' scales at
+ * once: one conversion and one multiply-add per 256 weights, where rows_q16 takes one per
+ * block, and the scales of a run come in two vectors of four 32-bit loads (d, and for Q4_1 m).
+ * The sums run in another order than tile_q16's (rows_fast only, never the deterministic
+ * mode's gemm_quant16).
+ */
+
+/* One row of 16-bit activations xq [K] in pair order: per pair of blocks j, j + 1 (a last
+ * odd block left out), elements 0-7 of j and of j + 1, then 8-15 of each, 16-23, 24-31. */
+static void pair_q16(const int16_t *xq, int64_t K, int16_t *xp) {
+    for (int64_t e = 0; e + 2 * QK <= K; e += 2 * QK) {
+        for (int k = 0; k < 4; k++) {
+            memcpy(xp + e + 16 * k, xq + e + 8 * k, 16);
+            memcpy(xp + e + 16 * k + 8, xq + e + QK + 8 * k, 16);
+        }
+    }
+}
+
+/* The int32 sums of two blocks' nibbles v (block j in lane 0, j + 1 in lane 1) with their 64
+ * activations in pair order at a: lanes 0-3 block j's, 4-7 block j + 1's. */
+static inline __m256i q4_pair_sums(__m256i v, const int16_t *a) {
+    const __m256i low = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    __m256i s = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256((const __m256i *)a)),
+        _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero),
+                          _mm256_loadu_si256((const __m256i *)(a + 16))));
+    __m256i t = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero),
+                          _mm256_loadu_si256((const __m256i *)(a + 32))),
+        _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero),
+                          _mm256_loadu_si256((const __m256i *)(a + 48))));
+    return _mm256_add_epi32(s, t);
+}
+
+/* acc and off plus a run of n blocks (n even, up to 8): u their sums, d16 their fp16 scales
+ * and m16 (Q4_1) their offsets, in run order (zero past n); xd, xs the activations' scales and
+ * sums from the run's first block. off sums m times xs (Q4_1) or d times xs (Q4_0, whose
+ * offsets are -8 d: the caller multiplies by -8). */
+static inline __attribute__((always_inline)) void q4_run_add(__m256i u, __m128i d16,
+                                                             __m128i m16, int fmt,
+                                                             const float *xd, const float *xs,
+                                                             int n, __m256 *acc, __m256 *off) {
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256 xd8, xs8;
+    if (n == 8) {
+        xd8 = _mm256_loadu_ps(xd);
+        xs8 = _mm256_loadu_ps(xs);
+    } else {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        xd8 = _mm256_maskload_ps(xd, mask);
+        xs8 = _mm256_maskload_ps(xs, mask);
+    }
+    __m256 d = _mm256_cvtph_ps(d16);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u),
+                           _mm256_mul_ps(d, _mm256_permutevar8x32_ps(xd8, order)), *acc);
+    *off = _mm256_fmadd_ps(fmt == FMT_Q4_1 ? _mm256_cvtph_ps(m16) : d,
+                           _mm256_permutevar8x32_ps(xs8, order), *off);
+}
+
+/* The fp16 d (d16) and m (m16) of a run of n blocks (n even, up to 8; bytes apart from blk)
+ * in run order, zero past n: each block's first 32 bits. */
+static inline __attribute__((always_inline)) void q4_run_scales(const uint8_t *blk,
+                                                                int64_t bytes, int n,
+                                                                __m128i *d16, __m128i *m16) {
+    uint32_t w[8] = {0};
+    for (int i = 0; i < n; i++) memcpy(&w[i], blk + i * bytes, 4);
+    __m128i even = _mm_setr_epi32((int)w[0], (int)w[2], (int)w[4], (int)w[6]);
+    __m128i odd = _mm_setr_epi32((int)w[1], (int)w[3], (int)w[5], (int)w[7]);
+    const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    even = _mm_shuffle_epi8(even, split);
+    odd = _mm_shuffle_epi8(odd, split);
+    *d16 = _mm_unpacklo_epi64(even, odd);
+    *m16 = _mm_unpackhi_epi64(even, odd);
+}
+
+/* acc and off plus a run of n blocks of one row (n even, up to 8) from blk, with their
+ * activations in pair order at a. */
+static inline __attribute__((always_inline)) void q4_run(const uint8_t *blk, int64_t bytes,
+                                                         int fmt, int n, const int16_t *a,
+                                                         const float *xd, const float *xs,
+                                                         __m256 *acc, __m256 *off) {
+    int nib = nibbles_at(fmt);
+    __m256i s[4];
+    for (int p = 0; p < 4; p++) {
+        const uint8_t *b = blk + 2 * p * bytes + nib;
+        if (2 * p >= n) {
+            s[p] = _mm256_setzero_si256();
+            continue;
+        }
+        _mm_prefetch((const char *)(b + ROW_PREFETCH), ROW_PREFETCH_HINT);
+        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(
+                                                _mm_loadu_si128((const __m128i *)b)),
+                                            _mm_loadu_si128((const __m128i *)(b + bytes)), 1);
+        s[p] = q4_pair_sums(v, a + 2 * p * QK);
+    }
+    __m128i d16, m16;
+    q4_run_scales(blk, bytes, n, &d16, &m16);
+    q4_run_add(hadd4_epi32(s[0], s[1], s[2], s[3]), d16, m16, fmt, xd, xs, n, acc, off);
+}
+
+/* The output of one Q4_0/Q4_1 row (nb blocks, nb even) for activations in pair order (xp). */
+static inline __attribute__((always_inline)) float row_q4_pairs(const uint8_t *row, int fmt,
+                                                                const int16_t *xp,
+                                                                const float *xd,
+                                                                const float *xs, int64_t nb) {
+    int64_t bytes = block_bytes(fmt);
+    __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    int64_t b0 = 0;
+    for (; b0 + 8 <= nb; b0 += 8) {
+        q4_run(row + b0 * bytes, bytes, fmt, 8, xp + b0 * QK, xd + b0, xs + b0, &acc, &off);
+    }
+    if (b0 < nb) {
+        q4_run(row + b0 * bytes, bytes, fmt, (int)(nb - b0), xp + b0 * QK, xd + b0, xs + b0,
+               &acc, &off);
+    }
+    float o = hsum(off);
+    return hsum(acc) + (fmt == FMT_Q4_1 ? o : -8.0f * o);
+}
+
+/* rows_q16 for rows_fast from activations in pair order: ROWS rows one after another. */
+static inline __attribute__((always_inline)) void rows_q4_pairs(const uint8_t *w, int fmt,
+                                                                int64_t row_bytes,
+                                                                const int16_t *xp,
+                                                                const float *xd,
+                                                                const float *xs, int64_t nb,
+                                                                float *y) {
+    for (int r = 0; r < ROWS; r++) y[r] = row_q4_pairs(w + r * row_bytes, fmt, xp, xd, xs, nb);
+}
+#endif
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -884,13 +1032,13 @@ static void split_k(const int16_t *xq, int64_t K, uint8_t *xb) {
 
 #include "kquant.c"
 
-/* Which split the one-row kernels of format fmt take: BYTES_Q4 (split_q16's SPLIT_Q4, 512-bit
- * builds), BYTES_K (split_k: the K-quants; at 256 bits the words reordered) or none (0: Q8_0
- * keeps 16-bit words, as do the 4-bit formats at 256 bits). */
+/* Which split the one-row kernels of format fmt take: BYTES_Q4 (split_q4: Q4_0 and Q4_1 split
+ * into bytes at 512 bits, the words in pair order at 256), BYTES_K (split_k: the K-quants; at
+ * 256 bits the words reordered) or none (0: Q8_0 keeps 16-bit words). */
 #define BYTES_Q4 1
 #define BYTES_K 2
 static inline int bytes_split(int64_t fmt) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX2__
     if (is_q4((int)fmt) || fmt == FMT_Q4_0S) return BYTES_Q4;
 #endif
     return is_kquant((int)fmt) ? BYTES_K : 0;
@@ -920,8 +1068,8 @@ static inline int rows_fast_fits(int64_t N) {
 
 #ifdef __AVX2__
 /* Outputs y[n .. n + ROWS) for one activation row, the fastest way the build has (the 512-bit
- * kernels where K is a multiple of 64, whose sums run in another order, else rows_q16): for the
- * row-dependent products. */
+ * kernels where K is a multiple of 64; AVX2's row_q4_pairs for Q4 rows from PAIRS_FROM bytes;
+ * their sums run in another order; else rows_q16): for the row-dependent products. */
 static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64_t n,
                              const int16_t *xq, const uint8_t *xb, const float *xd,
                              const float *xs, int64_t nb, float *y) {
@@ -939,14 +1087,36 @@ static inline void rows_fast(const uint8_t *W, int fmt, int64_t row_bytes, int64
         return;
     }
 #else
-    (void)xb;
+    if (xb && nb % 2 == 0 && row_bytes >= PAIRS_FROM && fmt == FMT_Q4_1) {
+        rows_q4_pairs(W + n * row_bytes, FMT_Q4_1, row_bytes, (const int16_t *)xb, xd, xs, nb,
+                      y + n);
+        return;
+    }
+    if (xb && nb % 2 == 0 && row_bytes >= PAIRS_FROM && fmt == FMT_Q4_0) {
+        rows_q4_pairs(W + n * row_bytes, FMT_Q4_0, row_bytes, (const int16_t *)xb, xd, xs, nb,
+                      y + n);
+        return;
+    }
 #endif
     rows_q16(W, fmt, row_bytes, n, xq, xd, xs, nb, y);
 }
 #endif
 
+#ifdef __AVX2__
+/* One row of activations xq [K] for the 4-bit one-row kernels (bytes_split's BYTES_Q4, 2 K
+ * bytes at xb): split into bytes (split_q16, SPLIT_Q4) at 512 bits, in pair order (pair_q16)
+ * at 256. */
+static void split_q4(const int16_t *xq, int64_t K, uint8_t *xb) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    split_q16(xq, K, SPLIT_Q4, xb);
+#else
+    pair_q16(xq, K, (int16_t *)xb);
+#endif
+}
+#endif
+
 /* The activation rows xq [M, K] split (or reordered) for the one-row kernels of format fmt
- * (split_q16's SPLIT_Q4, 2 K bytes a row, or split_k's, SPLIT_K_BYTES(K) a row; row after
+ * (split_q4's, 2 K bytes a row, or split_k's, SPLIT_K_BYTES(K) a row; row after
  * row; the caller frees it), or NULL where they take 16-bit words as they are or the build has
  * no AVX2 (or no memory: the 16-bit kernels, or for K-quants at 256 bits kq_rows, then run). */
 static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
@@ -956,12 +1126,10 @@ static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
     int64_t each = split == BYTES_K ? SPLIT_K_BYTES(K) : 2 * K;
     uint8_t *xb = malloc((size_t)(each * M));
     for (int64_t m = 0; xb && m < M; m++) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
         if (split == BYTES_Q4) {
-            split_q16(xq + m * K, K, SPLIT_Q4, xb + each * m);
+            split_q4(xq + m * K, K, xb + each * m);
             continue;
         }
-#endif
         split_k(xq + m * K, K, xb + each * m);
     }
     return xb;

@@ -9,7 +9,10 @@
  * of 16 blocks, 1,152 bytes, the last of 4, 8 or 12); the one-row product (rows_q4_0s) reads
  * it with one aligned load per 64 bytes of nibbles and row and one L2 prefetch per cache
  * line, where the file's layout takes two unaligned loads and a byte permute per four blocks
- * and row (benchmarks/q4_layout_probe.c compares the two).
+ * and row (benchmarks/q4_layout_probe.c compares the two). At 256 bits its one-row product
+ * runs row_q4_pairs' arithmetic (two blocks per aligned 32-byte load, the scales of 8 blocks in
+ * one 16-byte load, where the file's layout takes eight 32-bit loads), so AVX2 builds stream
+ * only the widths row_q4_pairs takes (rows of PAIRS_FROM bytes: from 1,024 wide).
  *
  * Products of up to FEW_ROWS rows of 16-bit activations run rows_q4_0s row after row. Every
  * other product (more rows, bfloat16, AMX, the deterministic mode's gemm_quant16, expansions)
@@ -37,11 +40,14 @@ void amx_rows_range(const uint8_t *W, int fmt, int64_t K, const uint32_t *xv, in
                     int64_t n0, int64_t n1, float *y, int64_t ldy);
 static void dequant_block_bf16(const uint8_t *blk, int fmt, uint16_t *o);
 
-/* Whether an N x K Q4_0 weight can take the stream layout: rows in fours, K a multiple of 128,
- * and a build with the 512-bit one-row kernel (else 0: the file's layout stays). */
+/* Whether an N x K Q4_0 weight can take the stream layout: rows in fours, K a multiple of 128
+ * (on AVX2 builds without AVX-512, rows of PAIRS_FROM bytes or more), and a build with AVX2
+ * (else 0: the file's layout stays). */
 int q4_0s_fits(int64_t N, int64_t K) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     return N > 0 && N % 4 == 0 && K > 0 && K % 128 == 0;
+#elif defined(__AVX2__)
+    return N > 0 && N % 4 == 0 && K % 128 == 0 && K / QK * Q4_0_BYTES >= Q4_SEQUENTIAL_FROM;
 #else
     (void)N, (void)K;
     return 0;
@@ -189,6 +195,51 @@ static void rows_q4_0s(const uint8_t *g, int64_t K, const uint8_t *xb, const flo
 }
 #endif
 
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+/* The fp16 scales of a half run (m blocks, 8 or 4) at h, in run order (q4_run_scales'). */
+static inline __m128i half_scales(const uint8_t *h, int m) {
+    const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m128i order4 = _mm_setr_epi8(0, 1, 4, 5, -1, -1, -1, -1, 2, 3, 6, 7, -1, -1, -1, -1);
+    if (m == 8) return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)h), order);
+    return _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)h), order4);
+}
+
+/* Outputs y[0 .. 4) of one group of the stream (g) for one activation row in pair order
+ * (pair_q16 at xp), with its scales xd and sums xs: row_q4_pairs' arithmetic, run by run of 8
+ * blocks (half a run of the layout), each of the four rows' 32-byte pairs one aligned load. */
+static void rows_q4_0s(const uint8_t *g, int64_t K, const uint8_t *xb, const float *xd,
+                       const float *xs, float *y) {
+    const int16_t *xp = (const int16_t *)xb;
+    __m256 acc[4], off[4];
+    for (int r = 0; r < 4; r++) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < K / QK; b0 += 16) {
+        int n = run_blocks(b0, K / QK);
+        const uint8_t *run = g + b0 * 4 * Q4_0_BYTES;
+        for (int h = 0; 8 * h < n; h++) {
+            int m = n - 8 * h < 8 ? 4 : 8;
+            int64_t b = b0 + 8 * h;
+            const uint8_t *chunk = run + 8 * n + 512 * h;
+            for (int r = 0; r < 4; r++) {
+                __m256i s[4];
+                for (int p = 0; p < 4; p++) {
+                    const uint8_t *pair = chunk + 256 * (p / 2) + 64 * r + 32 * (p % 2);
+                    if (p % 2 == 0) {
+                        _mm_prefetch((const char *)(pair + WIDE_PREFETCH), ROW_PREFETCH_HINT);
+                    }
+                    s[p] = 2 * p < m ? q4_pair_sums(_mm256_loadu_si256((const __m256i *)pair),
+                                                    xp + (b + 2 * p) * QK)
+                                     : _mm256_setzero_si256();
+                }
+                q4_run_add(hadd4_epi32(s[0], s[1], s[2], s[3]),
+                           half_scales(run + 2 * n * r + 16 * h, m), _mm_setzero_si128(),
+                           FMT_Q4_0, xd + b, xs + b, m, &acc[r], &off[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) y[r] = hsum(acc[r]) + -8.0f * hsum(off[r]);
+}
+#endif
+
 /* Which product stream_chunks runs over each unpacked chunk, with its arguments. */
 enum { CHUNK_Q16, CHUNK_Q16_BATCH, CHUNK_Q8, CHUNK_BF16, CHUNK_AMX, CHUNK_AMX_LARGE };
 typedef struct {
@@ -263,7 +314,7 @@ static void stream_chunks(const uint8_t *W, int64_t N, const StreamProduct *a) {
 static void stream_q16_batch(const uint8_t *W, int64_t N, int64_t K, const int16_t *xq,
                              const float *xd, const float *xs, int64_t M, float *y,
                              int64_t ldy) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#ifdef __AVX2__
     uint8_t *xb = M <= FEW_ROWS ? split_rows(xq, M, K, FMT_Q4_0) : NULL;
     if (xb) {
         int64_t nb = K / QK, group_bytes = 4 * nb * Q4_0_BYTES;
