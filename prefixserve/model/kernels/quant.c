@@ -470,15 +470,15 @@ static inline __m128i insert16(__m128i v, uint16_t x, int r) {
  * way). On Zen 3, one after another was 1.08-1.18x as fast at 1,024-2,048 wide, 0.99-1.09x at
  * 4,096-8,192, and 0.86-0.89x at 576 (324-360 bytes a row: its per-row costs, a horizontal sum
  * and the offsets' scalar chain, weigh more there than the longer streams gain). */
+#ifndef Q4_SEQUENTIAL_FROM
+#define Q4_SEQUENTIAL_FROM 512
+#endif
 /* AVX2 builds without AVX-512: Q4_0/Q4_1 rows of at least this many bytes (with an even block
  * count) take row_q4_pairs, shorter ones rows_q16. On Zen 3, from L2, row_q4_pairs took
  * 0.91-0.98x rows_q16's time at 1,024 wide and 0.80-0.89x from 1,536, but 1.1-1.6x at 576-640
  * (its costs per run of 8 blocks and per row weigh more in rows of 18-20 blocks). */
 #ifndef PAIRS_FROM
 #define PAIRS_FROM 512
-#endif
-#ifndef Q4_SEQUENTIAL_FROM
-#define Q4_SEQUENTIAL_FROM 512
 #endif
 
 /* acc plus one Q4_0/Q4_1 block's products with the 16-bit activations a0, a1 (elements 0-15,

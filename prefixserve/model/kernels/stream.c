@@ -47,7 +47,7 @@ int q4_0s_fits(int64_t N, int64_t K) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     return N > 0 && N % 4 == 0 && K > 0 && K % 128 == 0;
 #elif defined(__AVX2__)
-    return N > 0 && N % 4 == 0 && K % 128 == 0 && K / QK * Q4_0_BYTES >= Q4_SEQUENTIAL_FROM;
+    return N > 0 && N % 4 == 0 && K % 128 == 0 && K / QK * Q4_0_BYTES >= PAIRS_FROM;
 #else
     (void)N, (void)K;
     return 0;
