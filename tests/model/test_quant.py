@@ -678,6 +678,34 @@ def test_up_to_seven_rows_are_each_the_product_of_that_row_alone(fmt: int, lib) 
         assert torch.equal(layer(x), alone), m
 
 
+@pytest.mark.parametrize("fmt", [FMT_Q4_0, FMT_Q4_0S, FMT_Q4_1],
+                         ids=["Q4_0", "Q4_0-stream", "Q4_1"])
+def test_q4_rows_of_the_avx2_build_up_to_15_are_each_the_product_of_that_row_alone(
+        fmt: int, lib) -> None:
+    """Built for AVX2 without AVX-512, a product of up to PAIR_ROWS (15) rows of 16-bit
+    activations with a Q4 weight that ``row_q4_pairs`` takes (1,024 wide), in the file's
+    layout or the stream layout, runs the one-row kernel row after row: each output row is,
+    bit for bit, the product of its row alone, at 8, 12 and 15 rows. (Planted: PAIR_ROWS 7,
+    the batch kernel from 8 rows again: all three fail.)"""
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
+        pytest.skip("no AVX2")
+    avx2 = lib
+    if has_avx512_and_avx2():
+        avx2 = quant_kernels.KernelLibrary(quant_kernels._SOURCE, quant_kernels._declare,
+                                           AVX2_BUILD).get()
+        assert avx2 is not None
+    rng = np.random.default_rng(fmt)
+    packed = pack_float(rng.standard_normal((68, 1024)).astype(np.float32),
+                        FMT_Q4_0 if fmt == FMT_Q4_0S else fmt)
+    layer = QuantLinear(packed, stream=fmt == FMT_Q4_0S)
+    assert layer.fmt == fmt
+    layer._lib = avx2
+    layer.activation_bits = 16
+    for m in (8, 12, 15):
+        x = torch.from_numpy(rng.standard_normal((m, layer.in_features)).astype(np.float32))
+        assert torch.equal(layer(x), torch.cat([layer(x[i:i + 1]) for i in range(m)])), m
+
+
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
 def test_k_quant_rows_of_the_avx2_build_are_each_the_product_of_that_row_alone(qtype: Q,
                                                                               lib) -> None:

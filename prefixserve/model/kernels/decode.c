@@ -194,17 +194,18 @@ typedef struct {
     int16_t *xq; /* 16-bit integers per block, or bfloat16 bits when bf16 is set */
     float *xd, *xs, *dT, *sT;
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
-    uint8_t *xb;  /* the activations of a step of up to FEW_ROWS rows split or reordered: row b's
-                     split_q4's at 2 K b, its split_k's (K a multiple of 256; of
-                     every row where KQ_MANY_ROWS) at k_split(q, K, b) */
+    uint8_t *xb;  /* the activations of a step of up to Q4_SPLIT_ROWS rows split or
+                     reordered: row b's split_q4's at 2 K b, its split_k's (K a multiple of
+                     256; of every row where KQ_MANY_ROWS) at k_split(q, K, b) */
     int bf16, amx;
     int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (AVX2 builds), K-quant products */
     int split_q4, split_k; /* whether xb holds those splits of the last rounded rows */
+    int64_t rows;          /* the step's rows (B) */
 } Quantized;
 
-/* Where row b's split_k bytes lie in q->xb, after FEW_ROWS rows of split_q4's. */
+/* Where row b's split_k bytes lie in q->xb, after Q4_SPLIT_ROWS rows of split_q4's. */
 static inline uint8_t *k_split(const Quantized *q, int64_t K, int64_t b) {
-    return q->xb + 2 * K * FEW_ROWS + b * SPLIT_K_BYTES(K);
+    return q->xb + 2 * K * Q4_SPLIT_ROWS + b * SPLIT_K_BYTES(K);
 }
 
 /* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch or the AMX
@@ -234,14 +235,15 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     int64_t nb = K / QK;
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
-    /* a step of up to FEW_ROWS rows (one unit: b0 is 0): the one-row kernels of the model's
-     * 4-bit and K-quant formats take bytes; so do the K-quants' many-row kernels of a step of
-     * any size (kq_rows_few, where the build has them) */
-    q->split_q4 = b0 == 0 && n <= FEW_ROWS && q->need_q4;
+    /* a step of up to Q4_SPLIT_ROWS rows: the 4-bit one-row kernels take each unit's rows
+     * split (split_q4); a step of up to FEW_ROWS (one unit: b0 is 0) the K-quant ones too,
+     * and so do the K-quants' many-row kernels of a step of any size (kq_rows_few, where the
+     * build has them) */
+    q->split_q4 = q->need_q4 && q->rows <= Q4_SPLIT_ROWS; /* the same in every unit */
     q->split_k = (KQ_MANY_ROWS || (b0 == 0 && n <= FEW_ROWS)) && q->need_k && K % QK_K == 0;
 #ifdef __AVX2__
     for (int64_t b = 0; b < n && (q->split_q4 || q->split_k); b++) {
-        if (q->split_q4) split_q4(q->xq + b * K, K, q->xb + 2 * K * b);
+        if (q->split_q4) split_q4(q->xq + (b0 + b) * K, K, q->xb + 2 * K * (b0 + b));
         if (q->split_k) split_k(q->xq + (b0 + b) * K, K, k_split(q, K, b0 + b));
     }
 #endif
@@ -276,14 +278,14 @@ static void team_stream_amx(const uint8_t *W, int64_t N, int64_t K, const float 
 }
 
 /* team_linear of a stream-layout Q4_0 weight (stream.c), with the file layout's results
- * exactly: up to FEW_ROWS 16-bit rows by rows_q4_0s, one after another over each group; more
+ * exactly: up to PAIR_ROWS 16-bit rows by rows_q4_0s, one after another over each group; more
  * rows by the kernel team_linear would take, over rows unpacked into each thread's buffer (16
  * rows: an AMX tile's; NULL: no memory, NaN out). */
 static void team_stream(const uint8_t *W, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y, int64_t ldy) {
     int64_t row_bytes = K / QK * Q4_0_BYTES;
 #ifdef __AVX2__
-    if (!q->bf16 && B <= FEW_ROWS && q->split_q4) {
+    if (!q->bf16 && B <= PAIR_ROWS && q->split_q4) {
         int64_t nb = K / QK;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < N / 4; g++) {
@@ -355,7 +357,7 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
         return;
     }
 #ifdef __AVX2__
-    if (!q->bf16 && B <= FEW_ROWS && rows_fast_fits(N)) { /* one row after another */
+    if (!q->bf16 && B <= one_row_limit((int)fmt, row_bytes, nb) && rows_fast_fits(N)) {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n += ROWS) {
             for (int64_t b = 0; b < B; b++) {
@@ -1455,9 +1457,10 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
                      + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows;
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     split_needs(m, &sc->q);
+    sc->q.rows = B;
     int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS ? B : FEW_ROWS; /* split_k's */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
-                    + B * widest * (int64_t)sizeof(int16_t) + 2 * FEW_ROWS * widest
+                    + B * widest * (int64_t)sizeof(int16_t) + 2 * Q4_SPLIT_ROWS * widest
                     + k_rows * SPLIT_K_BYTES(widest) + 128;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;

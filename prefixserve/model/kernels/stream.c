@@ -14,7 +14,7 @@
  * one 16-byte load, where the file's layout takes eight 32-bit loads), so AVX2 builds stream
  * only the widths row_q4_pairs takes (rows of PAIRS_FROM bytes: from 1,024 wide).
  *
- * Products of up to FEW_ROWS rows of 16-bit activations run rows_q4_0s row after row. Every
+ * Products of up to PAIR_ROWS rows of 16-bit activations run rows_q4_0s row after row. Every
  * other product (more rows, bfloat16, AMX, the deterministic mode's gemm_quant16, expansions)
  * runs the file layout's kernels over groups unpacked into each thread's buffer
  * (stream_chunks), so its results are the file layout's exactly.
@@ -309,13 +309,13 @@ static void stream_chunks(const uint8_t *W, int64_t N, const StreamProduct *a) {
     }
 }
 
-/* gemm_quant16_batch of a stream-layout weight: up to FEW_ROWS rows by rows_q4_0s, more by
+/* gemm_quant16_batch of a stream-layout weight: up to PAIR_ROWS rows by rows_q4_0s, more by
  * chunks. */
 static void stream_q16_batch(const uint8_t *W, int64_t N, int64_t K, const int16_t *xq,
                              const float *xd, const float *xs, int64_t M, float *y,
                              int64_t ldy) {
 #ifdef __AVX2__
-    uint8_t *xb = M <= FEW_ROWS ? split_rows(xq, M, K, FMT_Q4_0) : NULL;
+    uint8_t *xb = M <= PAIR_ROWS ? split_rows(xq, M, K, FMT_Q4_0) : NULL;
     if (xb) {
         int64_t nb = K / QK, group_bytes = 4 * nb * Q4_0_BYTES;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
