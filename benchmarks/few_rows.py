@@ -1,15 +1,17 @@
-"""Decode of a few sequences at once: the one-row kernels row after row (``FEW_ROWS``,
-``kernels/quant.c``) against the batch kernel, in one run.
+"""Decode of a few sequences at once: the one-row kernels row after row (``FEW_ROWS``; on AVX2
+builds, ``PAIR_ROWS`` for the Q4 rows ``row_q4_pairs`` takes; ``kernels/quant.c``) against
+the batch kernel, in one run.
 
     .venv/bin/python benchmarks/few_rows.py [FILE.gguf] [--sequences 1,2,4,8] [--rounds 3]
         [--threads 2]
 
 FILE defaults to the default model. For each build (the library as it is, and
-``PREFIXSERVE_KERNEL_FLAGS=-DFEW_ROWS=1``, which sends every product of more than one row to
-the batch kernels), a child process loads the file and, for each number of sequences, decodes
-that many greedy sequences together (48 tokens each after a 32-token prompt, the prompts
-cached first), ``--rounds`` times; the builds alternate round by round. Prints the tokens/s of
-all sequences together and the ms a step (median and range), and the ratio of the two builds.
+``PREFIXSERVE_KERNEL_FLAGS="-DFEW_ROWS=1 -DPAIR_ROWS=1"``, which sends every product of more
+than one row to the batch kernels), a child process loads the file and, for each number of
+sequences, decodes that many greedy sequences together (48 tokens each after a 32-token
+prompt, the prompts cached first), ``--rounds`` times; the builds alternate round by round.
+Prints the tokens/s of all sequences together and the ms a step (median and range), and the
+ratio of the two builds.
 From 8 sequences a bfloat16 model's steps take the bfloat16 batch kernels in both builds. On
 AVX2 builds without AVX-512 a K-quant model's products of 8 rows and more take the many-row
 kernels (``kq_rows_few``) in both builds, and fewer rows the one-row kernels in both.
@@ -28,7 +30,8 @@ import time
 
 PROMPT_TOKENS = 32
 DECODE_TOKENS = 48
-BUILDS = {"one row after another": "", "batch kernel (-DFEW_ROWS=1)": "-DFEW_ROWS=1"}
+BUILDS = {"one row after another": "",
+          "batch kernel (-DFEW_ROWS=1 -DPAIR_ROWS=1)": "-DFEW_ROWS=1 -DPAIR_ROWS=1"}
 
 
 def measure(path: str | None, sequences: list[int], threads: int) -> dict[int, float]:
