@@ -678,6 +678,19 @@ def test_up_to_seven_rows_are_each_the_product_of_that_row_alone(fmt: int, lib) 
         assert torch.equal(layer(x), alone), m
 
 
+def avx2_library(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The kernels built for AVX2 without AVX-512: the native library where that is the native
+    build, else a build with ``-mno-avx512f`` (skips without AVX2)."""
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
+        pytest.skip("no AVX2")
+    if not has_avx512_and_avx2():
+        return lib
+    avx2 = quant_kernels.KernelLibrary(quant_kernels._SOURCE, quant_kernels._declare,
+                                       AVX2_BUILD).get()
+    assert avx2 is not None
+    return avx2
+
+
 @pytest.mark.parametrize("fmt", [FMT_Q4_0, FMT_Q4_0S, FMT_Q4_1],
                          ids=["Q4_0", "Q4_0-stream", "Q4_1"])
 def test_q4_rows_of_the_avx2_build_up_to_15_are_each_the_product_of_that_row_alone(
@@ -687,13 +700,7 @@ def test_q4_rows_of_the_avx2_build_up_to_15_are_each_the_product_of_that_row_alo
     layout or the stream layout, runs the one-row kernel row after row: each output row is,
     bit for bit, the product of its row alone, at 8, 12 and 15 rows. (Planted: PAIR_ROWS 7,
     the batch kernel from 8 rows again: all three fail.)"""
-    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
-        pytest.skip("no AVX2")
-    avx2 = lib
-    if has_avx512_and_avx2():
-        avx2 = quant_kernels.KernelLibrary(quant_kernels._SOURCE, quant_kernels._declare,
-                                           AVX2_BUILD).get()
-        assert avx2 is not None
+    avx2 = avx2_library(lib)
     rng = np.random.default_rng(fmt)
     packed = pack_float(rng.standard_normal((68, 1024)).astype(np.float32),
                         FMT_Q4_0 if fmt == FMT_Q4_0S else fmt)
@@ -717,13 +724,7 @@ def test_k_quant_rows_of_the_avx2_build_are_each_the_product_of_that_row_alone(q
     (a last group of 2) over 3 super-blocks. Kills a row's factors or sums taken from another
     row (planted: the first row's scales xd for every row of Q4_K and Q5_K; both fail) and a
     run of 16 rows that stops short (planted: 15; 3 of 3)."""
-    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
-        pytest.skip("no AVX2")
-    avx2 = lib
-    if has_avx512_and_avx2():
-        avx2 = quant_kernels.KernelLibrary(quant_kernels._SOURCE, quant_kernels._declare,
-                                           AVX2_BUILD).get()
-        assert avx2 is not None
+    avx2 = avx2_library(lib)
     raw = gguf_raw(qtype, 22, 768, seed=5)
     ref = dequantize(raw, qtype).astype(np.float64)
     layer = QuantLinear(pack_gguf(raw, int(qtype), 768, lambda: ref.astype(np.float32)))
