@@ -199,8 +199,8 @@ typedef struct {
                      256; of every row where KQ_MANY_ROWS) at k_split(q, K, b) */
     int bf16, amx;
     int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (AVX2 builds), K-quant products */
-    int split_q4, split_k; /* whether xb holds those splits of the last rounded rows */
-    int64_t rows;          /* the step's rows (B) */
+    int split_q4, split_k; /* whether xb holds those splits of the last rounded rows (split_q4:
+                              of every 16-bit rounding of the step, set once per step) */
 } Quantized;
 
 /* Where row b's split_k bytes lie in q->xb, after Q4_SPLIT_ROWS rows of split_q4's. */
@@ -235,11 +235,10 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     int64_t nb = K / QK;
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
-    /* a step of up to Q4_SPLIT_ROWS rows: the 4-bit one-row kernels take each unit's rows
-     * split (split_q4); a step of up to FEW_ROWS (one unit: b0 is 0) the K-quant ones too,
-     * and so do the K-quants' many-row kernels of a step of any size (kq_rows_few, where the
-     * build has them) */
-    q->split_q4 = q->need_q4 && q->rows <= Q4_SPLIT_ROWS; /* the same in every unit */
+    /* the 4-bit one-row kernels take each unit's rows split where the step asked for it
+     * (split_q4, scratch_alloc); a step of up to FEW_ROWS (one unit: b0 is 0) the K-quant ones
+     * too, and so do the K-quants' many-row kernels of a step of any size (kq_rows_few, where
+     * the build has them) */
     q->split_k = (KQ_MANY_ROWS || (b0 == 0 && n <= FEW_ROWS)) && q->need_k && K % QK_K == 0;
 #ifdef __AVX2__
     for (int64_t b = 0; b < n && (q->split_q4 || q->split_k); b++) {
@@ -1457,7 +1456,7 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
                      + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows;
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     split_needs(m, &sc->q);
-    sc->q.rows = B;
+    sc->q.split_q4 = sc->q.need_q4 && B <= Q4_SPLIT_ROWS; /* for every unit of its rows */
     int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS ? B : FEW_ROWS; /* split_k's */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * Q4_SPLIT_ROWS * widest
