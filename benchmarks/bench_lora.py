@@ -23,16 +23,16 @@ prefix is computed once per adapter namespace, the most the split can cost). Row
 * ``k adapters, by group`` and ``k adapters, mixed``: k in ``--adapters`` (``--max-loras``
   slots, default 8: no swaps up to 8).
 
-Each row runs ``--repeat`` times with a cold cache (``reset_prefix_cache``) and reports the
-median and the range of output tokens/s and requests/s, the ratio of the median to the
-reference, and the token hit rate of the prompts overall and per adapter (from
+Each row runs ``--repeat`` times, in rounds of one run per row (both engines held at once),
+with a cold cache (``reset_prefix_cache``), and reports the median and the range of output
+tokens/s and requests/s, the median over the rounds of its tokens/s over the reference's in the
+same round, and the token hit rate of the prompts overall and per adapter (from
 ``LLMEngine.lora_cache_counts``: hit rates do not depend on machine load).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import tempfile
 import time
@@ -126,14 +126,31 @@ def run_once(llm: LLM, requests: list[Request], names: list[str], mixed: bool,
     return seconds, tokens, counts
 
 
-def measure(llm: LLM, requests: list[Request], names: list[str], args: argparse.Namespace,
-            mixed: bool = False) -> dict[str, Any]:
+Row = tuple[str, LLM, list[str], bool]
+"""A row of the table: its name, the engine, the adapter names it uses and whether mixed."""
+
+
+def measure(rows: list[Row], requests: list[Request], args: argparse.Namespace
+            ) -> list[tuple[str, dict[str, Any]]]:
+    """Every row warmed up, then ``--repeat`` rounds of one run of each row in turn: a machine
+    whose speed drifts (a VM's can swing by 1.5x within minutes) slows every row alike, where
+    all of one row's runs before the next's would set the drift into the ratios."""
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    run_once(llm, requests[: min(4, len(requests))], names, mixed, params)  # warm-up
-    runs = [run_once(llm, requests, names, mixed, params) for _ in range(args.repeat)]
+    for _, llm, names, mixed in rows:
+        run_once(llm, requests[: min(4, len(requests))], names, mixed, params)
+    runs: dict[str, list[tuple[float, int, dict[str, tuple[int, int]]]]] = {
+        name: [] for name, *_ in rows}
+    for _ in range(args.repeat):
+        for name, llm, names, mixed in rows:
+            runs[name].append(run_once(llm, requests, names, mixed, params))
+    return [(name, summary(runs[name], len(requests))) for name, *_ in rows]
+
+
+def summary(runs: list[tuple[float, int, dict[str, tuple[int, int]]]], num_requests: int
+            ) -> dict[str, Any]:
     tok_s = [tokens / seconds for seconds, tokens, _ in runs]
-    req_s = [len(requests) / seconds for seconds, _, _ in runs]
-    counts = runs[-1][2]
+    req_s = [num_requests / seconds for seconds, _, _ in runs]
+    counts = dict(runs[-1][2])
     queries, hits = counts.pop("all")
     return {"tok_s": tok_s, "req_s": req_s, "hit_rate": hits / queries if queries else 0.0,
             "per_adapter": {k: h / q if q else 0.0 for k, (q, h) in sorted(counts.items())}}
@@ -161,23 +178,19 @@ def main() -> None:
     # 2,048 blocks (1.5 GiB of float32 KV) hold 32 running requests of ~560 tokens and more.
     common = {"dtype": args.dtype, "weights": args.weights, "num_blocks": args.num_blocks,
               "max_num_seqs": 32}
-    rows: list[tuple[str, dict[str, Any]]] = []
-    plain = LLM(**common)
-    rows.append(("base, LoRA off", measure(plain, requests, [], args)))
-    del plain
-    gc.collect()  # one engine's KV cache at a time
+    plain = LLM(**common)  # both engines at once: 2 x 1.5 GiB of KV
     with tempfile.TemporaryDirectory() as tmp:
         paths = {f"lora{i}": write_adapter(Path(tmp) / f"lora{i}", config, args.rank, i)
                  for i in range(max(counts, default=0))}
         llm = LLM(**common, enable_lora=True, max_loras=args.max_loras,
                   max_lora_rank=args.rank, lora_modules=paths)
-        rows.append(("base, LoRA on", measure(llm, requests, [], args)))
+        table: list[Row] = [("base, LoRA off", plain, [], False), ("base, LoRA on", llm, [], False)]
         for k in counts:
             if k:
                 names = list(paths)[:k]
-                rows.append((f"{k} adapter(s), by group", measure(llm, requests, names, args)))
-                rows.append((f"{k} adapter(s), mixed",
-                             measure(llm, requests, names, args, mixed=True)))
+                table.append((f"{k} adapter(s), by group", llm, names, False))
+                table.append((f"{k} adapter(s), mixed", llm, names, True))
+        rows = measure(table, requests, args)
     report(rows, args, len(requests))
 
 
@@ -190,13 +203,14 @@ def report(rows: list[tuple[str, dict[str, Any]]], args: argparse.Namespace,
     for column in ("traffic", "output tok/s", "req/s", "vs base", "hit rate",
                    "hit rate per adapter"):
         table.add_column(column)
-    reference = statistics.median(rows[0][1]["tok_s"])
+    reference = rows[0][1]["tok_s"]
     for name, row in rows:
         tok, req = row["tok_s"], row["req_s"]
+        ratio = statistics.median(t / r for t, r in zip(tok, reference, strict=True))
         per = ", ".join(f"{k} {v:.1%}" for k, v in row["per_adapter"].items())
         table.add_row(name, f"{statistics.median(tok):.1f} ({min(tok):.1f}-{max(tok):.1f})",
                       f"{statistics.median(req):.2f}",
-                      f"{statistics.median(tok) / reference:.2f}x", f"{row['hit_rate']:.1%}",
+                      f"{ratio:.2f}x", f"{row['hit_rate']:.1%}",
                       per)
     Console(width=160).print(table)
 
