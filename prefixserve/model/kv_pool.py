@@ -2,28 +2,27 @@
 
 ``torch.zeros`` clears every byte of the pool at start-up (about half a second of one core for
 the default 1 GiB pool here) and so makes all of it resident at once, used or not. On the CPU the
-pool is taken instead from ``calloc`` (numpy's zeros): an allocation over 32 MiB (glibc's
-largest heap threshold, which ``engine/host_allocator.py`` sets) is a fresh anonymous mapping,
-whose pages the kernel hands out already zeroed on their first write, so the server starts
-without clearing anything and its resident memory grows with the blocks it fills. A smaller
-pool may come from the heap, where calloc clears it. The values are the same zeros either way.
-Other devices keep ``torch.zeros``.
+pool is a private anonymous mapping instead, whose pages the kernel hands out already zeroed on
+their first write, so the server starts without clearing anything and its resident memory grows
+with the blocks it fills. The mapping keeps base-size pages (``MADV_NOHUGEPAGE``; numpy's own
+large arrays ask for transparent huge pages): with 2 MiB pages a block's first write in each
+layer clears and holds 2 MiB where the block needs kilobytes, and on a VM whose memory the host
+backs on first use such a page took 20-45 ms (the first step of a 1B model: 0.5-0.7 s, 16
+layers, K and V). The mapping starts on a page, so the pool is aligned as torch's own tensors
+are (64 bytes) and more. The values are the same zeros either way. Other devices keep
+``torch.zeros``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import mmap
 
 import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
-
-ALIGNMENT = 64
-"""Bytes the pool's first element is aligned to, as torch's own CPU allocator aligns (glibc
-returns a mapping's memory 16 bytes past the page start)."""
-
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:
@@ -38,13 +37,15 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                        "--kv-cache-memory or --num-blocks avoids it", nbytes >> 20,
                        available >> 20)
     try:
-        raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)
-    except MemoryError as exc:
+        area = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    except (OSError, OverflowError) as exc:
         raise ValueError(f"the KV pool ({nbytes >> 20} MiB) cannot be allocated: the system "
                          "refuses that much memory; use a smaller --kv-cache-memory or "
                          "--num-blocks") from exc
-    skip = -raw.ctypes.data % ALIGNMENT
-    return torch.from_numpy(raw[skip:skip + nbytes]).view(dtype).view(shape)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        area.madvise(mmap.MADV_NOHUGEPAGE)
+    raw = np.frombuffer(area, dtype=np.uint8, count=nbytes)  # holds the mapping
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _available_bytes() -> int | None:
