@@ -43,7 +43,7 @@ DECODE_TOKENS = 64
 PREFILL_TOKENS = 512
 KV_BLOCKS = 72
 """The KV pool in blocks of 16 tokens, for every model alike (1,152 tokens: the longest run
-takes 513): a pool given in bytes held 288 tokens of the 3B's float32 KV."""
+takes 513), where 64 MiB would hold only 288 tokens of the 3B's float32 KV."""
 #: The prompt of the first-token measurements (ours and llama-server's).
 FIRST_PROMPT = "The capital of France is"
 

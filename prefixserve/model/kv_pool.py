@@ -15,6 +15,7 @@ are (64 bytes) and more. The values are the same zeros either way. Other devices
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import mmap
@@ -42,7 +43,8 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         raise ValueError(f"the KV pool ({nbytes >> 20} MiB) cannot be allocated: the system "
                          "refuses that much memory; use a smaller --kv-cache-memory or "
                          "--num-blocks") from exc
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+    # (a kernel without transparent huge pages refuses the advice, EINVAL: none to avoid then)
+    with contextlib.suppress(AttributeError, OSError):
         area.madvise(mmap.MADV_NOHUGEPAGE)
     raw = np.frombuffer(area, dtype=np.uint8, count=nbytes)  # holds the mapping
     return torch.from_numpy(raw).view(dtype).view(shape)

@@ -3,7 +3,9 @@ where blocks are written, so that start-up clears nothing and an idle server hol
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 
 import pytest
 import torch
@@ -39,6 +41,21 @@ def test_a_cpu_pool_reads_zero_and_is_resident_only_where_written() -> None:
     assert resident_mib() - written < 1
     assert float(pool[0, 0, :16].float().mean()) == 1.5 and not pool[0, 0, 16:32].any()
     assert resident_mib() - before < 16
+
+
+def test_a_kernel_that_refuses_the_page_size_advice_still_gives_the_pool(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel built without transparent huge pages answers ``MADV_NOHUGEPAGE`` with EINVAL:
+    there are no huge pages to avoid, and the pool is made as elsewhere (planted: the advice's
+    error passed on, the start fails)."""
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args: int) -> None:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(mmap, "mmap", Refusing)
+    pool = zeroed_pool((4 * MIB,), torch.uint8, torch.device("cpu"))
+    assert pool.numel() == 4 * MIB and not pool[-16:].any()
 
 
 def test_the_runner_allocates_its_kv_cache_untouched() -> None:
