@@ -738,6 +738,40 @@ def test_k_quant_rows_of_the_avx2_build_are_each_the_product_of_that_row_alone(q
         assert_within(many, x64 @ ref.T, rowwise, f"{qtype.name} M={m}")
 
 
+@pytest.mark.parametrize("qtype", (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K),
+                         ids=lambda t: t.name)
+def test_the_invariant_products_of_the_avx2_build_give_a_row_its_bits_at_any_row_count(
+        qtype: Q, lib) -> None:
+    """The deterministic mode's products (``row_invariant``: ``gemm_quant16``) built for AVX2
+    without AVX-512: every row of a product of 150 rows is, bit for bit, the same row in a
+    product of 1 to 150 rows at varied offsets (rows in tiles of 8, left over after them, in a
+    second run of 64 rows), within the bound of gguf-py's values. 70 weight rows: a last
+    group of 6 rows for the one-row kernels of 8. Kills a row's sums taken in another order
+    where it is left over (planted: tile_q16 for the rows after the last tile: Q4_0, Q4_1 and
+    Q8_0 fail; the offsets added into the block sums in one8_q16: both 4-bit formats fail) and
+    K-quant rows that change kernel with the row count (planted: kq_rows from 8 rows: the
+    three fail)."""
+    avx2 = avx2_library(lib)
+    cols = 768 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 1024
+    raw = gguf_raw(qtype, 70, cols, seed=7)
+    ref = dequantize(raw, qtype).astype(np.float64)
+    layer = QuantLinear(pack_gguf(raw, int(qtype), cols, lambda: ref.astype(np.float32)),
+                        stream=False)
+    layer._lib = avx2
+    layer.row_invariant = True
+    x = activations(150, cols)
+    every = layer(x)
+    changed = []
+    for rows in (1, 2, 5, 7, 8, 9, 15, 16, 17, 31, 63, 64, 65, 100, 149):
+        offset = (rows * 37) % (151 - rows)
+        if not torch.equal(layer(x[offset:offset + rows]), every[offset:offset + rows]):
+            changed.append(rows)
+    assert changed == []
+    x64 = x.double().numpy()
+    rowwise = np.vstack([product_bound(x64[i:i + 1], np.abs(ref)) for i in range(150)])
+    assert_within(every, x64 @ ref.T, rowwise, f"{qtype.name} invariant")
+
+
 def test_quant_linear_input_layouts_and_bias(lib) -> None:
     """bf16 and non-contiguous inputs, leading dims and a bias."""
     _, ref, packed = packed_case(Q.Q4_1)

@@ -1172,9 +1172,24 @@ static uint8_t *split_rows(const int16_t *xq, int64_t M, int64_t K, int fmt) {
 
 #include "stream.c"
 
-/* As gemm_quant, with activations from quantize_q16. */
+#if defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#define INVARIANT_TILE8 1
+static void invariant8_q16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
+                           const float *xd, const float *xs, int64_t M, float *y, int64_t ldy);
+#endif
+
+/* As gemm_quant, with activations from quantize_q16. Row-invariant (the deterministic mode's
+ * products): each row's outputs are bitwise the same at any row count M. On AVX2 builds without
+ * AVX-512, Q4_0, Q4_1 and Q8_0 rows take invariant8_q16; K-quant rows take kq_rows_few where the
+ * build has its many-row kernels (KQ_MANY), else kq_rows. */
 void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                   const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
+#ifdef INVARIANT_TILE8
+    if (fmt != FMT_Q4_0S && !is_kquant(fmt)) {
+        invariant8_q16(W, fmt, N, K, xq, xd, xs, M, y, ldy);
+        return;
+    }
+#endif
     if (fmt == FMT_Q4_0S) {
         StreamProduct a = {CHUNK_Q16, K, M, ldy, xq, xd, xs, y, NULL, NULL};
         stream_chunks(W, N, &a);
@@ -1184,6 +1199,17 @@ void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t
     int64_t row_bytes = nb * block_bytes(fmt);
     int parallel = N * K * M >= (1 << 17);
     if (is_kquant(fmt)) {
+#if KQ_MANY_ROWS
+        uint8_t *xb = split_rows(xq, M, K, fmt);
+        if (xb) {  /* (memory lacking: kq_rows below, whose bits differ) */
+#pragma omp parallel for schedule(static) if (parallel)
+            for (int64_t n = 0; n < N; n += 4) {
+                kq_rows_few(W, fmt, K, n, n + 4 < N ? n + 4 : N, xq, xb, xd, xs, M, y, ldy);
+            }
+            free(xb);
+            return;
+        }
+#endif
         float *xf = kq_float_rows(xq, xd, M, K);
 #pragma omp parallel for schedule(static) if (parallel)
         for (int64_t n = 0; n < N; n += 4) {
@@ -1325,6 +1351,150 @@ static void batch_row_q16(const uint8_t *w, int fmt, int64_t K, const int16_t *x
         tile_q16(w, fmt, xq + m * K, xd + m * nb, xs + m * nb, K, nb, rows, y + m * ldy, ldy);
     }
 }
+
+#ifdef INVARIANT_TILE8
+/* The 32 weights of the 4-bit or 8-bit block blk as two vectors of 16 int16, as tile8_q16 takes
+ * them (nibbles: the low ones first). */
+static inline void block_int16_tile8(const uint8_t *blk, int fmt, __m256i *lo, __m256i *hi) {
+    if (is_q4(fmt)) {
+        __m256i both = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128((const __m128i *)(blk + nibbles_at(fmt))));
+        *lo = _mm256_and_si256(both, _mm256_set1_epi16(0x0f));
+        *hi = _mm256_srli_epi16(both, 4);
+    } else {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
+    }
+}
+
+#ifndef ONE8_AHEAD
+#define ONE8_AHEAD 2
+#endif
+
+/* The fp16 values at p, p + stride, ... (8 of them) as floats, exactly as fp16_to_float. */
+static inline __m256 halves8(const uint8_t *p, int64_t stride) {
+#ifdef __F16C__
+    __m128i h = _mm_cvtsi32_si128(*(const uint16_t *)p);
+#define HALF_AT(r) h = _mm_insert_epi16(h, *(const uint16_t *)(p + (r) * stride), r)
+    HALF_AT(1); HALF_AT(2); HALF_AT(3); HALF_AT(4); HALF_AT(5); HALF_AT(6); HALF_AT(7);
+#undef HALF_AT
+    return _mm256_cvtph_ps(h);
+#else
+    return _mm256_setr_ps(fp16_to_float(p), fp16_to_float(p + stride),
+                          fp16_to_float(p + 2 * stride), fp16_to_float(p + 3 * stride),
+                          fp16_to_float(p + 4 * stride), fp16_to_float(p + 5 * stride),
+                          fp16_to_float(p + 6 * stride), fp16_to_float(p + 7 * stride));
+#endif
+}
+
+/* Outputs y[0 .. 8) of weight rows w, w + row_bytes, ... (8 of them) for one activation row
+ * (xq, its block scales xd and sums xs): the rows in the lanes where tile8_q16 has activation
+ * rows, so that each output is computed as tile8_q16 computes it (the block's integer sum,
+ * exact; one multiply-add with d * xd into the lane; the offsets' multiply-adds apart, added
+ * at the end): the same bits as that row in any tile of 8. */
+static void one8_q16(const uint8_t *w, int fmt, int64_t row_bytes, const int16_t *xq,
+                     const float *xd, const float *xs, int64_t nb, float *y) {
+    int64_t bytes = block_bytes(fmt);
+    /* The 8 rows, side by side, are 8 short streams, which starve the hardware prefetchers
+     * (a 30 MB Q8_0 weight 576 wide, one row, from memory: 0.4x the one-row kernel); each
+     * block asks for its share of the group of 8 rows that comes ONE8_AHEAD groups later
+     * (0.9-1.0x then). */
+    int64_t ahead_per_block = (8 * row_bytes + nb - 1) / nb;
+    const uint8_t *ahead = w + ONE8_AHEAD * 8 * row_bytes;
+    __m256 acc = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bytes;
+        for (int64_t i = 0; i < ahead_per_block; i += 64) {
+            _mm_prefetch((const char *)(ahead + b * ahead_per_block + i), _MM_HINT_T0);
+        }
+        __m256i a0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        __m256i a1 = _mm256_loadu_si256((const __m256i *)(xq + b * QK + 16));
+        __m256i p[8];
+        for (int r = 0; r < 8; r++) {
+            __m256i lo, hi;
+            block_int16_tile8(blk + r * row_bytes, fmt, &lo, &hi);
+            p[r] = _mm256_add_epi32(_mm256_madd_epi16(lo, a0), _mm256_madd_epi16(hi, a1));
+        }
+        __m256 d = halves8(blk, row_bytes);
+        __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[b]));
+        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(hsum8_epi32(p)), acc);
+        if (is_q4(fmt)) {  /* q4_offset of each row: the stored m, or -8 d */
+            __m256 m = fmt == FMT_Q4_1 ? halves8(blk + 2, row_bytes)
+                                       : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
+            offsets = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b]), offsets);
+        }
+    }
+    _mm256_storeu_ps(y, _mm256_add_ps(acc, offsets));
+}
+
+/* One output of weight row w for one activation row, computed as one8_q16 computes each of
+ * its lanes (for the rows of an N that is not a multiple of 8). */
+static float one_q16(const uint8_t *w, int fmt, const int16_t *xq, const float *xd,
+                     const float *xs, int64_t nb) {
+    int64_t bytes = block_bytes(fmt);
+    float acc = 0.0f, offsets = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        __m256i lo, hi;
+        block_int16_tile8(w, fmt, &lo, &hi);
+        const int16_t *a = xq + b * QK;
+        __m256i p = _mm256_add_epi32(
+            _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)a)),
+            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 16))));
+        int32_t lanes[8], sum = 0;
+        _mm256_storeu_si256((__m256i *)lanes, p);
+        for (int i = 0; i < 8; i++) sum += lanes[i];
+        acc = fmaf(fp16_to_float(w) * xd[b], (float)sum, acc);
+        if (is_q4(fmt)) offsets = fmaf(q4_offset(w, fmt), xs[b], offsets);
+    }
+    return acc + offsets;
+}
+
+/* Rows of activations whose products invariant8_q16 runs over every weight row before it
+ * moves on: their 16-bit rows stay in the core's cache (64 rows of 4,096 values: 512 KB). */
+#define INVARIANT_ROWS 64
+
+/* gemm_quant16 of Q4_0, Q4_1 and Q8_0 rows on AVX2 builds without AVX-512, row-invariant:
+ * every tile of 8 activation rows through tile8_q16 (several times faster than tile_q16 from 8
+ * rows), the rows left over (fewer than 8: all of a decode step's) through one8_q16 and
+ * one_q16, which give each output the bits of tile8_q16's lane. */
+static void invariant8_q16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
+                           const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
+    int64_t nb = K / QK, row_bytes = nb * block_bytes(fmt), tiles = M / 8;
+    float *dT = tiles ? malloc((size_t)(2 * tiles * nb * 8) * sizeof(float)) : NULL;
+    if (!dT) tiles = 0;  /* (memory lacking: every row through one8_q16, the same bits) */
+    float *sT = dT + tiles * nb * 8;
+    if (tiles) regroup8(xd, xs, tiles * 8, nb, dT, sT);
+    int parallel = N * K * M >= (1 << 17);
+    for (int64_t m0 = 0; m0 < M; m0 += INVARIANT_ROWS) {
+        int64_t m1 = m0 + INVARIANT_ROWS < M ? m0 + INVARIANT_ROWS : M;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t n = 0; n < N; n += 8) {
+            const uint8_t *w = W + n * row_bytes;
+            int64_t m = m0;
+            for (; n + 8 <= N && m + 8 <= m1 && m / 8 < tiles; m += 8) {
+                for (int r = 0; r < 8; r++) {
+                    tile8_q16(w + r * row_bytes, fmt, xq + m * K, dT + m * nb, sT + m * nb, K,
+                              nb, y + m * ldy + n + r, ldy);
+                }
+            }
+            for (; m < m1; m++) {
+                const int16_t *x = xq + m * K;
+                if (n + 8 <= N) {
+                    float out[8];
+                    one8_q16(w, fmt, row_bytes, x, xd + m * nb, xs + m * nb, nb, out);
+                    for (int r = 0; r < 8; r++) y[m * ldy + n + r] = out[r];
+                    continue;
+                }
+                for (int64_t r = n; r < N; r++) {
+                    y[m * ldy + r] = one_q16(W + r * row_bytes, fmt, x, xd + m * nb,
+                                             xs + m * nb, nb);
+                }
+            }
+        }
+    }
+    free(dT);
+}
+#endif
 
 /*
  * As gemm_quant16, faster for M >= 8: activation rows go 8 at a time through tile8_q16. A row's
