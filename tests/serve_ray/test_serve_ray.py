@@ -75,13 +75,19 @@ def cpu_hogs(count: int = 2) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Started while two CPU-bound processes load the machine: Ray Serve's proxy and replicas
-    must get the time they need. (Planted: without ``serve_timeouts`` Ray's controller kills a
-    proxy that is not ready in 5 s, and the start fails.)"""
+    """Serve started while two CPU-bound processes load the machine: its controller and proxy
+    must get the time they need. The hogs run from the moment Ray's own processes are up
+    (Ray's "Started a local Ray instance") until Serve has started, which is when the
+    controller starts the proxy and checks that it is ready. Started sooner, they would only
+    slow the imports and Ray's start, and take the cores from the other tests. (Planted,
+    without ``serve_timeouts``: Ray's controller kills a proxy that is not ready in 5 s, which
+    failed the start in some runs; in every run the first test's check of the controller's
+    environment fails.)"""
     adapter = write_peft_adapter(tmp_path_factory.mktemp("ray-adapters") / "a", default_config(),
                                  seed=21)
+    process = _launch_cluster(adapter, tmp_path_factory.mktemp("ray") / "server.log")
+    _wait_for_log(process, ("Started a local Ray instance",), RAY_STARTUP_S)
     with cpu_hogs():
-        process = _launch_cluster(adapter, tmp_path_factory.mktemp("ray") / "server.log")
         _wait_for_log(process, ("Started Serve", "Connecting to existing Serve"), RAY_STARTUP_S)
     yield process.start(RAY_STARTUP_S)
     process.stop()
