@@ -38,8 +38,11 @@ def measure(path: str | None, sequences: list[int], threads: int) -> dict[int, f
     """Seconds a step for each number of sequences, in this process."""
     from prefixserve import LLM, SamplingParams
 
-    llm = LLM(path, num_threads=threads, kv_cache_memory="256MiB") if path else \
-        LLM(num_threads=threads, kv_cache_memory="256MiB")
+    # the pool in blocks, not bytes: enough for the most sequences at once, whatever the
+    # model's KV takes a token (256 MiB held 1,145 tokens of a 3B model's float32 KV)
+    blocks = max(sequences) * -(-(PROMPT_TOKENS + 1 + DECODE_TOKENS) // 16) + 16
+    llm = LLM(path, num_threads=threads, num_blocks=blocks) if path else \
+        LLM(num_threads=threads, num_blocks=blocks)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
     out = {}
