@@ -191,6 +191,20 @@ def _reference_run(reference: Any, ids: list[int], rows: list[int], columns: sli
     return spread.float().contiguous(), whole.float(), expected
 
 
+def _chunk_logits(runner: ModelRunner, seq: SeqBatchInput, hidden: list[torch.Tensor],
+                  picked: list[int]) -> torch.Tensor:
+    """The logits of the step ``seq`` at its rows ``picked``: from the runner's prompt logits
+    where it asks for them, else from the model's output rows (``hidden``, filled by a hook)
+    through the model's own head, as the runner computes a step's logits (every row of 1,100
+    at Gemma's 262,144 outputs is 370 GFLOP, two thirds of the test's time)."""
+    out = runner.execute([seq])
+    if seq.need_prompt_logits:
+        logits = out.prompt_logits[0]
+        assert logits is not None
+        return logits[picked]
+    return runner.model.compute_logits(hidden[-1][picked])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [40, 1100])
 def test_logits_and_greedy_match_transformers(llm: Any, path: str, reference: Any,
@@ -199,24 +213,29 @@ def test_logits_and_greedy_match_transformers(llm: Any, path: str, reference: An
     chunks of 600 so that cached prefill reads windows across chunks, then greedy tokens
     decoded one by one. Logits compared: every 7th position at every 16th of the 262,144
     vocabulary columns, the last 20 positions at every column (all of them, for both models,
-    would take several GB; the reference's are kept per machine, ~50 MB)."""
+    would take several GB; the reference's are kept per machine, ~50 MB). The short prompt's
+    come from the runner's prompt logits (``need_prompt_logits``), the long one's from its
+    steps' output rows through the model's head (``_chunk_logits``)."""
     runner = _runner(llm)
     ids = _prompt(llm, num_tokens)
     tables = _tables(runner, num_tokens + 8)
     rows = sorted({*range(0, num_tokens, 7), *range(max(0, num_tokens - 20), num_tokens)})
     columns = slice(None, None, 16)
-    spread_rows = [r for r in rows if r < num_tokens - 20]
     spread, whole = [], []
-    for start in range(0, num_tokens, 600):
-        chunk = ids[start:start + 600]
-        out = runner.execute([SeqBatchInput(chunk, start, tables[0], need_prompt_logits=True,
-                                            extra_block_tables=tuple(tables[1:]))])
-        logits = out.prompt_logits[0]
-        assert logits is not None
-        spread.append(logits[[r - start for r in spread_rows if start <= r < start + 600]])
-        whole.append(logits[[r - start for r in rows
-                             if r >= num_tokens - 20 and start <= r < start + 600]])
-        del out, logits
+    hidden: list[torch.Tensor] = []  # each step's output of the model (pre-norm)
+    hook = runner.model.register_forward_hook(lambda _m, _i, out: hidden.append(out))
+    try:
+        for start in range(0, num_tokens, 600):
+            chunk = ids[start:start + 600]
+            logits = _chunk_logits(runner, SeqBatchInput(
+                chunk, start, tables[0], need_prompt_logits=num_tokens <= 600,
+                extra_block_tables=tuple(tables[1:])), hidden,
+                [r - start for r in rows if start <= r < start + 600])
+            picked = [r for r in rows if start <= r < start + 600]
+            spread.append(logits[[i for i, r in enumerate(picked) if r < num_tokens - 20]])
+            whole.append(logits[[i for i, r in enumerate(picked) if r >= num_tokens - 20]])
+    finally:
+        hook.remove()
     want_spread, want_whole, expected = cached_outputs(
         "gemma3-logits", path, (ids, rows, columns, GREEDY_STEPS),  # all the reference reads
         lambda: _reference_run(reference(), ids, rows, columns))
