@@ -233,17 +233,11 @@ def test_gguf_weights_map_the_file(tmp_path: Path) -> None:
     assert rss_anon() - before < sizes["embed"] / 4
 
 
-def test_q8_0_tensors_read_as_ggufs_own_dequantize_bit_for_bit(tmp_path: Path) -> None:
-    """``GGUFFile.read_tensor`` dequantizes Q8_0 itself (gguf's ``dequantize`` took 11.8 s over
-    Gemma 3's embedding): every value must be the same float32, over more blocks than one
-    chunk, with scales of both signs, subnormal and large, and a 3-D tensor's shape."""
-    from gguf.quants import dequantize
-
-    from prefixserve.model.weights.gguf_file import _Q8_0_CHUNK, GGUFFile
-
+def _q8_0_file(path: Path, shapes: dict[str, tuple[int, ...]]) -> str:
+    """A GGUF file of random Q8_0 tensors of ``shapes``, with scales of both signs, subnormal
+    and large."""
     rng = np.random.default_rng(7)
-    shapes = {"big": (_Q8_0_CHUNK // 4 + 3, 160), "cube": (3, 5, 64)}
-    writer = GGUFWriter(str(tmp_path / "q8.gguf"), "llama")
+    writer = GGUFWriter(str(path), "llama")
     for name, shape in shapes.items():
         blocks = rng.integers(0, 256, (int(np.prod(shape)) // 32, 34), dtype=np.uint8)
         scales = rng.choice(np.array([0.01, -3.5, 6e-8, 60000.0, -1e-5], np.float16),
@@ -255,7 +249,59 @@ def test_q8_0_tensors_read_as_ggufs_own_dequantize_bit_for_bit(tmp_path: Path) -
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    gguf = GGUFFile(str(tmp_path / "q8.gguf"))
+    return str(path)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(v, 16) for v in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_q8_0_values_are_written_to_base_size_pages(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q8_0 tensor's float32 values (Gemma 3's embedding: 671 MB) go to a mapping advised
+    against transparent huge pages (``nh`` in its ``VmFlags``), not to numpy's own array, which
+    asks for them: where the kernel compacts memory at such a first touch, Gemma 3's dense load
+    took twice as long. A kernel that refuses the advice still gives the values. (Planted:
+    ``np.empty`` again: the flag check fails.)"""
+    import mmap
+
+    from prefixserve.model.weights.gguf_file import GGUFFile
+
+    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("no transparent huge pages on this system")
+    shapes = {"big": (1024, 1024)}
+    gguf = GGUFFile(_q8_0_file(tmp_path / "q8.gguf", shapes))
+    values = gguf.read_tensor("big")
+    assert "nh" in _vm_flags(values.ctypes.data)
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args: int) -> None:
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(mmap, "mmap", Refusing)
+    assert np.array_equal(gguf.read_tensor("big"), values)
+
+
+def test_q8_0_tensors_read_as_ggufs_own_dequantize_bit_for_bit(tmp_path: Path) -> None:
+    """``GGUFFile.read_tensor`` dequantizes Q8_0 itself (gguf's ``dequantize`` took 11.8 s over
+    Gemma 3's embedding): every value must be the same float32, over more blocks than one
+    chunk, with scales of both signs, subnormal and large, and a 3-D tensor's shape."""
+    from gguf.quants import dequantize
+
+    from prefixserve.model.weights.gguf_file import _Q8_0_CHUNK, GGUFFile
+
+    shapes = {"big": (_Q8_0_CHUNK // 4 + 3, 160), "cube": (3, 5, 64)}
+    gguf = GGUFFile(_q8_0_file(tmp_path / "q8.gguf", shapes))
     for name, shape in shapes.items():
         ours = gguf.read_tensor(name)
         theirs = dequantize(gguf.read_raw(name), GGMLQuantizationType.Q8_0).reshape(shape)
