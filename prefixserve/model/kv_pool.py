@@ -4,24 +4,22 @@
 the default 1 GiB pool here) and so makes all of it resident at once, used or not. On the CPU the
 pool is a private anonymous mapping instead, whose pages the kernel hands out already zeroed on
 their first write, so the server starts without clearing anything and its resident memory grows
-with the blocks it fills. The mapping keeps base-size pages (``MADV_NOHUGEPAGE``; numpy's own
-large arrays ask for transparent huge pages): with 2 MiB pages a block's first write in each
-layer clears and holds 2 MiB where the block needs kilobytes, and on a VM whose memory the host
-backs on first use such a page took 20-45 ms (the first step of a 1B model: 0.5-0.7 s, 16
-layers, K and V). The mapping starts on a page, so the pool is aligned as torch's own tensors
-are (64 bytes) and more. The values are the same zeros either way. Other devices keep
-``torch.zeros``.
+with the blocks it fills. The mapping keeps base-size pages (``pages.py``): with 2 MiB pages a
+block's first write in each layer clears and holds 2 MiB where the block needs kilobytes (the
+first step of a 1B model took 0.5-0.7 s more on a 2-core VM, 16 layers, K and V). The mapping
+starts on a page, so the pool is aligned as torch's own tensors are (64 bytes) and more. The
+values are the same zeros either way. Other devices keep ``torch.zeros``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import mmap
 
 import numpy as np
 import torch
+
+from prefixserve.model.pages import base_page_area
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +36,11 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                        "--kv-cache-memory or --num-blocks avoids it", nbytes >> 20,
                        available >> 20)
     try:
-        area = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+        area = base_page_area(nbytes)
     except (OSError, OverflowError) as exc:
         raise ValueError(f"the KV pool ({nbytes >> 20} MiB) cannot be allocated: the system "
                          "refuses that much memory; use a smaller --kv-cache-memory or "
                          "--num-blocks") from exc
-    # (a kernel without transparent huge pages refuses the advice, EINVAL: none to avoid then)
-    with contextlib.suppress(AttributeError, OSError):
-        area.madvise(mmap.MADV_NOHUGEPAGE)
     raw = np.frombuffer(area, dtype=np.uint8, count=nbytes)  # holds the mapping
     return torch.from_numpy(raw).view(dtype).view(shape)
 

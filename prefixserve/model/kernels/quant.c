@@ -1462,7 +1462,7 @@ static void invariant8_q16(const uint8_t *W, int fmt, int64_t N, int64_t K, cons
     int64_t nb = K / QK, row_bytes = nb * block_bytes(fmt), tiles = M / 8;
     float *dT = tiles ? malloc((size_t)(2 * tiles * nb * 8) * sizeof(float)) : NULL;
     if (!dT) tiles = 0;  /* (memory lacking: every row through one8_q16, the same bits) */
-    float *sT = dT + tiles * nb * 8;
+    float *sT = dT ? dT + tiles * nb * 8 : NULL;
     if (tiles) regroup8(xd, xs, tiles * 8, nb, dT, sT);
     int parallel = N * K * M >= (1 << 17);
     for (int64_t m0 = 0; m0 < M; m0 += INVARIANT_ROWS) {

@@ -17,6 +17,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prefixserve.model.pages import base_page_area
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -221,23 +223,6 @@ _Q8_0_CHUNK = 1 << 16
 """Blocks dequantized at a time (2 MiB of bytes, 8 MiB of float32)."""
 
 
-def _base_page_floats(count: int) -> np.ndarray:
-    """``count`` float32 zeros in a private anonymous mapping of base-size pages
-    (``MADV_NOHUGEPAGE``), for a tensor's values written once. numpy asks for transparent huge
-    pages on its large arrays; where the kernel compacts memory to find one at the first touch
-    (``transparent_hugepage/defrag`` set to ``madvise``, a common default), that touch can
-    stall: Gemma 3's dense load took 7.3-8.2 s with numpy's advice and 3.5-4.0 s without, on a
-    2-core VM. The same zeros either way; the array holds the mapping."""
-    import contextlib
-
-    import numpy as np
-
-    area = mmap.mmap(-1, max(4 * count, 1), flags=mmap.MAP_PRIVATE)
-    with contextlib.suppress(AttributeError, OSError):  # (no transparent huge pages: EINVAL)
-        area.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(area, dtype=np.float32, count=count)
-
-
 def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     """Q8_0 rows ``raw`` as float32, each value ``float32(d) * q`` rounded once, as gguf's own
     ``dequantize`` computes it (bit for bit), without its per-group Python overhead: Gemma 3's
@@ -245,7 +230,10 @@ def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     import numpy as np
 
     blocks = raw.reshape(-1, 34)
-    out = _base_page_floats(blocks.shape[0] * 32).reshape(blocks.shape[0], 32)
+    # base-size pages, not numpy's array (pages.py: Gemma 3's dense load took 7.3-8.2 s with
+    # numpy's, 3.6-3.7 s so); the array holds the mapping
+    area = base_page_area(blocks.shape[0] * 32 * 4)
+    out = np.frombuffer(area, np.float32, blocks.shape[0] * 32).reshape(blocks.shape[0], 32)
     for start in range(0, blocks.shape[0], _Q8_0_CHUNK):
         part = blocks[start:start + _Q8_0_CHUNK]
         scales = np.ascontiguousarray(part[:, :2]).view(np.float16).astype(np.float32)
