@@ -227,11 +227,10 @@ def test_logits_and_greedy_match_transformers(llm: Any, path: str, reference: An
     try:
         for start in range(0, num_tokens, 600):
             chunk = ids[start:start + 600]
+            picked = [r for r in rows if start <= r < start + 600]
             logits = _chunk_logits(runner, SeqBatchInput(
                 chunk, start, tables[0], need_prompt_logits=num_tokens <= 600,
-                extra_block_tables=tuple(tables[1:])), hidden,
-                [r - start for r in rows if start <= r < start + 600])
-            picked = [r for r in rows if start <= r < start + 600]
+                extra_block_tables=tuple(tables[1:])), hidden, [r - start for r in picked])
             spread.append(logits[[i for i, r in enumerate(picked) if r < num_tokens - 20]])
             whole.append(logits[[i for i, r in enumerate(picked) if r >= num_tokens - 20]])
     finally:
