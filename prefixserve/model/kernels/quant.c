@@ -1200,7 +1200,7 @@ void gemm_quant16(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t
     int parallel = N * K * M >= (1 << 17);
     if (is_kquant(fmt)) {
 #if KQ_MANY_ROWS
-        uint8_t *xb = split_rows(xq, M, K, fmt);
+        uint8_t *xb = K % QK_K == 0 ? split_rows(xq, M, K, fmt) : NULL;
         if (xb) {  /* (memory lacking: kq_rows below, whose bits differ) */
 #pragma omp parallel for schedule(static) if (parallel)
             for (int64_t n = 0; n < N; n += 4) {
