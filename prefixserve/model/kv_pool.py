@@ -23,6 +23,7 @@ from prefixserve.model.pages import base_page_area
 
 logger = logging.getLogger(__name__)
 
+
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                 ) -> torch.Tensor:
     """A contiguous tensor of zeros of ``shape`` and ``dtype`` on ``device``."""
