@@ -262,6 +262,7 @@ def test_fused_verification_rows_give_the_logits_of_one_token_steps(
         return out.prompt_logits[0] if out.prompt_logits[0] is not None else out.logits
 
     run(SeqBatchInput(prompt, 0, table, seq_id="a"))
+    fused_calls.clear()  # a prompt this short runs fused too (FUSED_STEP_ROWS)
     one_at_a_time = torch.cat([run(SeqBatchInput([t], len(prompt) + i, table, seq_id="a"))
                                for i, t in enumerate(extra)])
     verified = run(SeqBatchInput(extra, len(prompt), table, need_prompt_logits=True,

@@ -31,7 +31,12 @@ from prefixserve.model.arch.lora import (
     part_shapes,
 )
 from prefixserve.model.attention import decode_kernel, fused_decode
-from prefixserve.model.runner import MIN_SPLIT_CONTEXT, ModelRunner, SeqBatchInput
+from prefixserve.model.runner import (
+    FUSED_STEP_ROWS,
+    MIN_SPLIT_CONTEXT,
+    ModelRunner,
+    SeqBatchInput,
+)
 from prefixserve.model.weights import quant, quant_kernels
 from prefixserve.model.weights.quant import (
     FMT_Q4_0,
@@ -73,7 +78,9 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     ~300, as long as the first but sharing nothing; ~300, sharing only the first's first
     block, so a chunk that starts alike but is not the same. ``extra`` more sequences of 20
     to 60 tokens make the batch as many rows larger; ``blocks`` tokens' worth of cache blocks.
-    With ``lora`` (the model's adapter slots), sequence i runs under ``slots[i % len(slots)]``."""
+    With ``lora`` (the model's adapter slots), sequence i runs under ``slots[i % len(slots)]``.
+    The prompts ask for their logits, which keeps them on the eager layers in both runners
+    (``FUSED_STEP_ROWS``): the decode steps start from the same cache."""
     rng = random.Random(seed)
     num_blocks = blocks // block_size
     runner = ModelRunner(config, model, num_blocks, block_size, dtype, "cpu",
@@ -97,8 +104,8 @@ def run(model: CausalLM, config: ModelConfig, enforce_eager: bool, block_size: i
     shared = CHUNK // block_size
     tables[2][:shared] = tables[0][:shared]
     tables[4][0] = tables[0][0]
-    for i, prompt in enumerate(prompts):
-        runner.execute([SeqBatchInput(prompt, 0, tables[i], seq_id=i,
+    for i, prompt in enumerate(prompts):  # prompt logits keep even the short ones eager
+        runner.execute([SeqBatchInput(prompt, 0, tables[i], seq_id=i, need_prompt_logits=True,
                                       lora_slot=slots[i % len(slots)])])
     logits = []
     for step in range(5):
@@ -583,7 +590,8 @@ def test_a_step_of_prefills_and_decodes_runs_its_decodes_fused() -> None:
 
 
 def test_short_decodes_ride_along_in_a_prefill_step() -> None:
-    """Below ``MIN_SPLIT_CONTEXT`` of decode context a mixed step stays one eager pass."""
+    """Below ``MIN_SPLIT_CONTEXT`` of decode context a mixed step of more than
+    ``FUSED_STEP_ROWS`` new tokens stays one eager pass."""
     config = tiny_config()
     runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu")
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0], seq_id="a")])
@@ -594,10 +602,69 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     run = fused.run
     fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore
     runner.execute([SeqBatchInput([5], 4, [0], seq_id="a"),
-                    SeqBatchInput([1, 2, 3, 4], 0, [1], seq_id="b")])
+                    SeqBatchInput(list(range(1, FUSED_STEP_ROWS + 1)), 0, [1, 2, 3, 4],
+                                  seq_id="b")])
     assert calls == [] and MIN_SPLIT_CONTEXT > 5
     runner.execute([SeqBatchInput([6], 5, [0], seq_id="a")])
     assert calls == [1]
+
+
+def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
+                       ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+    """Four steps on a tiny packed model: a 70-token prompt (more than ``FUSED_STEP_ROWS``:
+    eager); its decode beside a 5-token prompt and, behind a cached block of the first prompt,
+    a 7-token rest (13 rows); the three decoding beside a 3-token prompt that asks for its
+    prompt's logits; the four decoding beside a new prompt that fills the step to
+    ``FUSED_STEP_ROWS`` rows. Returns each step's last-row logits, the cache, and the steps that
+    ran the fused layers."""
+    config = replace(tiny_config(heads=4, kv_heads=2, head_dim=64), hidden_size=256,
+                     intermediate_size=256)
+    runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu",
+                         enforce_eager=enforce_eager)
+    ids = [random.Random(5).randrange(config.vocab_size) for _ in range(160)]
+    rest = FUSED_STEP_ROWS - 4
+
+    def seq(name: str, first: int, end: int, start: int, table: list[int],
+            logits: bool = False) -> SeqBatchInput:
+        return SeqBatchInput(ids[first:end], start, table, seq_id=name,
+                             need_prompt_logits=logits)
+
+    a, b, c, d, e = [0, 1, 2, 3, 4], [5], [0, 6], [7], [8, 9, 10, 11]  # c's first is a's
+    steps = [[seq("a", 0, 70, 0, a)],
+             [seq("a", 70, 71, 70, a), seq("b", 71, 76, 0, b), seq("c", 76, 83, 16, c)],
+             [seq("a", 83, 84, 71, a), seq("b", 84, 85, 5, b), seq("c", 85, 86, 23, c),
+              seq("d", 86, 89, 0, d, logits=True)],
+             [seq("a", 89, 90, 72, a), seq("b", 90, 91, 6, b), seq("c", 91, 92, 24, c),
+              seq("d", 92, 93, 3, d), seq("e", 93, 93 + rest, 0, e)]]
+    calls: list[int] = []
+    run = fused_decode.FusedDecode.run
+    monkeypatch.setattr(fused_decode.FusedDecode, "run", lambda *args, **kwargs: (
+        calls.append(1), run(*args, **kwargs))[1])
+    logits, fused_steps = [], []
+    for number, step in enumerate(steps):
+        logits.append(runner.execute(step).logits)
+        if calls:
+            fused_steps.append(number)
+            calls.clear()
+    monkeypatch.undo()
+    return logits, runner.kv_cache, fused_steps
+
+
+def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """A step of at most ``FUSED_STEP_ROWS`` new tokens, short prompts (one behind a cached
+    block) among decodes, runs whole through the fused layers, and its logits and the K/V it
+    writes agree with the eager path's; a step with a prompt that asks for its prompt's
+    logits, or of more rows, stays eager. (Planted: every row of a prompt at the prompt's
+    first position fails the logits and the cache; the limit taken as ``<`` leaves the last
+    step eager and fails the steps' list.)"""
+    fused, fused_cache, fused_steps = short_prompt_steps(False, monkeypatch)
+    eager, eager_cache, eager_steps = short_prompt_steps(True, monkeypatch)
+    assert fused_steps == [1, 3] and eager_steps == []
+    for got, want in zip(fused, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL * float(want.abs().max()))
+    torch.testing.assert_close(fused_cache, eager_cache, rtol=0,
+                               atol=KV_TOL * float(eager_cache.abs().max()))
 
 
 def test_a_kernel_that_does_not_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
