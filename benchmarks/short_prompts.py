@@ -1,0 +1,85 @@
+"""Short prompts through the fused layers (``FUSED_STEP_ROWS`` in ``model/runner.py``) against
+the eager step, in one run: the time to a prompt's first token.
+
+    .venv/bin/python benchmarks/short_prompts.py [FILE.gguf] [--lengths 4,16,32,64]
+        [--prefix 512] [--prompts 8] [--rounds 3] [--threads 2]
+
+FILE defaults to the default model. For each length N, ``--prompts`` prompts of N new tokens
+each run one at a time to their first token: cold (N random tokens, nothing cached) and after
+a cached prefix (``--prefix`` shared tokens computed once, then N tokens of each prompt's
+own: the rest a prefix-cache hit leaves). The two paths alternate round by round in one
+process: ``FUSED_STEP_ROWS`` as shipped, and 0 (every prompt step eager). Prints the median ms
+a prompt (range over the rounds' medians) and the ratio eager / fused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from prefixserve.model import runner as runner_module
+
+
+def one_round(llm: object, lengths: list[int], prefix: list[int], count: int,
+              rng: random.Random) -> dict[tuple[str, int], float]:
+    """Median seconds a prompt to its first token, per (case, length), on fresh tokens."""
+    from prefixserve import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    out = {}
+    for n in lengths:
+        for case, head in (("cold", []), ("after prefix", prefix)):
+            times = []
+            for _ in range(count):
+                prompt = head + [rng.randrange(1000, 30000) for _ in range(n)]
+                start = time.perf_counter()
+                llm.generate(prompt, params)  # type: ignore[attr-defined]
+                times.append(time.perf_counter() - start)
+            out[(case, n)] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", nargs="?", default=None)
+    parser.add_argument("--lengths", default="4,16,32,64")
+    parser.add_argument("--prefix", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    from prefixserve import LLM, SamplingParams
+
+    llm = LLM(args.file, num_threads=args.threads) if args.file else \
+        LLM(num_threads=args.threads)
+    rng = random.Random(0)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    prefix = [rng.randrange(1000, 30000) for _ in range(args.prefix)]
+    llm.generate(prefix, SamplingParams(max_tokens=1, temperature=0.0))  # cached from here
+    shipped = runner_module.FUSED_STEP_ROWS
+    paths = {"fused": shipped, "eager": 0}
+    results: dict[str, list[dict[tuple[str, int], float]]] = {name: [] for name in paths}
+    for _ in range(args.rounds):
+        for name, rows in paths.items():
+            runner_module.FUSED_STEP_ROWS = rows
+            results[name].append(one_round(llm, lengths, prefix, args.prompts, rng))
+    runner_module.FUSED_STEP_ROWS = shipped
+    print(f"FUSED_STEP_ROWS {shipped}; {args.prompts} prompts a length, {args.rounds} rounds, "
+          f"{args.threads} threads; ms a prompt to its first token, median (range)")
+    print(f"| case | new tokens | fused | eager | eager / fused |\n|---|---:|---:|---:|---:|")
+    for case in ("cold", "after prefix"):
+        for n in lengths:
+            cells = []
+            for name in paths:
+                values = [r[(case, n)] * 1000 for r in results[name]]
+                cells.append((statistics.median(values), min(values), max(values)))
+            (f, f_lo, f_hi), (e, e_lo, e_hi) = cells
+            label = case if case == "cold" else f"after {args.prefix} cached"
+            print(f"| {label} | {n} | {f:.1f} ({f_lo:.1f}-{f_hi:.1f}) | {e:.1f} "
+                  f"({e_lo:.1f}-{e_hi:.1f}) | {e / f:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
