@@ -68,7 +68,7 @@ def main() -> None:
     runner_module.FUSED_STEP_ROWS = shipped
     print(f"FUSED_STEP_ROWS {shipped}; {args.prompts} prompts a length, {args.rounds} rounds, "
           f"{args.threads} threads; ms a prompt to its first token, median (range)")
-    print(f"| case | new tokens | fused | eager | eager / fused |\n|---|---:|---:|---:|---:|")
+    print("| case | new tokens | fused | eager | eager / fused |\n|---|---:|---:|---:|---:|")
     for case in ("cold", "after prefix"):
         for n in lengths:
             cells = []
