@@ -609,6 +609,13 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     assert calls == [1]
 
 
+#: The K/V of a fused step's prompt rows against the eager step's, as a fraction of the
+#: largest: past ``SMALL_M`` rows the eager step multiplies the float32 activations as they
+#: are, the fused layers round them to 16 bits per block as in a decode step (measured up to
+#: 1.9e-4 over five seeds of ``short_prompt_steps``; logits within ``LOGIT_TOL``).
+PROMPT_KV_TOL = 4e-4
+
+
 def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
                        ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
     """Four steps on a tiny packed model: a 70-token prompt (more than ``FUSED_STEP_ROWS``:
@@ -621,7 +628,8 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
                      intermediate_size=256)
     runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu",
                          enforce_eager=enforce_eager)
-    ids = [random.Random(5).randrange(config.vocab_size) for _ in range(160)]
+    rng = random.Random(5)
+    ids = [rng.randrange(config.vocab_size) for _ in range(160)]
     rest = FUSED_STEP_ROWS - 4
 
     def seq(name: str, first: int, end: int, start: int, table: list[int],
@@ -664,7 +672,7 @@ def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(monkeypatch: pyt
     for got, want in zip(fused, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL * float(want.abs().max()))
     torch.testing.assert_close(fused_cache, eager_cache, rtol=0,
-                               atol=KV_TOL * float(eager_cache.abs().max()))
+                               atol=PROMPT_KV_TOL * float(eager_cache.abs().max()))
 
 
 def test_a_kernel_that_does_not_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
