@@ -616,18 +616,23 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
 PROMPT_KV_TOL = 4e-4
 
 
-def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
+def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
+                       adapters: bool = False
                        ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
     """Four steps on a tiny packed model: a 70-token prompt (more than ``FUSED_STEP_ROWS``:
     eager); its decode beside a 5-token prompt and, behind a cached block of the first prompt,
     a 7-token rest (13 rows); the three decoding beside a 3-token prompt that asks for its
     prompt's logits; the four decoding beside a new prompt that fills the step to
-    ``FUSED_STEP_ROWS`` rows. Returns each step's last-row logits, the cache, and the steps that
+    ``FUSED_STEP_ROWS`` rows. With ``adapters`` the sequences run under LoRA slots 0, 1, none,
+    2 and 0 (``lora_model``). Returns each step's last-row logits, the cache, and the steps that
     ran the fused layers."""
     config = replace(tiny_config(heads=4, kv_heads=2, head_dim=64), hidden_size=256,
                      intermediate_size=256)
-    runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu",
+    model = packed_model(config)
+    runner = ModelRunner(config, model, 64, 16, torch.float32, "cpu",
                          enforce_eager=enforce_eager)
+    runner.lora = lora_model(config, model) if adapters else None
+    slots = {"a": 0, "b": 1, "d": 2, "e": 0} if adapters else {}
     rng = random.Random(5)
     ids = [rng.randrange(config.vocab_size) for _ in range(160)]
     rest = FUSED_STEP_ROWS - 4
@@ -635,7 +640,7 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
     def seq(name: str, first: int, end: int, start: int, table: list[int],
             logits: bool = False) -> SeqBatchInput:
         return SeqBatchInput(ids[first:end], start, table, seq_id=name,
-                             need_prompt_logits=logits)
+                             need_prompt_logits=logits, lora_slot=slots.get(name))
 
     a, b, c, d, e = [0, 1, 2, 3, 4], [5], [0, 6], [7], [8, 9, 10, 11]  # c's first is a's
     steps = [[seq("a", 0, 70, 0, a)],
@@ -658,16 +663,18 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch
     return logits, runner.kv_cache, fused_steps
 
 
-def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(monkeypatch: pytest.MonkeyPatch
-                                                                ) -> None:
+@pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
+def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(
+        adapters: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of at most ``FUSED_STEP_ROWS`` new tokens, short prompts (one behind a cached
     block) among decodes, runs whole through the fused layers, and its logits and the K/V it
-    writes agree with the eager path's; a step with a prompt that asks for its prompt's
-    logits, or of more rows, stays eager. (Planted: every row of a prompt at the prompt's
-    first position fails the logits and the cache; the limit taken as ``<`` leaves the last
-    step eager and fails the steps' list.)"""
-    fused, fused_cache, fused_steps = short_prompt_steps(False, monkeypatch)
-    eager, eager_cache, eager_steps = short_prompt_steps(True, monkeypatch)
+    writes agree with the eager path's, under LoRA adapters too (each prompt row under its
+    sequence's slot); a step with a prompt that asks for its prompt's logits, or of more rows,
+    stays eager. (Planted: every row of a prompt at the prompt's first position fails the
+    logits and the cache; a prompt's rows after its first under the base model fail the lora
+    case; the limit taken as ``<`` leaves the last step eager and fails the steps' list.)"""
+    fused, fused_cache, fused_steps = short_prompt_steps(False, monkeypatch, adapters)
+    eager, eager_cache, eager_steps = short_prompt_steps(True, monkeypatch, adapters)
     assert fused_steps == [1, 3] and eager_steps == []
     for got, want in zip(fused, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL * float(want.abs().max()))
