@@ -19,14 +19,13 @@ import random
 import statistics
 import time
 
+from prefixserve import LLM, SamplingParams
 from prefixserve.model import runner as runner_module
 
 
-def one_round(llm: object, lengths: list[int], prefix: list[int], count: int,
+def one_round(llm: LLM, lengths: list[int], prefix: list[int], count: int,
               rng: random.Random) -> dict[tuple[str, int], float]:
     """Median seconds a prompt to its first token, per (case, length), on fresh tokens."""
-    from prefixserve import SamplingParams
-
     params = SamplingParams(max_tokens=1, temperature=0.0)
     out = {}
     for n in lengths:
@@ -35,7 +34,7 @@ def one_round(llm: object, lengths: list[int], prefix: list[int], count: int,
             for _ in range(count):
                 prompt = head + [rng.randrange(1000, 30000) for _ in range(n)]
                 start = time.perf_counter()
-                llm.generate(prompt, params)  # type: ignore[attr-defined]
+                llm.generate(prompt, params)
                 times.append(time.perf_counter() - start)
             out[(case, n)] = statistics.median(times)
     return out
@@ -50,8 +49,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    from prefixserve import LLM, SamplingParams
-
     llm = LLM(args.file, num_threads=args.threads) if args.file else \
         LLM(num_threads=args.threads)
     rng = random.Random(0)
