@@ -1,5 +1,5 @@
-"""Short prompts through the fused layers (``FUSED_STEP_ROWS`` in ``model/runner.py``) against
-the eager step, in one run: the time to a prompt's first token.
+"""Short prompts through the fused layers against the eager step, in one run: the time to a
+prompt's first token (the measurement behind ``fused_step_rows`` in ``model/runner.py``).
 
     .venv/bin/python benchmarks/short_prompts.py [FILE.gguf] [--lengths 4,16,32,64]
         [--prefix 512] [--prompts 8] [--rounds 3] [--threads 2]
@@ -8,8 +8,9 @@ FILE defaults to the default model. For each length N, ``--prompts`` prompts of 
 each run one at a time to their first token: cold (N random tokens, nothing cached) and after
 a cached prefix (``--prefix`` shared tokens computed once, then N tokens of each prompt's
 own: the rest a prefix-cache hit leaves). The two paths alternate round by round in one
-process: ``FUSED_STEP_ROWS`` as shipped, and 0 (every prompt step eager). Prints the median ms
-a prompt (range over the rounds' medians) and the ratio eager / fused.
+process: every prompt step fused (the runner's ``fused_step_rows`` raised to the longest
+length) and every one eager (0). Prints the shipped limit, the median ms a prompt (range over
+the rounds' medians) and the ratio eager / fused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import statistics
 import time
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import runner as runner_module
 
 
 def one_round(llm: LLM, lengths: list[int], prefix: list[int], count: int,
@@ -55,15 +55,16 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     prefix = [rng.randrange(1000, 30000) for _ in range(args.prefix)]
     llm.generate(prefix, SamplingParams(max_tokens=1, temperature=0.0))  # cached from here
-    shipped = runner_module.FUSED_STEP_ROWS
-    paths = {"fused": shipped, "eager": 0}
+    runner = llm.engine.runner
+    shipped = runner.fused_step_rows
+    paths = {"fused": max(lengths), "eager": 0}
     results: dict[str, list[dict[tuple[str, int], float]]] = {name: [] for name in paths}
     for _ in range(args.rounds):
         for name, rows in paths.items():
-            runner_module.FUSED_STEP_ROWS = rows
+            runner.fused_step_rows = rows
             results[name].append(one_round(llm, lengths, prefix, args.prompts, rng))
-    runner_module.FUSED_STEP_ROWS = shipped
-    print(f"FUSED_STEP_ROWS {shipped}; {args.prompts} prompts a length, {args.rounds} rounds, "
+    runner.fused_step_rows = shipped
+    print(f"fused_step_rows {shipped}; {args.prompts} prompts a length, {args.rounds} rounds, "
           f"{args.threads} threads; ms a prompt to its first token, median (range)")
     print("| case | new tokens | fused | eager | eager / fused |\n|---|---:|---:|---:|---:|")
     for case in ("cold", "after prefix"):

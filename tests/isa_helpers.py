@@ -40,3 +40,11 @@ def kernels_or_skip() -> ctypes.CDLL:
     if os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"):
         pytest.fail(error)
     pytest.skip(error)
+
+
+def panel_build() -> bool:
+    """Whether the native kernel library multiplies float32 products of more than SMALL_M
+    rows in panels (``kernels/panel.c``: 16-bit activations, AVX2 builds without AVX-512)
+    rather than expanding the weight for a float32 GEMM."""
+    built = quant_kernels.kernels()
+    return built is not None and built.panel_rows() > 0

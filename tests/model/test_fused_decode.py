@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
+from isa_helpers import AVX2_BUILD, has_avx512_and_avx2, panel_build
 from model_helpers import dense_model, pack_projections, packed_model, tiny_config
 
 from prefixserve import LLM, SamplingParams
@@ -34,8 +34,11 @@ from prefixserve.model.attention import decode_kernel, fused_decode
 from prefixserve.model.runner import (
     FUSED_STEP_ROWS,
     MIN_SPLIT_CONTEXT,
+    PANEL_LARGE_MLP,
+    PANEL_STEP_ROWS,
     ModelRunner,
     SeqBatchInput,
+    fused_step_rows,
 )
 from prefixserve.model.weights import quant, quant_kernels
 from prefixserve.model.weights.quant import (
@@ -591,7 +594,7 @@ def test_a_step_of_prefills_and_decodes_runs_its_decodes_fused() -> None:
 
 def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     """Below ``MIN_SPLIT_CONTEXT`` of decode context a mixed step of more than
-    ``FUSED_STEP_ROWS`` new tokens stays one eager pass."""
+    ``fused_step_rows`` new tokens stays one eager pass."""
     config = tiny_config()
     runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu")
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0], seq_id="a")])
@@ -602,7 +605,7 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     run = fused.run
     fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore
     runner.execute([SeqBatchInput([5], 4, [0], seq_id="a"),
-                    SeqBatchInput(list(range(1, FUSED_STEP_ROWS + 1)), 0, [1, 2, 3, 4],
+                    SeqBatchInput(list(range(1, runner.fused_step_rows + 1)), 0, [1, 2, 3, 4],
                                   seq_id="b")])
     assert calls == [] and MIN_SPLIT_CONTEXT > 5
     runner.execute([SeqBatchInput([6], 5, [0], seq_id="a")])
@@ -611,19 +614,20 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
 
 #: The K/V of a fused step's prompt rows against the eager step's, as a fraction of the
 #: largest: past ``SMALL_M`` rows the eager step multiplies the float32 activations as they
-#: are, the fused layers round them to 16 bits per block as in a decode step (measured up to
-#: 1.9e-4 over five seeds of ``short_prompt_steps``; logits within ``LOGIT_TOL``).
+#: are where the build has no panel kernel, the fused layers round them to 16 bits per block
+#: as in a decode step (measured up to 1.9e-4 over five seeds of ``short_prompt_steps``;
+#: logits within ``LOGIT_TOL``).
 PROMPT_KV_TOL = 4e-4
 
 
 def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
                        adapters: bool = False
                        ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
-    """Four steps on a tiny packed model: a 70-token prompt (more than ``FUSED_STEP_ROWS``:
+    """Four steps on a tiny packed model: a 70-token prompt (more than ``fused_step_rows``:
     eager); its decode beside a 5-token prompt and, behind a cached block of the first prompt,
     a 7-token rest (13 rows); the three decoding beside a 3-token prompt that asks for its
     prompt's logits; the four decoding beside a new prompt that fills the step to
-    ``FUSED_STEP_ROWS`` rows. With ``adapters`` the sequences run under LoRA slots 0, 1, none,
+    ``fused_step_rows`` rows. With ``adapters`` the sequences run under LoRA slots 0, 1, none,
     2 and 0 (``lora_model``). Returns each step's last-row logits, the cache, and the steps that
     ran the fused layers."""
     config = replace(tiny_config(heads=4, kv_heads=2, head_dim=64), hidden_size=256,
@@ -635,7 +639,7 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
     slots = {"a": 0, "b": 1, "d": 2, "e": 0} if adapters else {}
     rng = random.Random(5)
     ids = [rng.randrange(config.vocab_size) for _ in range(160)]
-    rest = FUSED_STEP_ROWS - 4
+    rest = fused_step_rows(config) - 4
 
     def seq(name: str, first: int, end: int, start: int, table: list[int],
             logits: bool = False) -> SeqBatchInput:
@@ -666,7 +670,7 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
 def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(
         adapters: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of at most ``FUSED_STEP_ROWS`` new tokens, short prompts (one behind a cached
+    """A step of at most ``fused_step_rows`` new tokens, short prompts (one behind a cached
     block) among decodes, runs whole through the fused layers, and its logits and the K/V it
     writes agree with the eager path's, under LoRA adapters too (each prompt row under its
     sequence's slot); a step with a prompt that asks for its prompt's logits, or of more rows,
@@ -680,6 +684,23 @@ def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(
         torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL * float(want.abs().max()))
     torch.testing.assert_close(fused_cache, eager_cache, rtol=0,
                                atol=PROMPT_KV_TOL * float(eager_cache.abs().max()))
+
+
+def test_the_fused_step_limit_follows_the_eager_steps_products() -> None:
+    """Where the eager step multiplies more than SMALL_M rows in panels (``kernels/panel.c``,
+    AVX2 builds), a step runs whole through the fused layers up to ``PANEL_STEP_ROWS`` new
+    tokens, and only up to SMALL_M for a model whose MLP holds more than ``PANEL_LARGE_MLP``
+    weights (Llama 3.2 1B's shape: 50 M); elsewhere up to ``FUSED_STEP_ROWS`` at any size. A
+    runner takes its model's limit when it builds the fused layers. (Planted: the size test
+    left out: the 1B shape fails on AVX2 builds.)"""
+    small = tiny_config()
+    large = replace(small, hidden_size=2048, intermediate_size=8192)
+    assert 3 * small.hidden_size * small.intermediate_size <= PANEL_LARGE_MLP < 3 * 2048 * 8192
+    want = (PANEL_STEP_ROWS, quant.SMALL_M) if panel_build() else (FUSED_STEP_ROWS,) * 2
+    assert (fused_step_rows(small), fused_step_rows(large)) == want
+    runner = ModelRunner(small, packed_model(small), 64, 16, torch.float32, "cpu")
+    runner.execute([SeqBatchInput([1, 2, 3], 0, [0], seq_id="a")])
+    assert runner._fused is not None and runner.fused_step_rows == want[0]
 
 
 def test_a_kernel_that_does_not_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

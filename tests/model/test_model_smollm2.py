@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from isa_helpers import panel_build
 from reference_cache import cached_reference
 
 from prefixserve.model.arch.config import default_model_path
@@ -61,7 +62,12 @@ def test_logits_and_greedy_match_transformers(hf_model) -> None:
     out = runner.execute([SeqBatchInput(prompt, 0, table, need_prompt_logits=True)])
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(out.prompt_logits[0], ref, atol=1e-3, rtol=1e-4)
+    # The expand path's float32 GEMM of the same weights gives transformers' values; the panel
+    # kernel rounds activations to 16 bits as every decode step does (measured 2.4e-4 of the
+    # largest logit), and no prompt position's argmax moves.
+    tol = 5e-4 * float(ref.abs().max()) if panel_build() else 1e-3
+    torch.testing.assert_close(out.prompt_logits[0], ref, atol=tol, rtol=1e-4)
+    assert torch.equal(out.prompt_logits[0].argmax(-1), ref.argmax(-1))
 
     ours, pos = [int(out.logits[0].argmax())], len(prompt)
     for _ in range(NEW_TOKENS - 1):

@@ -10,7 +10,9 @@ Tolerances (``x`` the activations, ``W`` the reference weights, all in float64):
   activations to 16 bits (step = the block's largest ``|x|`` / 32767), so
   ``|y - x W^T| <= (half step of each x) @ |W|^T + 1e-5 * |x| @ |W|^T`` (the last term is
   float32 accumulation slack; measured errors are ~5e-6 of ``|x| @ |W|^T``);
-* **expand path** (``M > SMALL_M``): a float32 GEMM of the exact weights,
+* **panel path** (``M > SMALL_M`` on AVX2 builds without AVX-512, ``kernels/panel.c``): the
+  same 16-bit rounding and bound as the kernel path;
+* **expand path** (``M > SMALL_M`` elsewhere): a float32 GEMM of the exact weights,
   ``|y - x W^T| <= 1e-5 * |x| @ |W|^T`` (measured ~7e-8);
 * **requantized types** add the requantization error ``|x| @ E^T``, where ``E`` bounds each
   weight's error from its block of reference values (:func:`requant_error`): half a step plus
@@ -38,7 +40,13 @@ import torch
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from isa_helpers import AVX2_BUILD, cpu_flags, has_avx512_and_avx2, kernels_or_skip
+from isa_helpers import (
+    AVX2_BUILD,
+    cpu_flags,
+    has_avx512_and_avx2,
+    kernels_or_skip,
+    panel_build,
+)
 from safetensors.numpy import save_file
 from torch import nn
 
@@ -159,7 +167,7 @@ def product_bound(x: np.ndarray, w_abs: np.ndarray, bits: int = 16) -> np.ndarra
     """Bound on ``|QuantLinear(x) - x W^T|`` for exact weights with ``|W| <= w_abs``."""
     x_abs = np.abs(x)
     slack = SLACK * x_abs @ w_abs.T
-    if x.shape[0] > SMALL_M:
+    if x.shape[0] > SMALL_M and not panel_build():
         return slack
     half_step = np.abs(blocks_of(x)).max(axis=-1) / (2**(bits - 1) - 1) / 2
     half_step = np.broadcast_to(half_step[..., None], blocks_of(x).shape).reshape(x.shape)
@@ -344,7 +352,9 @@ def test_expand_path_in_slices(lib, monkeypatch: pytest.MonkeyPatch) -> None:
         _, ref, packed = packed_case(qtype)
         x = activations(SMALL_M + 5)
         x64, w64 = x.double().numpy(), ref.astype(np.float64)
-        assert_within(QuantLinear(packed)(x), x64 @ w64.T, product_bound(x64, np.abs(w64)),
+        layer = QuantLinear(packed)
+        layer.panel = False  # the expand path, also where the library has the panel kernel
+        assert_within(layer(x), x64 @ w64.T, SLACK * np.abs(x64) @ np.abs(w64).T,
                       f"{qtype.name} sliced")
 
 
@@ -772,6 +782,54 @@ def test_the_invariant_products_of_the_avx2_build_give_a_row_its_bits_at_any_row
     assert_within(every, x64 @ ref.T, rowwise, f"{qtype.name} invariant")
 
 
+def rounded_rows(lib: ctypes.CDLL, x: torch.Tensor) -> np.ndarray:
+    """The activation rows x as the 16-bit kernels take them (``quantize_q16``), in float64."""
+    m, cols = x.shape
+    blocks = m * cols // 32
+    xq = torch.empty(m * cols, dtype=torch.int16)
+    scales = torch.empty(2 * blocks)
+    lib.quantize_q16(x.data_ptr(), m, cols, xq.data_ptr(), scales.data_ptr(),
+                     scales.data_ptr() + 4 * blocks)
+    steps = scales[:blocks].double().repeat_interleave(32)
+    return (xq.double() * steps).reshape(m, cols).numpy()
+
+
+@pytest.mark.parametrize("qtype,stream", [(Q.Q4_0, False), (Q.Q4_0, True), (Q.Q4_1, False),
+                                          (Q.Q8_0, False), (Q.Q4_K, False), (Q.Q5_K, False),
+                                          (Q.Q6_K, False)],
+                         ids=["Q4_0", "Q4_0-stream", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_panel_products_are_the_rounded_rows_times_the_files_weights(qtype: Q, stream: bool,
+                                                                     lib) -> None:
+    """The panel kernel (``kernels/panel.c``: prefill products of more than SMALL_M rows on
+    AVX2 builds without AVX-512; built for AVX2 on an AVX-512 CPU) in every kept format: each
+    output is the float64 product of the 16-bit rows (``quantize_q16``'s values) and gguf-py's
+    weights within float32 slack, at 17, 23 and 40 rows (tiles of 6 and a remainder) and 70
+    weight rows (a last panel of 6; 68 in the stream layout, which takes rows in fours); and
+    each row's outputs are the same bits alone as among the others. Kills a weight or
+    activation pair misplaced, a factor or offset of another block or half, and remainder rows
+    dropped (planted: Q6_K's second half taking the first half's factor: Q6_K fails; the
+    K-quants' offsets left out: Q4_K and Q5_K fail; Q4_0's offset left out: Q4_0 fails;
+    activation units paired (k, k + 16): all fail; the last row of a remainder not stored:
+    all fail)."""
+    avx2 = avx2_library(lib)
+    cols, rows = (4096, 68) if stream else (768, 70)
+    raw = gguf_raw(qtype, rows, cols, seed=11)
+    ref = dequantize(raw, qtype).astype(np.float64)
+    layer = QuantLinear(pack_gguf(raw, int(qtype), cols, lambda: ref.astype(np.float32)),
+                        stream=stream)
+    assert (layer.fmt == FMT_Q4_0S) == stream
+    layer._lib, layer.panel = avx2, True
+    x = activations(40, cols)
+    every = layer._prefill(x)
+    assert torch.equal(layer(x), every)  # forward takes it past SMALL_M rows
+    xr = rounded_rows(avx2, x)
+    assert_within(every, xr @ ref.T, SLACK * np.abs(xr) @ np.abs(ref).T, f"{qtype.name} M=40")
+    for m in (17, 23):
+        assert torch.equal(layer._prefill(x[:m]), every[:m]), m
+    for row in (0, 22, 39):
+        assert torch.equal(layer._prefill(x[row:row + 1])[0], every[row]), row
+
+
 def test_quant_linear_input_layouts_and_bias(lib) -> None:
     """bf16 and non-contiguous inputs, leading dims and a bias."""
     _, ref, packed = packed_case(Q.Q4_1)
@@ -1117,8 +1175,8 @@ def is_matmul_weight(name: str) -> bool:
 
 
 def trace(config: ModelConfig, model: CausalLM) -> list[torch.Tensor]:
-    """Logits of two prompts (one prefill of 33 rows: the expand path) then three decode steps
-    of both (2 rows: the integer kernel), on fixed tokens."""
+    """Logits of two prompts (one prefill of 33 rows: the panel or the expand path) then three
+    decode steps of both (2 rows: the integer kernel), on fixed tokens."""
     runner = ModelRunner(config, model, 16, 4, torch.float32, "cpu")
     tables = [list(range(8)), list(range(8, 16))]
     out = runner.execute([SeqBatchInput(PROMPT_A, 0, tables[0], True, "a"),
@@ -1140,9 +1198,10 @@ TRACE_TOL = {"prefill": 1e-5, "decode": 3e-4}
 
 def assert_traces_close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
     """Each entry within the tolerance of its path: a prompt's logits of more than ``SMALL_M``
-    rows take the expand path in the head, fewer rows (and every decode step) the kernel."""
+    rows take the expand path in the head where the library has no panel kernel; fewer rows,
+    every decode step and the panel kernel round activations to 16 bits."""
     for i, (got, want) in enumerate(zip(ours, ref, strict=True)):
-        expand = i < 2 and want.shape[0] > SMALL_M
+        expand = i < 2 and want.shape[0] > SMALL_M and not panel_build()
         tol = TRACE_TOL["prefill" if expand else "decode"] * float(want.abs().max())
         torch.testing.assert_close(got, want, atol=tol, rtol=0,
                                    msg=lambda m, i=i: f"trace[{i}]: {m}")

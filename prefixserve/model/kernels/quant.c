@@ -2243,3 +2243,5 @@ void dequantize_bf16(const uint8_t *W, int fmt, int64_t K, const int64_t *rows, 
         for (int64_t b = 0; b < nb; b++) dequant_block_bf16(w + b * bytes, fmt, o + b * QK);
     }
 }
+
+#include "panel.c"

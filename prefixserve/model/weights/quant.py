@@ -23,8 +23,11 @@ scale``: its products are bit for bit those of the same weight converted to Q4_1
 
 :class:`QuantLinear` picks its kernel by the number of rows M of the input: up to
 :data:`SMALL_M` rows (decode steps) it runs the integer kernel over the packed blocks; above it
-(prefill) it expands slices of the weight to float32 and calls torch's float GEMM, which is
-faster there (``benchmarks/bench_quant.py`` measures the crossover). A bfloat16 model (the
+(prefill), on AVX2 builds without AVX-512, the panel kernel (``kernels/panel.c``: the same
+16-bit products, blocked for many rows; 1.2-1.5x expand-and-GEMM's speed at 512 rows and
+1.5-2x at 32-64 on Zen 3, ``benchmarks/prefill_products.py``), elsewhere it expands slices of
+the weight to float32 and calls torch's float GEMM, faster there than the integer kernel
+(``benchmarks/bench_quant.py`` measures the crossover). A bfloat16 model (the
 ``--dtype auto`` choice on CPUs with AVX512-BF16 or AMX) expands them to bfloat16 instead and
 calls the bfloat16 GEMM that its dense weights would: on such a CPU (AMD Zen 5) the float32 GEMM
 took 4x as long, and prefill ran at 0.40x the dense path (benchmarks/RESULTS.md). On a CPU with
@@ -334,6 +337,9 @@ class QuantLinear(nn.Module):
         the library has it and ``invariant_batch_kernel`` is set; other rows: the 16-bit
         integer kernel), so that a row's result does not depend on how many rows the product
         has (the deterministic mode; see :mod:`prefixserve.model.attention.batch_invariant`)."""
+        self.panel = self._lib.panel_rows() > 0
+        """Whether a float32 product of more than SMALL_M rows takes the panel kernel
+        (``kernels/panel.c``: AVX2 builds without AVX-512) rather than expand-and-GEMM."""
         self.amx_large_max_outputs = AMX_LARGE_MAX_OUTPUTS
         """Rows x outputs up to which more than AMX_MAX bfloat16 rows take the large-row AMX
         kernel (0: never)."""
@@ -357,7 +363,7 @@ class QuantLinear(nn.Module):
         else:
             if flat.dtype != torch.float32 or not flat.is_contiguous():
                 flat = flat.float().contiguous()
-            y = self._small(flat) if small else self._large(flat, torch.float32)
+            y = self._small(flat) if small else self._prefill(flat)
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -379,6 +385,26 @@ class QuantLinear(nn.Module):
             gemm = self._lib.gemm_quant16 if self.row_invariant else self._lib.gemm_quant16_batch
         gemm(self.qweight.data_ptr(), self.fmt, self.out_features, cols, xq.data_ptr(),
              scales.data_ptr(), sums_ptr, rows, y.data_ptr(), self.out_features)
+        return y
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """A float32 product of more than SMALL_M rows: the panel kernel where the library has
+        it (``kernels/panel.c``: activations rounded per block to 16 bits as in
+        :meth:`_small`), else expand-and-GEMM."""
+        if not self.panel:
+            return self._large(x, torch.float32)
+        rows, cols = x.shape
+        blocks = rows * cols // BLOCK
+        xq = torch.empty(rows * cols, dtype=torch.int16)
+        scales = torch.empty(2 * blocks, dtype=torch.float32)
+        sums_ptr = scales.data_ptr() + 4 * blocks
+        self._lib.quantize_q16(x.data_ptr(), rows, cols, xq.data_ptr(), scales.data_ptr(),
+                               sums_ptr)
+        y = torch.empty((rows, self.out_features), dtype=torch.float32)
+        if self._lib.gemm_panel(self.qweight.data_ptr(), self.fmt, self.out_features, cols,
+                                xq.data_ptr(), scales.data_ptr(), sums_ptr, rows,
+                                y.data_ptr(), self.out_features) != 0:
+            return self._large(x, torch.float32)  # memory lacking for the panels
         return y
 
     def _amx_rows(self, rows: int) -> bool:

@@ -146,6 +146,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.q4_0s_fits.restype = c_int
     lib.repack_q4_0s.argtypes = [p, i64, i64, p]
     lib.repack_q4_0s.restype = None
+    lib.panel_rows.argtypes = []
+    lib.panel_rows.restype = c_int
+    lib.gemm_panel.argtypes = lib.gemm_quant16.argtypes
+    lib.gemm_panel.restype = c_int
     # Asks Linux for the AMX tile state now, once, before any thread multiplies on tiles.
     lib.amx_rows()
 
