@@ -8,12 +8,14 @@
 Weights are random: normal(0, 0.02) values quantized with gguf-py (Q4_0, Q8_0; Q4_0 in the
 layout the engine keeps: the stream layout where it fits), random K-quant blocks with small
 fp16 scales (gguf-py cannot quantize to K-quants). For each
-shape's products (q, k/v, gate+up, down; the head is left out: a prompt step's logits take
+shape's products (q, k/v, o, gate+up, down; the head is left out: a prompt step's logits take
 one row per sequence) and each row count M, the three paths alternate call by call; each
 time is the median of ``--repeat`` rounds of the summed products (one layer), in ms, and the
-ratios are expand-and-GEMM / panel and batch / panel (above 1: the panel is faster). The
-panel kernel exists in AVX2 builds without AVX-512; elsewhere its column is empty. It is the
-measurement behind ``quant.SMALL_M`` and the panel path of ``QuantLinear``.
+ratios are expand-and-GEMM / panel and batch / panel (above 1: the panel is faster); the
+panel's rate in multiply-adds a second is printed beside the rate of its inner step alone
+(``panel_peak``: one thread over data in L1, times the threads). The panel kernel exists in
+AVX2 builds without AVX-512; elsewhere its columns are empty. It is the measurement behind
+``quant.SMALL_M`` and the panel path of ``QuantLinear``.
 
 With ``--file``, whole prompts through the engine instead: a prompt of ``--prompt`` random
 tokens (nothing cached) to its first token, on FILE's model in float32, with the panel kernel
@@ -35,12 +37,13 @@ from gguf.quants import quantize
 
 from prefixserve.model.weights.quant import QuantLinear, pack_gguf
 
-#: (outputs, inputs) of one layer's products.
+#: (outputs, inputs) of one layer's products: q, k and v, o, gate and up, down.
 SHAPES = {
-    "llama-1b": [(2048, 2048), (1024, 2048), (16384, 2048), (2048, 8192)],
-    "default": [(576, 576), (384, 576), (3072, 576), (576, 1536)],
+    "llama-1b": [(2048, 2048), (1024, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+    "default": [(576, 576), (384, 576), (576, 576), (3072, 576), (576, 1536)],
 }
-TYPES = {"Q4_0": GGMLQuantizationType.Q4_0, "Q4_K": GGMLQuantizationType.Q4_K,
+TYPES = {"Q4_0": GGMLQuantizationType.Q4_0, "Q4_1": GGMLQuantizationType.Q4_1,
+         "Q4_K": GGMLQuantizationType.Q4_K,
          "Q6_K": GGMLQuantizationType.Q6_K, "Q8_0": GGMLQuantizationType.Q8_0}
 
 
@@ -140,18 +143,23 @@ def main() -> None:
         engine_prompts(args.file, args.prompt, args.repeat, args.threads)
         return
     torch.set_num_threads(args.threads)
-    print(f"{args.shape}, {args.threads} threads, median of {args.repeat}, ms per layer")
-    print("| format | M | expand | batch | panel | expand / panel | batch / panel |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    peak = QuantLinear(pack_gguf(raw_weight("Q8_0", 16, 256, np.random.default_rng(0)),
+                                 int(TYPES["Q8_0"]), 256, np.zeros))._lib.panel_peak(1 << 22)
+    print(f"{args.shape}, {args.threads} threads, median of {args.repeat}, ms per layer; the "
+          f"panel's inner step alone: {peak * args.threads / 1e9:.1f} G multiply-adds/s")
+    print("| format | M | expand | batch | panel | expand / panel | batch / panel | panel G/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for fmt in args.formats.split(","):
         stack = layers(args.shape, fmt)
         for m in (int(r) for r in args.rows.split(",")):
             t = time_rows(stack, m, args.repeat)
             panel = t.get("panel")
+            macs = m * sum(n * k for n, k in SHAPES[args.shape])
             cells = [f"{t['expand']:.2f}", f"{t['batch']:.2f}",
                      f"{panel:.2f}" if panel else "",
                      f"{t['expand'] / panel:.2f}x" if panel else "",
-                     f"{t['batch'] / panel:.2f}x" if panel else ""]
+                     f"{t['batch'] / panel:.2f}x" if panel else "",
+                     f"{macs / panel / 1e6:.1f}" if panel else ""]
             print(f"| {fmt} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -258,6 +258,35 @@ static void panel_rows_all(const int32_t *a, int64_t Mp, int64_t M, int64_t nb,
 }
 #endif
 
+/* Multiply-adds a second of the tile's inner step alone, on one thread, over data in L1 (the
+ * ceiling of gemm_panel on this core: benchmarks/prefill_products.py); 0 where there is no
+ * panel kernel. */
+double panel_peak(int64_t blocks) {
+#ifdef HAVE_PANEL
+    static int32_t w[256] __attribute__((aligned(32))), x[6 * 16] __attribute__((aligned(32)));
+    __m256i s[12];
+    for (int i = 0; i < 12; i++) s[i] = _mm256_setzero_si256();
+    const int32_t *wb = w, *ab = x;
+    int64_t lda = 16;
+    double start = omp_get_wtime();
+    for (int64_t b = 0; b < blocks; b++) {
+        PANEL_UNIT(0); PANEL_UNIT(1); PANEL_UNIT(2); PANEL_UNIT(3);
+        PANEL_UNIT(4); PANEL_UNIT(5); PANEL_UNIT(6); PANEL_UNIT(7);
+        PANEL_UNIT(8); PANEL_UNIT(9); PANEL_UNIT(10); PANEL_UNIT(11);
+        PANEL_UNIT(12); PANEL_UNIT(13); PANEL_UNIT(14); PANEL_UNIT(15);
+    }
+    double spent = omp_get_wtime() - start;
+    int32_t sink[8];
+    __m256i all = s[0];
+    for (int i = 1; i < 12; i++) all = _mm256_add_epi32(all, s[i]);
+    _mm256_storeu_si256((__m256i *)sink, all);
+    return sink[0] == 12345 ? 0.0 : (double)blocks * 16 * 12 * 16 / spent;
+#else
+    (void)blocks;
+    return 0.0;
+#endif
+}
+
 /* Rows from which gemm_panel runs (0: not in this build, which then leaves large products to
  * expand-and-GEMM). */
 int panel_rows(void) {

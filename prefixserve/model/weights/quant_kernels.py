@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.panel_rows.restype = c_int
     lib.gemm_panel.argtypes = lib.gemm_quant16.argtypes
     lib.gemm_panel.restype = c_int
+    lib.panel_peak.argtypes = [i64]
+    lib.panel_peak.restype = ctypes.c_double
     # Asks Linux for the AMX tile state now, once, before any thread multiplies on tiles.
     lib.amx_rows()
 
