@@ -64,7 +64,15 @@ static inline __m256i nibble_words(const uint8_t *p, int shift) {
     return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi16(15));
 }
 
-static void kq_block_words(const uint8_t *row, int fmt, int64_t b, BlockWords *w) {
+/* A Q4_K or Q5_K super-block's factors d * sc_j and offsets -dmin * m_j, kept while a row's
+ * 8 blocks of 32 in it are decoded (super-block `at`; -1: none yet). */
+typedef struct {
+    int64_t at;
+    float f[8], o[8];
+} SuperScales;
+
+static void kq_block_words(const uint8_t *row, int fmt, int64_t b, SuperScales *held,
+                           BlockWords *w) {
     const uint8_t *s = row + b / 8 * kq_bytes(fmt);
     int j = (int)(b % 8);
     if (fmt == FMT_Q6_K) {
@@ -85,8 +93,16 @@ static void kq_block_words(const uint8_t *row, int fmt, int64_t b, BlockWords *w
         w->o = 0.0f;
         return;
     }
-    uint8_t sc[8], mn[8];
-    kq4_scales(s + 4, sc, mn);
+    if (held->at != b / 8) {
+        uint8_t sc[8], mn[8];
+        kq4_scales(s + 4, sc, mn);
+        float d = fp16_to_float(s), dmin = fp16_to_float(s + 2);
+        for (int i = 0; i < 8; i++) {
+            held->f[i] = d * (float)sc[i];
+            held->o[i] = -dmin * (float)mn[i];
+        }
+        held->at = b / 8;
+    }
     int five = fmt == FMT_Q5_K;
     const uint8_t *nib = s + (five ? 48 : 16) + 32 * (j / 2);
     w->lo = nibble_words(nib, 4 * (j % 2));
@@ -100,13 +116,14 @@ static void kq_block_words(const uint8_t *row, int fmt, int64_t b, BlockWords *w
         w->hi = _mm256_or_si256(w->hi, _mm256_slli_epi16(_mm256_and_si256(
             _mm256_srli_epi16(c, j), one), 4));
     }
-    w->f[0] = w->f[1] = fp16_to_float(s) * (float)sc[j];
-    w->o = -fp16_to_float(s + 2) * (float)mn[j];
+    w->f[0] = w->f[1] = held->f[j];
+    w->o = held->o[j];
 }
 
-static void block_words(const uint8_t *row, int fmt, int64_t b, BlockWords *w) {
+static void block_words(const uint8_t *row, int fmt, int64_t b, SuperScales *held,
+                        BlockWords *w) {
     if (is_kquant(fmt)) {
-        kq_block_words(row, fmt, b, w);
+        kq_block_words(row, fmt, b, held, w);
         return;
     }
     const uint8_t *blk = row + b * block_bytes(fmt);
@@ -127,13 +144,15 @@ static void block_words(const uint8_t *row, int fmt, int64_t b, BlockWords *w) {
  * f[(2 b + h) * 16 + n] and offsets o[b * 16 + n]. */
 static void pack_panel(const uint8_t *const *rows, int fmt, int64_t nb, int32_t *wp, float *f,
                        float *o) {
+    SuperScales held[PANEL_N];
+    for (int r = 0; r < PANEL_N; r++) held[r].at = -1;
     for (int64_t b = 0; b < nb; b++) {
         for (int g = 0; g < 2; g++) {
             __m256i ua[8], ub[8];
             for (int r = 0; r < 8; r++) {
                 BlockWords w;
                 int n = 8 * g + r;
-                block_words(rows[n], fmt, b, &w);
+                block_words(rows[n], fmt, b, &held[n], &w);
                 ua[r] = pair16(w.lo);
                 ub[r] = pair16(w.hi);
                 f[2 * b * 16 + n] = w.f[0];
