@@ -208,10 +208,10 @@ class ModelRunner:
         """Whether the kernel's attention was considered for a model the fused layers do not
         take (dense projections)."""
         self.fused_decode_reason: str | None = None
+        """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.fused_step_rows = FUSED_STEP_ROWS
         """The most new tokens of a step that runs whole through the fused layers (set by
         :func:`fused_step_rows` when they are built)."""
-        """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.model_seconds = 0.0
         """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
         was made: the rest of a step is the engine's own work. (Host time: on an accelerator,

@@ -368,16 +368,23 @@ class QuantLinear(nn.Module):
             y += self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def _small(self, x: torch.Tensor) -> torch.Tensor:
-        """The integer kernel: activations rounded per block to 16 (or 8) bits, then products."""
+    def _rounded(self, x: torch.Tensor, wide: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The rows of x rounded per block of 32 to 16 (wide) or 8 bits: the integers, their
+        block scales followed by the block sums, and the address of the sums."""
         rows, cols = x.shape
         blocks = rows * cols // BLOCK
-        wide = self.activation_bits == 16 or self.fmt in K_FORMATS
         xq = torch.empty(rows * cols, dtype=torch.int16 if wide else torch.int8)
         scales = torch.empty(2 * blocks, dtype=torch.float32)
         sums_ptr = scales.data_ptr() + 4 * blocks
         quantize = self._lib.quantize_q16 if wide else self._lib.quantize_q8
         quantize(x.data_ptr(), rows, cols, xq.data_ptr(), scales.data_ptr(), sums_ptr)
+        return xq, scales, sums_ptr
+
+    def _small(self, x: torch.Tensor) -> torch.Tensor:
+        """The integer kernel: activations rounded per block to 16 (or 8) bits, then products."""
+        rows, cols = x.shape
+        wide = self.activation_bits == 16 or self.fmt in K_FORMATS
+        xq, scales, sums_ptr = self._rounded(x, wide)
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
         if not wide:
             gemm = self._lib.gemm_quant
@@ -394,12 +401,7 @@ class QuantLinear(nn.Module):
         if not self.panel:
             return self._large(x, torch.float32)
         rows, cols = x.shape
-        blocks = rows * cols // BLOCK
-        xq = torch.empty(rows * cols, dtype=torch.int16)
-        scales = torch.empty(2 * blocks, dtype=torch.float32)
-        sums_ptr = scales.data_ptr() + 4 * blocks
-        self._lib.quantize_q16(x.data_ptr(), rows, cols, xq.data_ptr(), scales.data_ptr(),
-                               sums_ptr)
+        xq, scales, sums_ptr = self._rounded(x, True)
         y = torch.empty((rows, self.out_features), dtype=torch.float32)
         if self._lib.gemm_panel(self.qweight.data_ptr(), self.fmt, self.out_features, cols,
                                 xq.data_ptr(), scales.data_ptr(), sums_ptr, rows,
