@@ -6,20 +6,23 @@
  * Each thread takes panels of PANEL_N (16) weight rows. A panel is decoded once per product
  * into 16-bit integers (Q4_0, Q4_1, Q4_K and Q5_K as they are, Q8_0 bytes, Q6_K q - 32), with a
  * factor per 16 weights (the block's or sub-block's scale) and an offset per 32 (Q4_1's m,
- * Q4_0's -8 d as the other kernels read it, the K-quants' -dmin * m; none for Q8_0, Q6_K). Its words are laid out so that one
- * 256-bit load holds, for 8 weight rows, the pair of weights that one 32-bit activation unit
- * meets: pairs (k, k + 8) within each 16 weights ("units"). Activation rows are paired the same
- * way once per product. A tile of PANEL_M (6) activation rows by the panel's 16 outputs then
- * keeps 12 integer sums in registers, adds a vpmaddwd per unit and row, and converts them to
- * floats at each scale change (every 32 weights, every 16 for Q6_K):
+ * Q4_0's -8 d as the other kernels read it, the K-quants' -dmin * m; none for Q8_0, Q6_K). Its
+ * words are laid out so that one 256-bit load holds, for 8 weight rows, the pair of weights
+ * that one 32-bit activation unit meets: pairs (k, k + 8) within each 16 weights ("units").
+ * Activation rows are paired the same way once per product. A tile of PANEL_M (6) activation
+ * rows by the panel's 16 outputs then keeps 12 integer sums in registers, adds a vpmaddwd per
+ * unit and row, and converts them to floats at each scale change (every 32 weights, every 16
+ * for Q6_K):
  *
  *     y[m][n] = sum over blocks b of  f[n][b] * xd[m][b] * sum_k q[n][k] * xq[m][k]
  *                                    + o[n][b] * xs[m][b]
  *
  * The integer sums are exact (|xq| <= 32767, |q| <= 128, 32 terms), so each output differs
  * from the float32 product of the dequantized weight only by the activations' 16-bit rounding
- * and the float sums' order. The tile's inner step is inline assembly: GCC otherwise hoisted
- * the six broadcasts and spilled the sums (0.5x the speed).
+ * and the float sums' order; a row's bits do not depend on the other rows of the product. The
+ * tile's inner step is inline assembly: GCC otherwise hoisted the six broadcasts and spilled
+ * the sums (0.5x the speed). On Zen 3 one vpmaddwd issues a cycle, and the products run at that
+ * rate (panel_peak; benchmarks/prefill_products.py).
  */
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
 #define HAVE_PANEL 1
