@@ -1,5 +1,5 @@
 """Short prompts through the fused layers against the eager step, in one run: the time to a
-prompt's first token (the measurement behind ``fused_step_rows`` in ``model/runner.py``).
+prompt's first token (the measurement behind ``FUSED_STEP_ROWS`` in ``model/runner.py``).
 
     .venv/bin/python benchmarks/short_prompts.py [FILE.gguf] [--lengths 4,16,32,64]
         [--prefix 512] [--prompts 8] [--rounds 3] [--threads 2]

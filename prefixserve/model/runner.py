@@ -18,9 +18,7 @@ from prefixserve.model.attention.paged import AttentionMetadata, TableRows, buil
 from prefixserve.model.attention.window import build_window_metadata
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
 from prefixserve.model.kv_pool import zeroed_pool
-from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_amx
-from prefixserve.model.weights.quant import SMALL_M
 
 MIN_SPLIT_CONTEXT = 1024
 """A step that mixes prefills and decodes runs its decodes through the fused layers (a second
@@ -38,33 +36,10 @@ as many rows: the activations rounded to 16 bits per block of 32, where the eage
 multiplies a float32 model's activations of more than ``SMALL_M`` rows as they are (Zen 3,
 default model, a prompt and its first token: 4 tokens 27 -> 16 ms, 16 tokens 45 -> 34 ms, 32
 tokens 172 -> 62 ms, 64 tokens 227 -> 129 ms; at 96 both take 0.2 s, at 128 the fused layers
-1.1x the eager step's time). Where the eager step multiplies in panels, fewer: see
-:func:`fused_step_rows`."""
-
-PANEL_STEP_ROWS = 32
-"""The fused step's limit where the eager step multiplies more than ``SMALL_M`` rows in panels
-(``kernels/panel.c``, AVX2 builds without AVX-512: the same 16-bit products at the core's peak
-rate), for a model whose layers' MLP holds at most ``PANEL_LARGE_MLP`` weights. Zen 3, a prompt
-to its first token, eager / fused: the default model 1.22x at 32 tokens, 0.80x at 48, 0.87x at
-64; a 1B model (50 M weights an MLP) 1.08x at 16, 0.87x at 20, 0.75x at 32, 0.57x at 64
-(``benchmarks/short_prompts.py``)."""
-
-PANEL_LARGE_MLP = 16 << 20
-"""A model whose layers' MLP (3 x hidden x intermediate weights) holds more than this takes
-the fused step up to ``SMALL_M`` rows only where the eager step multiplies in panels."""
-
-
-def fused_step_rows(config: ModelConfig) -> int:
-    """How many new tokens a step may have to run whole through the fused layers:
-    ``FUSED_STEP_ROWS``, or where the eager step multiplies in panels ``PANEL_STEP_ROWS``, or
-    ``SMALL_M`` for a model of large layers (past them, a row costs the fused layers more than
-    the eager step's panels, whose cost per step does not grow with the layers)."""
-    lib = quant_kernels.kernels()
-    if lib is None or lib.panel_rows() == 0:
-        return FUSED_STEP_ROWS
-    if 3 * config.hidden_size * config.intermediate_size > PANEL_LARGE_MLP:
-        return SMALL_M
-    return PANEL_STEP_ROWS
+1.1x the eager step's time). On AVX2 builds, where both multiply more than ``SMALL_M`` rows in
+panels (``kernels/panel.c``), the fused step stays ahead: eager / fused 1.26-1.49x for the
+default model at 24-64 tokens (up to 1.14x at 1,024), 1.09-1.20x for a 1B model at 16-64
+(``benchmarks/short_prompts.py``, Zen 3)."""
 
 
 @dataclass
@@ -210,8 +185,8 @@ class ModelRunner:
         self.fused_decode_reason: str | None = None
         """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.fused_step_rows = FUSED_STEP_ROWS
-        """The most new tokens of a step that runs whole through the fused layers (set by
-        :func:`fused_step_rows` when they are built)."""
+        """The most new tokens of a step that runs whole through the fused layers
+        (``FUSED_STEP_ROWS``; ``benchmarks/short_prompts.py`` changes it to compare)."""
         self.model_seconds = 0.0
         """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
         was made: the rest of a step is the engine's own work. (Host time: on an accelerator,
@@ -338,7 +313,7 @@ class ModelRunner:
         that adds one token (and wants no prompt logits) when all of them do, or when their
         contexts add up to ``MIN_SPLIT_CONTEXT`` tokens; none if the fused step does not
         apply."""
-        if self._fused_ready() and sum(len(s.token_ids) for s in seqs) <= self.fused_step_rows \
+        if sum(len(s.token_ids) for s in seqs) <= self.fused_step_rows and self._fused_ready() \
                 and not any(s.embeds or (s.need_prompt_logits and not s.verify) for s in seqs):
             return list(range(len(seqs)))
         decoding = [i for i, s in enumerate(seqs) if not s.embeds and
@@ -363,7 +338,6 @@ class ModelRunner:
                 assert isinstance(self.model, CausalLM)
                 self._fused = fused_decode.FusedDecode(self.model, self.kv_cache,
                                                        self.block_size)
-                self.fused_step_rows = fused_step_rows(self.config)
                 self._prompt_attention = self._new_prompt_attention()
             self.fused_decode_reason = reason
         return self._fused is not None

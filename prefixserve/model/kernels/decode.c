@@ -201,6 +201,8 @@ typedef struct {
     int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (AVX2 builds), K-quant products */
     int split_q4, split_k; /* whether xb holds those splits of the last rounded rows (split_q4:
                               of every 16-bit rounding of the step, set once per step) */
+    int32_t *pairs; /* a step of PANEL_TEAM_FROM rows or more where the build has the panel
+                       kernel: its 16-bit rows paired for it (pair_blocks); else NULL */
 } Quantized;
 
 /* Where row b's split_k bytes lie in q->xb, after Q4_SPLIT_ROWS rows of split_q4's. */
@@ -234,6 +236,9 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     }
     int64_t nb = K / QK;
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
+#ifdef HAVE_PANEL
+    if (q->pairs) pair_blocks(q->xq, b0 * nb, (b0 + n) * nb, q->pairs);
+#endif
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
     /* the 4-bit one-row kernels take each unit's rows split where the step asked for it
      * (split_q4, scratch_alloc); a step of up to FEW_ROWS (one unit: b0 is 0) the K-quant ones
@@ -275,6 +280,31 @@ static void team_stream_amx(const uint8_t *W, int64_t N, int64_t K, const float 
         }
     }
 }
+
+#ifdef HAVE_PANEL
+/* team_linear of a step of PANEL_TEAM_FROM 16-bit rows or more: gemm_panel's products (the
+ * eager step's, bit for bit), each panel of 16 outputs by one thread, from the rows paired as
+ * they were rounded (q->pairs; the rows past B up to a multiple of PANEL_M are read but not
+ * stored). NaN out where a thread's buffers could not be had. */
+static void team_panel(const uint8_t *W, int fmt, int64_t N, int64_t K, const float *bias,
+                       const Quantized *q, int64_t B, float *y, int64_t ldy) {
+    int64_t nb = K / QK, Mp = (B + PANEL_M - 1) / PANEL_M * PANEL_M;
+    int64_t row_bytes = fmt == FMT_Q4_0S ? nb * Q4_0_BYTES : fmt_row_bytes(fmt, K);
+    PanelBuffers p;
+    int mine = panel_buffers(fmt, nb, row_bytes, &p);
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += PANEL_N) {
+        int64_t end = n0 + PANEL_N < N ? n0 + PANEL_N : N;
+        if (mine) panel_outputs(W, fmt, N, K, n0, &p, q->pairs, Mp, B, q->xd, q->xs, y, ldy);
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t n = n0; n < end; n++) {
+                y[b * ldy + n] = mine ? y[b * ldy + n] + (bias ? bias[n] : 0.0f) : NAN;
+            }
+        }
+    }
+    panel_buffers_free(&p); /* after the loop's barrier */
+}
+#endif
 
 /* team_linear of a stream-layout Q4_0 weight (stream.c), with the file layout's results
  * exactly: up to PAIR_ROWS 16-bit rows by rows_q4_0s, one after another over each group; more
@@ -333,6 +363,12 @@ static void team_stream(const uint8_t *W, int64_t N, int64_t K, const float *bia
  * end). Each output is what gemm_bf16_batch (q->bf16) or gemm_quant16_batch computes. */
 static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y, int64_t ldy) {
+#ifdef HAVE_PANEL
+    if (!q->bf16 && q->pairs) {
+        team_panel(W, (int)fmt, N, K, bias, q, B, y, ldy);
+        return;
+    }
+#endif
     if (fmt == FMT_Q4_0S) {
         team_stream(W, N, K, bias, q, B, y, ldy);
         return;
@@ -1448,19 +1484,34 @@ static void split_needs(const DecodeModel *m, Quantized *q) {
 #endif
 }
 
+/* Bytes of a step's paired rows for the panel kernel (Quantized.pairs): the B rows and
+ * PANEL_M more that a tile reads, where the step takes the panels; else 0. */
+static int64_t pair_bytes(int64_t B, int64_t widest) {
+#ifdef HAVE_PANEL
+    return B >= PANEL_TEAM_FROM ? (B + PANEL_M) * widest * (int64_t)sizeof(int16_t) : 0;
+#else
+    (void)B, (void)widest;
+    return 0;
+#endif
+}
+
+/* Rows of scales and sums past B that a panel tile reads (not stored). */
+#define SPARE_ROWS 6
+
 static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratch *sc) {
     int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     int64_t qkv_width = (m->heads + 2 * m->kv_heads) * D, widest = I > H ? I : H;
     if (m->heads * D > widest) widest = m->heads * D;
     int64_t floats = B * (H + qkv_width + m->heads * D + 2 * I + I + H + 2 * D) + 4 * B * widest / QK
-                     + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows;
+                     + B * m->heads * chunks * (D + 2) + B * m->lora_max_rows
+                     + 2 * SPARE_ROWS * widest / QK;
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     split_needs(m, &sc->q);
     sc->q.split_q4 = sc->q.need_q4 && B <= Q4_SPLIT_ROWS; /* for every unit of its rows */
     int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS ? B : FEW_ROWS; /* split_k's */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * Q4_SPLIT_ROWS * widest
-                    + k_rows * SPLIT_K_BYTES(widest) + 128;
+                    + k_rows * SPLIT_K_BYTES(widest) + pair_bytes(B, widest) + 192;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;
     sc->base = p;
@@ -1475,8 +1526,8 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->sin_ = f; f += B * D / 2;
     sc->cos_local = f; f += B * D / 2;
     sc->sin_local = f; f += B * D / 2;
-    sc->q.xd = f; f += B * widest / QK;
-    sc->q.xs = f; f += B * widest / QK;
+    sc->q.xd = f; f += (B + SPARE_ROWS) * widest / QK;
+    sc->q.xs = f; f += (B + SPARE_ROWS) * widest / QK;
     sc->q.dT = f; f += B * widest / QK;
     sc->q.sT = f; f += B * widest / QK;
     sc->parts = f; f += B * m->heads * chunks * (D + 2);
@@ -1484,6 +1535,9 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->q.xv = (uint32_t *)f; f += words;
     sc->q.xq = (int16_t *)f;
     sc->q.xb = (uint8_t *)(((uintptr_t)(sc->q.xq + B * widest) + 63) & ~(uintptr_t)63);
+    uint8_t *after = sc->q.xb + 2 * Q4_SPLIT_ROWS * widest + k_rows * SPLIT_K_BYTES(widest);
+    sc->q.pairs = pair_bytes(B, widest) ? (int32_t *)(((uintptr_t)after + 63) & ~(uintptr_t)63)
+                                        : NULL;
     return 0;
 }
 

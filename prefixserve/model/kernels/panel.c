@@ -28,6 +28,9 @@
 #define HAVE_PANEL 1
 #define PANEL_N 16
 #define PANEL_M 6
+/* Rows from which a fused step's products take the panels (decode.c, team_panel): past 16, as
+ * QuantLinear's eager products past SMALL_M. */
+#define PANEL_TEAM_FROM 17
 
 /* The 16 words of v (k 0..15) as 8 units: (k, k + 8) for k = 0..3 in the low half, 4..7 in
  * the high half. */
@@ -173,16 +176,24 @@ static void pack_panel(const uint8_t *const *rows, int fmt, int64_t nb, int32_t 
     }
 }
 
-/* M rows of 16-bit activations (nb blocks each) as units a[(m * nb + b) * 16 + p], pairs as
- * pack_panel pairs the weights; rows M .. Mp (up to a multiple of PANEL_M) zero. */
+/* Blocks [i0, i1) of 16-bit activations as units a[i * 16 + p] (block i of row m is m * nb +
+ * b), paired as pack_panel pairs the weights. */
+static inline void pair_blocks(const int16_t *xq, int64_t i0, int64_t i1, int32_t *a) {
+    for (int64_t i = i0; i < i1; i++) {
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(xq + i * QK));
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(xq + i * QK + 16));
+        _mm256_storeu_si256((__m256i *)(a + i * 16), pair16(lo));
+        _mm256_storeu_si256((__m256i *)(a + i * 16 + 8), pair16(hi));
+    }
+}
+
+/* M rows of 16-bit activations (nb blocks each) as units (pair_blocks); rows M .. Mp (up to a
+ * multiple of PANEL_M) zero. */
 static void pair_rows(const int16_t *xq, int64_t M, int64_t Mp, int64_t nb, int32_t *a) {
     int parallel = M * nb >= 4096;
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t i = 0; i < M * nb; i++) {
-        __m256i lo = _mm256_loadu_si256((const __m256i *)(xq + i * QK));
-        __m256i hi = _mm256_loadu_si256((const __m256i *)(xq + i * QK + 16));
-        _mm256_store_si256((__m256i *)(a + i * 16), pair16(lo));
-        _mm256_store_si256((__m256i *)(a + i * 16 + 8), pair16(hi));
+    for (int64_t i = 0; i < M * nb; i += 64) {
+        pair_blocks(xq, i, i + 64 < M * nb ? i + 64 : M * nb, a);
     }
     memset(a + M * nb * 16, 0, (size_t)((Mp - M) * nb * 16) * sizeof(int32_t));
 }
@@ -337,6 +348,46 @@ static void panel_sources(const uint8_t *W, int fmt, int64_t N, int64_t K, int64
         }
     }
 }
+
+/* A thread's buffers for its panels: one panel's words, factors and offsets (wp, f), the rows
+ * of a Q4_0S group unpacked (tmp) and a zero row (zero: the rows past N). */
+typedef struct {
+    int32_t *wp;
+    float *f;
+    uint8_t *tmp, *zero;
+} PanelBuffers;
+
+/* Allocates p for products of nb blocks a row (row_bytes) in format fmt; 0 where memory lacks. */
+static int panel_buffers(int fmt, int64_t nb, int64_t row_bytes, PanelBuffers *p) {
+    p->wp = aligned_alloc(32, (size_t)(nb * 256) * sizeof(int32_t));
+    p->f = aligned_alloc(32, (size_t)(nb * 48) * sizeof(float));
+    p->tmp = fmt == FMT_Q4_0S ? malloc((size_t)(PANEL_N * row_bytes)) : NULL;
+    p->zero = calloc((size_t)row_bytes, 1);
+    return p->wp && p->f && p->zero && (p->tmp || fmt != FMT_Q4_0S);
+}
+
+static void panel_buffers_free(PanelBuffers *p) {
+    free(p->wp);
+    free(p->f);
+    free(p->tmp);
+    free(p->zero);
+}
+
+/* Outputs n0 .. n0 + 16 (fewer at N) of the M rows (paired units a, Mp rows; scales xd and
+ * sums xs, nb a row, Mp rows readable) into y, through one panel decoded into p. */
+static void panel_outputs(const uint8_t *W, int fmt, int64_t N, int64_t K, int64_t n0,
+                          const PanelBuffers *p, const int32_t *a, int64_t Mp, int64_t M,
+                          const float *xd, const float *xs, float *y, int64_t ldy) {
+    int64_t nb = K / QK;
+    int64_t row_bytes = fmt == FMT_Q4_0S ? nb * Q4_0_BYTES : fmt_row_bytes(fmt, K);
+    int unpacked = fmt == FMT_Q4_0S ? FMT_Q4_0 : fmt;
+    const uint8_t *rows[PANEL_N];
+    panel_sources(W, fmt, N, K, n0, row_bytes, p->tmp, p->zero, rows);
+    pack_panel(rows, unpacked, nb, p->wp, p->f, p->f + nb * 32);
+    int cols = N - n0 < PANEL_N ? (int)(N - n0) : PANEL_N;
+    panel_rows_all(a, Mp, M, nb, p->wp, p->f, p->f + nb * 32, xd, xs, unpacked, y + n0, ldy,
+                   cols);
+}
 #endif
 
 /*
@@ -349,43 +400,33 @@ int gemm_panel(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *x
 #ifdef HAVE_PANEL
     int64_t nb = K / QK, Mp = (M + PANEL_M - 1) / PANEL_M * PANEL_M;
     int64_t row_bytes = fmt == FMT_Q4_0S ? nb * Q4_0_BYTES : fmt_row_bytes(fmt, K);
-    int unpacked = fmt == FMT_Q4_0S ? FMT_Q4_0 : fmt;
     int32_t *a = aligned_alloc(32, (size_t)(Mp * nb * 16) * sizeof(int32_t));
     float *scales = calloc((size_t)(2 * Mp * nb), sizeof(float));
-    uint8_t *zero = calloc((size_t)row_bytes, 1);
-    int failed = !a || !scales || !zero;
+    int failed = !a || !scales;
     if (!failed) {
         pair_rows(xq, M, Mp, nb, a);
         memcpy(scales, xd, (size_t)(M * nb) * sizeof(float));
         memcpy(scales + Mp * nb, xs, (size_t)(M * nb) * sizeof(float));
 #pragma omp parallel
         {
-            int32_t *wp = aligned_alloc(32, (size_t)(nb * 256) * sizeof(int32_t));
-            float *f = aligned_alloc(32, (size_t)(nb * 48) * sizeof(float));
-            uint8_t *tmp = fmt == FMT_Q4_0S ? malloc((size_t)(PANEL_N * row_bytes)) : NULL;
-            int mine = wp && f && (tmp || fmt != FMT_Q4_0S);
+            PanelBuffers p;
+            int mine = panel_buffers(fmt, nb, row_bytes, &p);
             if (!mine) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < N; n0 += PANEL_N) {
-                if (!mine) continue;
-                const uint8_t *rows[PANEL_N];
-                panel_sources(W, fmt, N, K, n0, row_bytes, tmp, zero, rows);
-                pack_panel(rows, unpacked, nb, wp, f, f + nb * 32);
-                int cols = N - n0 < PANEL_N ? (int)(N - n0) : PANEL_N;
-                panel_rows_all(a, Mp, M, nb, wp, f, f + nb * 32, scales, scales + Mp * nb,
-                               unpacked, y + n0, ldy, cols);
+                if (mine) {
+                    panel_outputs(W, fmt, N, K, n0, &p, a, Mp, M, scales, scales + Mp * nb, y,
+                                  ldy);
+                }
             }
-            free(wp);
-            free(f);
-            free(tmp);
+            panel_buffers_free(&p);
         }
     }
     free(a);
     free(scales);
-    free(zero);
     return failed ? -1 : 0;
 #else
     (void)W, (void)fmt, (void)N, (void)K, (void)xq, (void)xd, (void)xs, (void)M, (void)y;
