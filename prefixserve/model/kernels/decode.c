@@ -360,7 +360,8 @@ static void team_stream(const uint8_t *W, int64_t N, int64_t K, const float *bia
 /* y [B, N] (row stride ldy) = x [B, K] W^T (+ bias), W packed in format fmt, x as
  * quantize_rows left it: the output rows shared out among the threads of the enclosing
  * parallel region, every one of which must call it (an orphaned `omp for`, a barrier at its
- * end). Each output is what gemm_bf16_batch (q->bf16) or gemm_quant16_batch computes. */
+ * end). Each output is what gemm_bf16_batch (q->bf16), gemm_panel (a step of
+ * PANEL_TEAM_FROM 16-bit rows or more, where the build has it) or gemm_quant16_batch computes. */
 static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, const float *bias,
                         const Quantized *q, int64_t B, float *y, int64_t ldy) {
 #ifdef HAVE_PANEL
