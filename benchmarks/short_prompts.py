@@ -1,5 +1,6 @@
 """Short prompts through the fused layers against the eager step, in one run: the time to a
-prompt's first token (the measurement behind ``FUSED_STEP_ROWS`` in ``model/runner.py``).
+prompt's first token (the measurement behind ``FUSED_STEP_ROWS`` and ``PANEL_STEP_ROWS`` in
+``model/runner.py``).
 
     .venv/bin/python benchmarks/short_prompts.py [FILE.gguf] [--lengths 4,16,32,64]
         [--prefix 512] [--prompts 8] [--rounds 3] [--threads 2]
@@ -56,6 +57,7 @@ def main() -> None:
     prefix = [rng.randrange(1000, 30000) for _ in range(args.prefix)]
     llm.generate(prefix, SamplingParams(max_tokens=1, temperature=0.0))  # cached from here
     runner = llm.engine.runner
+    runner._fused_ready()  # the fused layers built, and with them the shipped limit
     shipped = runner.fused_step_rows
     paths = {"fused": max(lengths), "eager": 0}
     results: dict[str, list[dict[tuple[str, int], float]]] = {name: [] for name in paths}

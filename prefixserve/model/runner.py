@@ -18,6 +18,7 @@ from prefixserve.model.attention.paged import AttentionMetadata, TableRows, buil
 from prefixserve.model.attention.window import build_window_metadata
 from prefixserve.model.kv_layout import kv_block_bytes, kv_layout
 from prefixserve.model.kv_pool import zeroed_pool
+from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_amx
 
 MIN_SPLIT_CONTEXT = 1024
@@ -36,10 +37,23 @@ as many rows: the activations rounded to 16 bits per block of 32, where the eage
 multiplies a float32 model's activations of more than ``SMALL_M`` rows as they are (Zen 3,
 default model, a prompt and its first token: 4 tokens 27 -> 16 ms, 16 tokens 45 -> 34 ms, 32
 tokens 172 -> 62 ms, 64 tokens 227 -> 129 ms; at 96 both take 0.2 s, at 128 the fused layers
-1.1x the eager step's time). On AVX2 builds, where both multiply more than ``SMALL_M`` rows in
-panels (``kernels/panel.c``), the fused step stays ahead: eager / fused 1.26-1.49x for the
-default model at 24-64 tokens (up to 1.14x at 1,024), 1.09-1.20x for a 1B model at 16-64
-(``benchmarks/short_prompts.py``, Zen 3)."""
+1.1x the eager step's time). Builds that multiply in panels take ``PANEL_STEP_ROWS``."""
+
+PANEL_STEP_ROWS = 128
+"""``FUSED_STEP_ROWS`` of AVX2 builds, where both steps multiply more than ``SMALL_M`` rows in
+panels (``kernels/panel.c``) and the fused step stayed ahead at every size measured (Zen 3,
+``benchmarks/short_prompts.py``, eager / fused: the default model 1.26-1.49x at 24-64 tokens,
+1.16-1.29x at 96-128, 1.11-1.19x at 256-1,024; a 1B model 1.09-1.20x at 16-64, 1.02-1.05x at
+512). Longer steps, a long prompt's chunks, stay on the eager path, whose prompt attention the
+tests hold against transformers'."""
+
+
+def fused_step_rows() -> int:
+    """The most new tokens of a step that runs whole through the fused layers:
+    ``PANEL_STEP_ROWS`` where the kernel library multiplies in panels, else
+    ``FUSED_STEP_ROWS``."""
+    lib = quant_kernels.kernels()
+    return PANEL_STEP_ROWS if lib is not None and lib.panel_rows() > 0 else FUSED_STEP_ROWS
 
 
 @dataclass
@@ -185,8 +199,9 @@ class ModelRunner:
         self.fused_decode_reason: str | None = None
         """Why decode steps run eagerly (None: they are fused, or no decode step ran yet)."""
         self.fused_step_rows = FUSED_STEP_ROWS
-        """The most new tokens of a step that runs whole through the fused layers
-        (``FUSED_STEP_ROWS``; ``benchmarks/short_prompts.py`` changes it to compare)."""
+        """The most new tokens of a step that runs whole through the fused layers (set by
+        :func:`fused_step_rows` when they are built; ``benchmarks/short_prompts.py`` changes
+        it to compare)."""
         self.model_seconds = 0.0
         """Seconds spent in the model (forward pass and logits) by ``execute`` since the runner
         was made: the rest of a step is the engine's own work. (Host time: on an accelerator,
@@ -338,6 +353,7 @@ class ModelRunner:
                 assert isinstance(self.model, CausalLM)
                 self._fused = fused_decode.FusedDecode(self.model, self.kv_cache,
                                                        self.block_size)
+                self.fused_step_rows = fused_step_rows()
                 self._prompt_attention = self._new_prompt_attention()
             self.fused_decode_reason = reason
         return self._fused is not None

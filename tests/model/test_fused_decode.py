@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from isa_helpers import AVX2_BUILD, has_avx512_and_avx2
+from isa_helpers import AVX2_BUILD, has_avx512_and_avx2, panel_build
 from model_helpers import dense_model, pack_projections, packed_model, tiny_config
 
 from prefixserve import LLM, SamplingParams
@@ -34,8 +34,10 @@ from prefixserve.model.attention import decode_kernel, fused_decode
 from prefixserve.model.runner import (
     FUSED_STEP_ROWS,
     MIN_SPLIT_CONTEXT,
+    PANEL_STEP_ROWS,
     ModelRunner,
     SeqBatchInput,
+    fused_step_rows,
 )
 from prefixserve.model.weights import quant, quant_kernels
 from prefixserve.model.weights.quant import (
@@ -599,7 +601,7 @@ def test_a_step_of_prefills_and_decodes_runs_its_decodes_fused() -> None:
 
 def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     """Below ``MIN_SPLIT_CONTEXT`` of decode context a mixed step of more than
-    ``FUSED_STEP_ROWS`` new tokens stays one eager pass."""
+    ``fused_step_rows()`` new tokens stays one eager pass."""
     config = tiny_config()
     runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu")
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0], seq_id="a")])
@@ -610,8 +612,8 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     run = fused.run
     fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore
     runner.execute([SeqBatchInput([5], 4, [0], seq_id="a"),
-                    SeqBatchInput(list(range(1, FUSED_STEP_ROWS + 1)), 0, [1, 2, 3, 4],
-                                  seq_id="b")])
+                    SeqBatchInput([1 + i % 50 for i in range(fused_step_rows())], 0,
+                                  list(range(1, 10)), seq_id="b")])
     assert calls == [] and MIN_SPLIT_CONTEXT > 5
     runner.execute([SeqBatchInput([6], 5, [0], seq_id="a")])
     assert calls == [1]
@@ -628,11 +630,11 @@ PROMPT_KV_TOL = 4e-4
 def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
                        adapters: bool = False
                        ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
-    """Four steps on a tiny packed model: a 70-token prompt (more than ``FUSED_STEP_ROWS``:
-    eager); its decode beside a 5-token prompt and, behind a cached block of the first prompt,
-    a 7-token rest (13 rows); the three decoding beside a 3-token prompt that asks for its
-    prompt's logits; the four decoding beside a new prompt that fills the step to
-    ``FUSED_STEP_ROWS`` rows. With ``adapters`` the sequences run under LoRA slots 0, 1, none,
+    """Four steps on a tiny packed model: a prompt of L + 6 tokens, L = ``fused_step_rows()``
+    (more than the limit: eager); its decode beside a 5-token prompt and, behind a cached block
+    of the first prompt, a 7-token rest (13 rows); the three decoding beside a 3-token prompt
+    that asks for its prompt's logits; the four decoding beside a new prompt that fills the
+    step to L rows. With ``adapters`` the sequences run under LoRA slots 0, 1, none,
     2 and 0 (``lora_model``). Returns each step's last-row logits, the cache, and the steps that
     ran the fused layers."""
     config = replace(tiny_config(heads=4, kv_heads=2, head_dim=64), hidden_size=256,
@@ -643,21 +645,26 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
     runner.lora = lora_model(config, model) if adapters else None
     slots = {"a": 0, "b": 1, "d": 2, "e": 0} if adapters else {}
     rng = random.Random(5)
-    ids = [rng.randrange(config.vocab_size) for _ in range(160)]
-    rest = FUSED_STEP_ROWS - 4
+    limit = fused_step_rows()
+    ids = [rng.randrange(config.vocab_size) for _ in range(2 * limit + 40)]
+    rest, n = limit - 4, limit + 6  # n: the first prompt's length
 
     def seq(name: str, first: int, end: int, start: int, table: list[int],
             logits: bool = False) -> SeqBatchInput:
         return SeqBatchInput(ids[first:end], start, table, seq_id=name,
                              need_prompt_logits=logits, lora_slot=slots.get(name))
 
-    a, b, c, d, e = [0, 1, 2, 3, 4], [5], [0, 6], [7], [8, 9, 10, 11]  # c's first is a's
-    steps = [[seq("a", 0, 70, 0, a)],
-             [seq("a", 70, 71, 70, a), seq("b", 71, 76, 0, b), seq("c", 76, 83, 16, c)],
-             [seq("a", 83, 84, 71, a), seq("b", 84, 85, 5, b), seq("c", 85, 86, 23, c),
-              seq("d", 86, 89, 0, d, logits=True)],
-             [seq("a", 89, 90, 72, a), seq("b", 90, 91, 6, b), seq("c", 91, 92, 24, c),
-              seq("d", 92, 93, 3, d), seq("e", 93, 93 + rest, 0, e)]]
+    a = list(range(n // 16 + 1))
+    b, c, d = [len(a)], [0, len(a) + 1], [len(a) + 2]  # c's first block is a's
+    e = list(range(len(a) + 3, len(a) + 3 + rest // 16 + 1))
+    steps = [[seq("a", 0, n, 0, a)],
+             [seq("a", n, n + 1, n, a), seq("b", n + 1, n + 6, 0, b),
+              seq("c", n + 6, n + 13, 16, c)],
+             [seq("a", n + 13, n + 14, n + 1, a), seq("b", n + 14, n + 15, 5, b),
+              seq("c", n + 15, n + 16, 23, c), seq("d", n + 16, n + 19, 0, d, logits=True)],
+             [seq("a", n + 19, n + 20, n + 2, a), seq("b", n + 20, n + 21, 6, b),
+              seq("c", n + 21, n + 22, 24, c), seq("d", n + 22, n + 23, 3, d),
+              seq("e", n + 23, n + 23 + rest, 0, e)]]
     calls: list[int] = []
     run = fused_decode.FusedDecode.run
     monkeypatch.setattr(fused_decode.FusedDecode, "run", lambda *args, **kwargs: (
@@ -675,7 +682,7 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
 def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(
         adapters: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of at most ``FUSED_STEP_ROWS`` new tokens, short prompts (one behind a cached
+    """A step of at most ``fused_step_rows()`` new tokens, short prompts (one behind a cached
     block) among decodes, runs whole through the fused layers, and its logits and the K/V it
     writes agree with the eager path's, under LoRA adapters too (each prompt row under its
     sequence's slot); a step with a prompt that asks for its prompt's logits, or of more rows,
@@ -689,6 +696,27 @@ def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(
         torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_TOL * float(want.abs().max()))
     torch.testing.assert_close(fused_cache, eager_cache, rtol=0,
                                atol=PROMPT_KV_TOL * float(eager_cache.abs().max()))
+
+
+def test_panel_builds_run_steps_of_up_to_128_tokens_fused() -> None:
+    """Where both steps multiply more than 16 rows in panels (AVX2 builds), a step of up to
+    ``PANEL_STEP_ROWS`` (128) new tokens runs whole through the fused layers, elsewhere up to
+    ``FUSED_STEP_ROWS`` (64); a runner takes the limit when it builds them and then runs a
+    prompt of that many tokens fused. (Planted: the panel builds' limit left at 64: fails on
+    AVX2 builds.)"""
+    want = PANEL_STEP_ROWS if panel_build() else FUSED_STEP_ROWS
+    assert fused_step_rows() == want and PANEL_STEP_ROWS > FUSED_STEP_ROWS
+    config = tiny_config()
+    runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu")
+    runner.execute([SeqBatchInput([1, 2, 3], 0, [0], seq_id="a")])
+    assert runner._fused is not None and runner.fused_step_rows == want
+    fused = runner._fused
+    calls: list[int] = []
+    run = fused.run
+    fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore
+    runner.execute([SeqBatchInput([1 + i % 50 for i in range(want)], 0, list(range(1, 10)),
+                                  seq_id="b")])
+    assert calls == [1]
 
 
 def test_a_kernel_that_does_not_build_says_why(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
