@@ -393,7 +393,8 @@ static void panel_outputs(const uint8_t *W, int fmt, int64_t N, int64_t K, int64
 /*
  * y[m * ldy + n] = sum_k x[m][k] W[n][k] for M rows of 16-bit activations (quantize_q16: xq,
  * scales xd, sums xs) and an N x K weight in format fmt (Q4_0S: N a multiple of 4). Returns 0,
- * or -1 where this build has no such kernel or memory is lacking (y untouched).
+ * or -1 where this build has no such kernel (y untouched) or memory is lacking (y possibly
+ * written in part: the caller computes it another way).
  */
 int gemm_panel(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
