@@ -31,13 +31,13 @@ FUSED_STEP_ROWS = 64
 """A step of at most this many new tokens, prompt chunks included (none with image embeds or
 asking for its prompt's logits), runs whole through the fused layers, each token a row at its
 position as drafts are: a short prompt, or the short rest of a prompt whose prefix came from
-the cache, skips the ~40 torch operations a layer of the eager step costs, and from ``SMALL_M``
-rows on the eager step's expansion of every weight. Its products are those of a decode step of
-as many rows: the activations rounded to 16 bits per block of 32, where the eager step
-multiplies a float32 model's activations of more than ``SMALL_M`` rows as they are (Zen 3,
-default model, a prompt and its first token: 4 tokens 27 -> 16 ms, 16 tokens 45 -> 34 ms, 32
-tokens 172 -> 62 ms, 64 tokens 227 -> 129 ms; at 96 both take 0.2 s, at 128 the fused layers
-1.1x the eager step's time). Builds that multiply in panels take ``PANEL_STEP_ROWS``."""
+the cache, skips the ~40 torch operations a layer of the eager step costs. Its activations are
+rounded to 16 bits per block of 32, as a decode step's; on builds without the panel kernel the
+eager step multiplies more than ``SMALL_M`` float32 rows as they are, after expanding every
+weight (Zen 3 before the panels, default model, a prompt and its first token: 4 tokens 27 -> 16
+ms, 16 tokens 45 -> 34 ms, 32 tokens 172 -> 62 ms, 64 tokens 227 -> 129 ms; at 96 both take 0.2
+s, at 128 the fused layers 1.1x the eager step's time). Builds that multiply in panels take
+``PANEL_STEP_ROWS``."""
 
 PANEL_STEP_ROWS = 128
 """``FUSED_STEP_ROWS`` of AVX2 builds, where both steps multiply more than ``SMALL_M`` rows in

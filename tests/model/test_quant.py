@@ -822,6 +822,7 @@ def test_panel_products_are_the_rounded_rows_times_the_files_weights(qtype: Q, s
     x = activations(40, cols)
     every = layer._prefill(x)
     assert torch.equal(layer(x), every)  # forward takes it past SMALL_M rows
+    assert avx2.panel_rows() == SMALL_M + 1  # the fused step's threshold is QuantLinear's
     assert avx2.panel_peak(1 << 10) > 0  # the benchmark's ceiling runs where the kernel does
     xr = rounded_rows(avx2, x)
     assert_within(every, xr @ ref.T, SLACK * np.abs(xr) @ np.abs(ref).T, f"{qtype.name} M=40")

@@ -320,11 +320,12 @@ double panel_peak(int64_t blocks) {
 #endif
 }
 
-/* Rows from which gemm_panel runs (0: not in this build, which then leaves large products to
- * expand-and-GEMM). */
+/* Rows from which products take the panels, in the fused step (team_panel) and in QuantLinear
+ * (SMALL_M + 1, a test holds the two together); 0 where the build has no panel kernel, which
+ * leaves large products to expand-and-GEMM. */
 int panel_rows(void) {
 #ifdef HAVE_PANEL
-    return PANEL_M;
+    return PANEL_TEAM_FROM;
 #else
     return 0;
 #endif
