@@ -237,7 +237,11 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
     int64_t nb = K / QK;
     quantize_q16(x + b0 * K, n, K, q->xq + b0 * K, q->xd + b0 * nb, q->xs + b0 * nb);
 #ifdef HAVE_PANEL
-    if (q->pairs) pair_blocks(q->xq, b0 * nb, (b0 + n) * nb, q->pairs);
+    if (q->pairs) { /* every product of the step takes the panels: no regrouping, no splits */
+        pair_blocks(q->xq, b0 * nb, (b0 + n) * nb, q->pairs);
+        q->split_k = 0;
+        return;
+    }
 #endif
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
     /* the 4-bit one-row kernels take each unit's rows split where the step asked for it
@@ -1509,7 +1513,8 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     split_needs(m, &sc->q);
     sc->q.split_q4 = sc->q.need_q4 && B <= Q4_SPLIT_ROWS; /* for every unit of its rows */
-    int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS ? B : FEW_ROWS; /* split_k's */
+    int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS && !pair_bytes(B, widest)
+                     ? B : FEW_ROWS; /* split_k's (none where the panels take the products) */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * Q4_SPLIT_ROWS * widest
                     + k_rows * SPLIT_K_BYTES(widest) + pair_bytes(B, widest) + 192;
