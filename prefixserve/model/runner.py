@@ -252,12 +252,15 @@ class ModelRunner:
         one decoded token."""
         return max(1, self.block_size // 2) + 1
 
+    @torch.inference_mode()
     def warm_up(self, table: list[int]) -> None:
         """A short prompt and one decode step (``warm_up_positions``) in the blocks of
         ``table``, which no one reads (the caller's to give), before any request: what a
         model's first steps build or load (the fused decode layers, the C kernels' first calls,
         torch's first operator calls) is then ready, and the first request takes a request's
-        time. ``model_seconds`` starts after it."""
+        time. ``model_seconds`` starts after it. In inference mode, as ``execute``: the buffers
+        that steps grow serve later steps, and a buffer made in that mode takes no in-place
+        update outside it (a warm-up after steps, in another thread)."""
         tables = (table,) * (len(self.layout.groups) - 1)
         tokens = list(range(1, self.warm_up_positions()))
         prompt = SeqBatchInput(tokens, 0, table, extra_block_tables=tables)

@@ -21,7 +21,7 @@ from prefixserve.model.attention.paged import (
     paged_attention,
 )
 from prefixserve.model.attention.window import build_window_metadata
-from prefixserve.model.runner import ModelRunner, SeqBatchInput
+from prefixserve.model.runner import ModelRunner, SeqBatchInput, fused_step_rows
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_amx
 
@@ -244,12 +244,13 @@ def test_only_a_bfloat16_model_attends_in_bfloat16(dtype: torch.dtype,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 def test_a_bfloat16_model_on_amx_attends_its_prompts_through_sdpa(dtype: torch.dtype,
                                                                   window: int | None) -> None:
-    """On a CPU with AMX tiles a bfloat16 model's prompt steps attend through torch (gather
-    and SDPA, whose products run on the tiles), over full and sliding-window layers alike
-    (a 40-token prompt, 16-token windows): the kernel is not even planned for them, and the
-    logits are SDPA's. Its decode steps, and every step of a float32 model or of a CPU
-    without AMX, keep the kernel. Kills: the choice ignored (the kernel planned for a prompt
-    step), keyed on the CPU alone, taken for decode steps too, or left out for windows."""
+    """On a CPU with AMX tiles a bfloat16 model's eager prompt steps (longer than the fused
+    step takes, ``fused_step_rows``) attend through torch (gather and SDPA, whose products
+    run on the tiles), over full and sliding-window layers alike (16-token windows): the
+    kernel is not even planned for them, and the logits are SDPA's. Its decode steps, and
+    every step of a float32 model or of a CPU without AMX, keep the kernel. Kills: the
+    choice ignored (the kernel planned for a prompt step), keyed on the CPU alone, taken for
+    decode steps too, or left out for windows."""
     config = replace(tiny_config(heads=6, kv_heads=2, head_dim=64), sliding_window=window)
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
@@ -257,27 +258,31 @@ def test_a_bfloat16_model_on_amx_attends_its_prompts_through_sdpa(dtype: torch.d
     runner = ModelRunner(config, model, 64, BLOCK, dtype, "cpu")
     sdpa = dtype == torch.bfloat16 and cpu_has_amx()
     assert runner.prompts_in_kernel is not sdpa
-    prompt = SeqBatchInput(list(range(40)), 0, [0, 1, 2], seq_id=0)
+    length = fused_step_rows() + 8
+    blocks = list(range(length // BLOCK + 1))
+    prompt = SeqBatchInput([i % config.vocab_size for i in range(length)], 0, blocks, seq_id=0)
     got = runner.execute([prompt]).logits
     assert (runner._prompt_attention is None) is sdpa
     eager = ModelRunner(config, model, 64, BLOCK, dtype, "cpu", enforce_eager=True)
     want = eager.execute([prompt]).logits
     if sdpa:
         assert torch.equal(got, want)
-    runner.execute([SeqBatchInput([7], 40, [0, 1, 2], seq_id=0)])
+    runner.execute([SeqBatchInput([7], length, blocks, seq_id=0)])
     assert runner._prompt_attention is not None  # the decode step built the fused layers
 
 
 def kernel_and_eager(config: ModelConfig, model: torch.nn.Module, seed: int, decode: bool
                      ) -> tuple[list[ModelRunner], list[torch.Tensor]]:
     """Two runners over ``model``, the default one and one with --enforce-eager, and the
-    logits each gives for a 30-token question after a cached 300-token prefix (and, with
-    ``decode``, for the decode step after it)."""
+    logits each gives for a question after a cached 300-token prefix (and, with ``decode``,
+    for the decode step after it). The question is longer than the fused step takes
+    (``fused_step_rows``), so that both runners compute it in an eager step."""
     rng = random.Random(seed)
     prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
-    question = [rng.randrange(config.vocab_size) for _ in range(30)]
+    question = [rng.randrange(config.vocab_size) for _ in range(fused_step_rows() + 8)]
     first = list(range(19))
-    second = [*first, 40, 41]  # the prefix's blocks, its last one included, then its own
+    # the prefix's blocks, its last one included, then the question's own
+    second = [*first, *range(40, 40 + (300 + len(question)) // BLOCK + 1 - len(first))]
     runners, logits = [], []
     for eager in (False, True):
         runner = ModelRunner(config, model, 64, BLOCK, torch.float32, "cpu",
@@ -285,7 +290,8 @@ def kernel_and_eager(config: ModelConfig, model: torch.nn.Module, seed: int, dec
         runner.execute([SeqBatchInput(prefix, 0, first, seq_id=0)])
         steps = [runner.execute([SeqBatchInput(question, 300, second, seq_id=1)]).logits]
         if decode:
-            steps.append(runner.execute([SeqBatchInput([7], 330, second, seq_id=1)]).logits)
+            steps.append(runner.execute([SeqBatchInput([7], 300 + len(question), second,
+                                                        seq_id=1)]).logits)
         runners.append(runner)
         logits.append(torch.cat(steps))
     return runners, logits
