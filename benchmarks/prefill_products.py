@@ -14,8 +14,8 @@ time is the median of ``--repeat`` rounds of the summed products (one layer), in
 ratios are expand-and-GEMM / panel and batch / panel (above 1: the panel is faster); the
 panel's rate in multiply-adds a second is printed beside the rate of its inner step alone
 (``panel_peak``: one thread over data in L1, times the threads). The panel kernel exists in
-AVX2 builds without AVX-512; elsewhere its columns are empty. It is the measurement behind
-``quant.SMALL_M`` and the panel path of ``QuantLinear``.
+every AVX2 build (256 bits; 512 on AVX-512 CPUs); elsewhere its columns are empty. It is the
+measurement behind ``quant.SMALL_M`` and the panel path of ``QuantLinear``.
 
 With ``--file``, whole prompts through the engine instead: a prompt of ``--prompt`` random
 tokens (nothing cached) to its first token, on FILE's model in float32, with the panel kernel
@@ -110,7 +110,7 @@ def engine_prompts(path: str, length: int, repeat: int, threads: int) -> None:
     packed = [m for m in model.modules() if isinstance(m, QuantLinear)]
     shipped = [m.panel for m in packed]
     if not any(shipped):
-        print("this build has no panel kernel (AVX2 without AVX-512 only)")
+        print("this build has no panel kernel (AVX2 builds only)")
         return
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0.0)

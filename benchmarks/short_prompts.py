@@ -3,7 +3,7 @@ prompt's first token (the measurement behind ``FUSED_STEP_ROWS`` and ``PANEL_STE
 ``model/runner.py``).
 
     .venv/bin/python benchmarks/short_prompts.py [FILE.gguf] [--lengths 4,16,32,64]
-        [--prefix 512] [--prompts 8] [--rounds 3] [--threads 2]
+        [--prefix 512] [--prompts 8] [--rounds 3] [--threads 2] [--dtype auto]
 
 FILE defaults to the default model. For each length N, ``--prompts`` prompts of N new tokens
 each run one at a time to their first token: cold (N random tokens, nothing cached) and after
@@ -49,9 +49,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(args.file, num_threads=args.threads) if args.file else \
-        LLM(num_threads=args.threads)
+    llm = LLM(args.file, num_threads=args.threads, dtype=args.dtype) if args.file else \
+        LLM(num_threads=args.threads, dtype=args.dtype)
     rng = random.Random(0)
     lengths = [int(n) for n in args.lengths.split(",")]
     prefix = [rng.randrange(1000, 30000) for _ in range(args.prefix)]
@@ -66,8 +67,9 @@ def main() -> None:
             runner.fused_step_rows = rows
             results[name].append(one_round(llm, lengths, prefix, args.prompts, rng))
     runner.fused_step_rows = shipped
-    print(f"fused_step_rows {shipped}; {args.prompts} prompts a length, {args.rounds} rounds, "
-          f"{args.threads} threads; ms a prompt to its first token, median (range)")
+    print(f"fused_step_rows {shipped}; {args.dtype}; {args.prompts} prompts a length, "
+          f"{args.rounds} rounds, {args.threads} threads; ms a prompt to its first token, "
+          "median (range)")
     print("| case | new tokens | fused | eager | eager / fused |\n|---|---:|---:|---:|---:|")
     for case in ("cold", "after prefix"):
         for n in lengths:

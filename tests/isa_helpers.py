@@ -44,7 +44,7 @@ def kernels_or_skip() -> ctypes.CDLL:
 
 def panel_build() -> bool:
     """Whether the native kernel library multiplies float32 products of more than SMALL_M
-    rows in panels (``kernels/panel.c``: 16-bit activations, AVX2 builds without AVX-512)
+    rows in panels (``kernels/panel.c``: 16-bit activations, every AVX2 build)
     rather than expanding the weight for a float32 GEMM."""
     built = quant_kernels.kernels()
     return built is not None and built.panel_rows() > 0

@@ -40,20 +40,25 @@ s, at 128 the fused layers 1.1x the eager step's time). Builds that multiply in 
 ``PANEL_STEP_ROWS``."""
 
 PANEL_STEP_ROWS = 128
-"""``FUSED_STEP_ROWS`` of AVX2 builds, where both steps multiply more than ``SMALL_M`` rows in
-panels (``kernels/panel.c``) and the fused step stayed ahead at every size measured (Zen 3,
-``benchmarks/short_prompts.py``, eager / fused: the default model 1.26-1.49x at 24-64 tokens,
-1.16-1.29x at 96-128, 1.11-1.19x at 256-1,024; a 1B model 1.09-1.20x at 16-64, 1.02-1.05x at
-512). Longer steps, a long prompt's chunks, stay on the eager path, whose prompt attention the
-tests hold against transformers'."""
+"""``FUSED_STEP_ROWS`` of a float32 model where the kernel library has the panel kernel (every
+AVX2 build): both steps multiply more than ``SMALL_M`` rows in panels (``kernels/panel.c``) and
+the fused step stayed ahead at every size measured (``benchmarks/short_prompts.py``, eager /
+fused; Zen 3: the default model 1.26-1.49x at 24-64 tokens, 1.16-1.29x at 96-128, 1.11-1.19x
+at 256-1,024; a 1B model 1.09-1.20x at 16-64, 1.02-1.05x at 512; Xeon, 512-bit panels: the
+default model 1.12-1.29x at 16-256). Longer steps, a long prompt's chunks, stay on the eager
+path, whose prompt attention the tests hold against transformers'. A bfloat16 model keeps
+``FUSED_STEP_ROWS``: its products of many rows take the bfloat16 and AMX kernels, and on an AMX
+Xeon the fused step fell behind the eager one past 64 tokens after a cached prefix (0.76x at
+128)."""
 
 
-def fused_step_rows() -> int:
-    """The most new tokens of a step that runs whole through the fused layers:
-    ``PANEL_STEP_ROWS`` where the kernel library multiplies in panels, else
-    ``FUSED_STEP_ROWS``."""
+def fused_step_rows(dtype: torch.dtype) -> int:
+    """The most new tokens of a step that runs whole through the fused layers, for a model in
+    ``dtype``: ``PANEL_STEP_ROWS`` for float32 where the kernel library multiplies in panels,
+    else ``FUSED_STEP_ROWS``."""
     lib = quant_kernels.kernels()
-    return PANEL_STEP_ROWS if lib is not None and lib.panel_rows() > 0 else FUSED_STEP_ROWS
+    panels = dtype == torch.float32 and lib is not None and lib.panel_rows() > 0
+    return PANEL_STEP_ROWS if panels else FUSED_STEP_ROWS
 
 
 @dataclass
@@ -356,7 +361,7 @@ class ModelRunner:
                 assert isinstance(self.model, CausalLM)
                 self._fused = fused_decode.FusedDecode(self.model, self.kv_cache,
                                                        self.block_size)
-                self.fused_step_rows = fused_step_rows()
+                self.fused_step_rows = fused_step_rows(self.dtype)
                 self._prompt_attention = self._new_prompt_attention()
             self.fused_decode_reason = reason
         return self._fused is not None

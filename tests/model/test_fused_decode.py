@@ -601,7 +601,7 @@ def test_a_step_of_prefills_and_decodes_runs_its_decodes_fused() -> None:
 
 def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     """Below ``MIN_SPLIT_CONTEXT`` of decode context a mixed step of more than
-    ``fused_step_rows()`` new tokens stays one eager pass."""
+    ``fused_step_rows`` new tokens stays one eager pass."""
     config = tiny_config()
     runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu")
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0], seq_id="a")])
@@ -612,7 +612,7 @@ def test_short_decodes_ride_along_in_a_prefill_step() -> None:
     run = fused.run
     fused.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore
     runner.execute([SeqBatchInput([5], 4, [0], seq_id="a"),
-                    SeqBatchInput([1 + i % 50 for i in range(fused_step_rows())], 0,
+                    SeqBatchInput([1 + i % 50 for i in range(fused_step_rows(torch.float32))], 0,
                                   list(range(1, 10)), seq_id="b")])
     assert calls == [] and MIN_SPLIT_CONTEXT > 5
     runner.execute([SeqBatchInput([6], 5, [0], seq_id="a")])
@@ -630,7 +630,7 @@ PROMPT_KV_TOL = 4e-4
 def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
                        adapters: bool = False
                        ) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
-    """Four steps on a tiny packed model: a prompt of L + 6 tokens, L = ``fused_step_rows()``
+    """Four steps on a tiny packed model: a prompt of L + 6 tokens, L = ``fused_step_rows``
     (more than the limit: eager); its decode beside a 5-token prompt and, behind a cached block
     of the first prompt, a 7-token rest (13 rows); the three decoding beside a 3-token prompt
     that asks for its prompt's logits; the four decoding beside a new prompt that fills the
@@ -645,7 +645,7 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
     runner.lora = lora_model(config, model) if adapters else None
     slots = {"a": 0, "b": 1, "d": 2, "e": 0} if adapters else {}
     rng = random.Random(5)
-    limit = fused_step_rows()
+    limit = fused_step_rows(torch.float32)
     ids = [rng.randrange(config.vocab_size) for _ in range(2 * limit + 40)]
     rest, n = limit - 4, limit + 6  # n: the first prompt's length
 
@@ -682,7 +682,7 @@ def short_prompt_steps(enforce_eager: bool, monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
 def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(
         adapters: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of at most ``fused_step_rows()`` new tokens, short prompts (one behind a cached
+    """A step of at most ``fused_step_rows`` new tokens, short prompts (one behind a cached
     block) among decodes, runs whole through the fused layers, and its logits and the K/V it
     writes agree with the eager path's, under LoRA adapters too (each prompt row under its
     sequence's slot); a step with a prompt that asks for its prompt's logits, or of more rows,
@@ -699,13 +699,15 @@ def test_a_step_of_short_prompts_runs_fused_as_the_eager_layers(
 
 
 def test_panel_builds_run_steps_of_up_to_128_tokens_fused() -> None:
-    """Where both steps multiply more than 16 rows in panels (AVX2 builds), a step of up to
-    ``PANEL_STEP_ROWS`` (128) new tokens runs whole through the fused layers, elsewhere up to
-    ``FUSED_STEP_ROWS`` (64); a runner takes the limit when it builds them and then runs a
-    prompt of that many tokens fused. (Planted: the panel builds' limit left at 64: fails on
-    AVX2 builds.)"""
+    """Where both steps of a float32 model multiply more than 16 rows in panels (AVX2 builds),
+    a step of up to ``PANEL_STEP_ROWS`` (128) new tokens runs whole through the fused layers,
+    elsewhere, and for a bfloat16 model everywhere, up to ``FUSED_STEP_ROWS`` (64); a runner
+    takes the limit when it builds them and then runs a prompt of that many tokens fused.
+    (Planted: the panel builds' limit left at 64: fails on AVX2 builds; the limit not keyed on
+    the dtype: fails there too.)"""
     want = PANEL_STEP_ROWS if panel_build() else FUSED_STEP_ROWS
-    assert fused_step_rows() == want and PANEL_STEP_ROWS > FUSED_STEP_ROWS
+    assert fused_step_rows(torch.float32) == want and PANEL_STEP_ROWS > FUSED_STEP_ROWS
+    assert fused_step_rows(torch.bfloat16) == FUSED_STEP_ROWS
     config = tiny_config()
     runner = ModelRunner(config, packed_model(config), 64, 16, torch.float32, "cpu")
     runner.execute([SeqBatchInput([1, 2, 3], 0, [0], seq_id="a")])

@@ -24,6 +24,7 @@ from prefixserve.model.attention.window import build_window_metadata
 from prefixserve.model.runner import ModelRunner, SeqBatchInput, fused_step_rows
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_amx
+from prefixserve.model.weights.quant import QuantLinear
 
 BLOCK = 16
 #: (heads, kv heads, head size, cache dtype)
@@ -258,7 +259,7 @@ def test_a_bfloat16_model_on_amx_attends_its_prompts_through_sdpa(dtype: torch.d
     runner = ModelRunner(config, model, 64, BLOCK, dtype, "cpu")
     sdpa = dtype == torch.bfloat16 and cpu_has_amx()
     assert runner.prompts_in_kernel is not sdpa
-    length = fused_step_rows() + 8
+    length = fused_step_rows(dtype) + 8
     blocks = list(range(length // BLOCK + 1))
     prompt = SeqBatchInput([i % config.vocab_size for i in range(length)], 0, blocks, seq_id=0)
     got = runner.execute([prompt]).logits
@@ -279,7 +280,7 @@ def kernel_and_eager(config: ModelConfig, model: torch.nn.Module, seed: int, dec
     (``fused_step_rows``), so that both runners compute it in an eager step."""
     rng = random.Random(seed)
     prefix = [rng.randrange(config.vocab_size) for _ in range(300)]
-    question = [rng.randrange(config.vocab_size) for _ in range(fused_step_rows() + 8)]
+    question = [rng.randrange(config.vocab_size) for _ in range(fused_step_rows(torch.float32) + 8)]
     first = list(range(19))
     # the prefix's blocks, its last one included, then the question's own
     second = [*first, *range(40, 40 + (300 + len(question)) // BLOCK + 1 - len(first))]
@@ -299,11 +300,17 @@ def kernel_and_eager(config: ModelConfig, model: torch.nn.Module, seed: int, dec
 
 def test_the_runner_plans_prompt_steps_with_the_kernel() -> None:
     """Where the fused layers apply (a packed Llama model on CPU) the eager steps' attention
-    takes the kernel, and greedy logits after a cached prefix match --enforce-eager's."""
+    takes the kernel, and greedy logits after a cached prefix match --enforce-eager's. The
+    products expand the weights for float32 GEMMs in both runners (no panels, whose 16-bit
+    rounding of each layer's input would blur the two attentions' float32 differences)."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=64)
     if not prompt_attention.available(config.head_dim):
         pytest.skip("no 512-bit form of the kernel on this CPU")
-    runners, logits = kernel_and_eager(config, packed_model(config), 3, decode=False)
+    model = packed_model(config)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.panel = False
+    runners, logits = kernel_and_eager(config, model, 3, decode=False)
     assert runners[0]._prompt_attention is not None and runners[1]._prompt_attention is None
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 

@@ -10,7 +10,7 @@ Tolerances (``x`` the activations, ``W`` the reference weights, all in float64):
   activations to 16 bits (step = the block's largest ``|x|`` / 32767), so
   ``|y - x W^T| <= (half step of each x) @ |W|^T + 1e-5 * |x| @ |W|^T`` (the last term is
   float32 accumulation slack; measured errors are ~5e-6 of ``|x| @ |W|^T``);
-* **panel path** (``M > SMALL_M`` on AVX2 builds without AVX-512, ``kernels/panel.c``): the
+* **panel path** (``M > SMALL_M`` on AVX2 builds, ``kernels/panel.c``): the
   same 16-bit rounding and bound as the kernel path;
 * **expand path** (``M > SMALL_M`` elsewhere): a float32 GEMM of the exact weights,
   ``|y - x W^T| <= 1e-5 * |x| @ |W|^T`` (measured ~7e-8);
@@ -794,42 +794,66 @@ def rounded_rows(lib: ctypes.CDLL, x: torch.Tensor) -> np.ndarray:
     return (xq.double() * steps).reshape(m, cols).numpy()
 
 
+def panel_library(build: str, lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The kernels of one form of the panel kernel: ``avx2`` (256 bits, tiles of 6 rows),
+    ``avx512`` (512 bits, tiles of 12, ``vpdpwssd``: the native build where the CPU has
+    AVX512-VNNI), ``avx512-no-vnni`` (``vpmaddwd`` and ``vpaddd``, as before Cascade Lake).
+    Skips where this CPU cannot run the form, and where the form is the native build that
+    another parameter already covers."""
+    if build == "avx2":
+        return avx2_library(lib)
+    if not has_avx512_and_avx2() or not {"avx512bw", "avx512_vnni"} <= cpu_flags():
+        pytest.skip("no AVX-512 with VNNI")
+    if build == "avx512":
+        return lib
+    narrow = quant_kernels.KernelLibrary(quant_kernels._SOURCE, quant_kernels._declare,
+                                         ("-mno-avx512vnni",)).get()
+    assert narrow is not None
+    return narrow
+
+
+@pytest.mark.parametrize("build", ["avx2", "avx512", "avx512-no-vnni"])
 @pytest.mark.parametrize("qtype,stream", [(Q.Q4_0, False), (Q.Q4_0, True), (Q.Q4_1, False),
                                           (Q.Q8_0, False), (Q.Q4_K, False), (Q.Q5_K, False),
                                           (Q.Q6_K, False)],
                          ids=["Q4_0", "Q4_0-stream", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_panel_products_are_the_rounded_rows_times_the_files_weights(qtype: Q, stream: bool,
-                                                                     lib) -> None:
-    """The panel kernel (``kernels/panel.c``: prefill products of more than SMALL_M rows on
-    AVX2 builds without AVX-512; built for AVX2 on an AVX-512 CPU) in every kept format: each
-    output is the float64 product of the 16-bit rows (``quantize_q16``'s values) and gguf-py's
-    weights within float32 slack, at 17, 23 and 40 rows (tiles of 6 and a remainder) and 70
-    weight rows (a last panel of 6; 68 in the stream layout, which takes rows in fours); and
-    each row's outputs are the same bits alone as among the others. Kills a weight or
-    activation pair misplaced, a factor or offset of another block or half, and remainder rows
-    dropped (planted: Q6_K's second half taking the first half's factor: Q6_K fails; the
-    K-quants' offsets left out: Q4_K and Q5_K fail; Q4_0's offset left out: Q4_0 fails;
-    activation units paired (k, k + 16): all fail; the last row of a remainder not stored:
-    all fail)."""
-    avx2 = avx2_library(lib)
+                                                                     build: str, lib) -> None:
+    """The panel kernel (``kernels/panel.c``: float32 prefill products of more than SMALL_M
+    rows on every AVX2 build, in each form that this CPU runs, ``panel_library``) in every
+    kept format: each output is the float64 product of the 16-bit rows (``quantize_q16``'s
+    values) and gguf-py's weights within float32 slack, at 17, 23 and 40 rows (tiles of 6 or
+    12 and a remainder) and 70 weight rows (a last panel of 6; 68 in the stream layout, which
+    takes rows in fours); each row's outputs are the same bits alone as among the others; and
+    the 512-bit forms give the 256-bit form's bits (the same sums in the same order). Kills a
+    weight or activation pair misplaced, a factor or offset of another block or half, and
+    remainder rows dropped (planted: Q6_K's second half taking the first half's factor: Q6_K
+    fails; the K-quants' offsets left out: Q4_K and Q5_K fail; Q4_0's offset left out: Q4_0
+    fails; activation units paired (k, k + 16): all fail; the last row of a remainder not
+    stored: all fail; in the 512-bit tile, one row's units read from the row before: all of
+    its builds fail)."""
+    panels = panel_library(build, lib)
     cols, rows = (4096, 68) if stream else (768, 70)
     raw = gguf_raw(qtype, rows, cols, seed=11)
     ref = dequantize(raw, qtype).astype(np.float64)
     layer = QuantLinear(pack_gguf(raw, int(qtype), cols, lambda: ref.astype(np.float32)),
                         stream=stream)
     assert (layer.fmt == FMT_Q4_0S) == stream
-    layer._lib, layer.panel = avx2, True
+    layer._lib, layer.panel = panels, True
     x = activations(40, cols)
     every = layer._prefill(x)
     assert torch.equal(layer(x), every)  # forward takes it past SMALL_M rows
-    assert avx2.panel_rows() == SMALL_M + 1  # the fused step's threshold is QuantLinear's
-    assert avx2.panel_peak(1 << 10) > 0  # the benchmark's ceiling runs where the kernel does
-    xr = rounded_rows(avx2, x)
+    assert panels.panel_rows() == SMALL_M + 1  # the fused step's threshold is QuantLinear's
+    assert panels.panel_peak(1 << 10) > 0  # the benchmark's ceiling runs where the kernel does
+    xr = rounded_rows(panels, x)
     assert_within(every, xr @ ref.T, SLACK * np.abs(xr) @ np.abs(ref).T, f"{qtype.name} M=40")
     for m in (17, 23):
         assert torch.equal(layer._prefill(x[:m]), every[:m]), m
     for row in (0, 22, 39):
         assert torch.equal(layer._prefill(x[row:row + 1])[0], every[row]), row
+    if build != "avx2":
+        layer._lib = avx2_library(lib)
+        assert torch.equal(layer._prefill(x), every)
 
 
 def test_quant_linear_input_layouts_and_bias(lib) -> None:

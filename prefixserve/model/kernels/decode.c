@@ -1501,7 +1501,11 @@ static int64_t pair_bytes(int64_t B, int64_t widest) {
 }
 
 /* Rows of scales and sums past B that a panel tile reads (not stored). */
-#define SPARE_ROWS 6
+#ifdef HAVE_PANEL
+#define SPARE_ROWS PANEL_M
+#else
+#define SPARE_ROWS 0
+#endif
 
 static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratch *sc) {
     int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;

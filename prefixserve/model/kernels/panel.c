@@ -1,33 +1,44 @@
 /*
- * Prefill products of 16-bit activations with packed weights, for AVX2 builds without AVX-512:
- * a GEMM whose inner product is vpmaddwd, the same 16-bit integer products as the decode
- * kernels, blocked for many rows.
+ * Prefill products of 16-bit activations with packed weights, for every AVX2 build: a GEMM
+ * whose inner product is vpmaddwd (vpdpwssd with AVX512-VNNI), the same 16-bit integer
+ * products as the decode kernels, blocked for many rows.
  *
  * Each thread takes panels of PANEL_N (16) weight rows. A panel is decoded once per product
  * into 16-bit integers (Q4_0, Q4_1, Q4_K and Q5_K as they are, Q8_0 bytes, Q6_K q - 32), with a
  * factor per 16 weights (the block's or sub-block's scale) and an offset per 32 (Q4_1's m,
  * Q4_0's -8 d as the other kernels read it, the K-quants' -dmin * m; none for Q8_0, Q6_K). Its
- * words are laid out so that one 256-bit load holds, for 8 weight rows, the pair of weights
- * that one 32-bit activation unit meets: pairs (k, k + 8) within each 16 weights ("units").
- * Activation rows are paired the same way once per product. A tile of PANEL_M (6) activation
- * rows by the panel's 16 outputs then keeps 12 integer sums in registers, adds a vpmaddwd per
- * unit and row, and converts them to floats at each scale change (every 32 weights, every 16
- * for Q6_K):
+ * words are laid out so that 64 bytes hold, for the panel's 16 rows, the pair of weights that
+ * one 32-bit activation unit meets: pairs (k, k + 8) within each 16 weights ("units").
+ * Activation rows are paired the same way once per product. A tile of PANEL_M activation rows
+ * by the panel's 16 outputs then keeps its integer sums in registers, adds a product per unit
+ * and row, and converts them to floats at each scale change (every 32 weights, every 16 for
+ * Q6_K):
  *
  *     y[m][n] = sum over blocks b of  f[n][b] * xd[m][b] * sum_k q[n][k] * xq[m][k]
  *                                    + o[n][b] * xs[m][b]
  *
+ * Two forms of the tile, with the same sums in the same order (so the same bits): 256 bits,
+ * 6 rows, 12 sums of 8 outputs (AVX2 builds without AVX-512); 512 bits, 12 rows, 12 sums of 16
+ * outputs and 12 float sums in registers, each unit broadcast from memory (AVX-512 F and BW).
  * The integer sums are exact (|xq| <= 32767, |q| <= 128, 32 terms), so each output differs
  * from the float32 product of the dequantized weight only by the activations' 16-bit rounding
  * and the float sums' order; a row's bits do not depend on the other rows of the product. The
- * tile's inner step is inline assembly: GCC otherwise hoisted the six broadcasts and spilled
- * the sums (0.5x the speed). On Zen 3 one vpmaddwd issues a cycle, and the products run at that
+ * tiles' inner steps are inline assembly: GCC otherwise hoisted the broadcasts and spilled the
+ * sums (256 bits: 0.5x the speed), or took the weights from memory for each row. On Zen 3 one
+ * vpmaddwd issues a cycle, on an AMX Xeon one 512-bit vpdpwssd, and the products run near that
  * rate (panel_peak; benchmarks/prefill_products.py).
  */
-#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_PANEL 1
 #define PANEL_N 16
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 512-bit builds: one vector holds a unit's 16 outputs, and a tile takes 12 rows (12 integer
+ * and 12 float sums in registers; vpdpwssd where the CPU has AVX512-VNNI). */
+#define PANEL_WIDE 1
+#define PANEL_M 12
+#else
 #define PANEL_M 6
+#endif
 /* Rows from which a fused step's products take the panels (decode.c, team_panel): past 16, as
  * QuantLinear's eager products past SMALL_M. */
 #define PANEL_TEAM_FROM 17
@@ -198,6 +209,88 @@ static void pair_rows(const int16_t *xq, int64_t M, int64_t Mp, int64_t nb, int3
     memset(a + M * nb * 16, 0, (size_t)((Mp - M) * nb * 16) * sizeof(int32_t));
 }
 
+#ifdef PANEL_WIDE
+/* Unit p of a 12-row tile: the panel's 16 outputs' words at w (one vector) times each row's
+ * unit p, broadcast from memory (rows ld bytes apart from a0, a3, a6, a9: three rows each),
+ * into the sums. Inline assembly, as the 256-bit form's: GCC broadcast the units into
+ * registers and took the weights from memory, two loads a product. */
+#ifdef __AVX512VNNI__
+#define PANEL_ROW512(p, r, at) "vpdpwssd " #p "*4" at "%{1to16%}, %%zmm31, %[s" #r "]\n\t"
+#else
+/* (vpmaddwd takes no embedded broadcast) */
+#define PANEL_ROW512(p, r, at)                                                                 \
+    "vpbroadcastd " #p "*4" at ", %%zmm30\n\t"                                                 \
+    "vpmaddwd %%zmm30, %%zmm31, %%zmm29\n\t"                                                   \
+    "vpaddd %%zmm29, %[s" #r "], %[s" #r "]\n\t"
+#endif
+#define PANEL_ROWS3(p, r0, r1, r2, base)                                                       \
+    PANEL_ROW512(p, r0, "(%[" base "])") PANEL_ROW512(p, r1, "(%[" base "],%[ld])")            \
+    PANEL_ROW512(p, r2, "(%[" base "],%[ld],2)")
+/* (p: a literal; the 24 sums' operands leave room for no immediates within GCC's 30) */
+#define PANEL_UNIT512(p)                                                                       \
+    __asm__("vmovdqa32 " #p "*64(%[w]), %%zmm31\n\t"                                           \
+            PANEL_ROWS3(p, 0, 1, 2, "a0") PANEL_ROWS3(p, 3, 4, 5, "a3")                        \
+            PANEL_ROWS3(p, 6, 7, 8, "a6") PANEL_ROWS3(p, 9, 10, 11, "a9")                      \
+            : [s0] "+v"(s[0]), [s1] "+v"(s[1]), [s2] "+v"(s[2]), [s3] "+v"(s[3]),              \
+              [s4] "+v"(s[4]), [s5] "+v"(s[5]), [s6] "+v"(s[6]), [s7] "+v"(s[7]),              \
+              [s8] "+v"(s[8]), [s9] "+v"(s[9]), [s10] "+v"(s[10]), [s11] "+v"(s[11])           \
+            : [w] "r"(wb), [a0] "r"(ab), [a3] "r"(ab + 3 * lda), [a6] "r"(ab + 6 * lda),       \
+              [a9] "r"(ab + 9 * lda), [ld] "r"(lda * 4)                                        \
+            : "memory", "xmm29", "xmm30", "xmm31")
+
+/* Units p0 .. p0 + 8 (p0 0 or 8) of block b (units ab, lda a row; the panel's words wb) into
+ * the sums. */
+static inline __attribute__((always_inline)) void panel_units512(const int32_t *wb,
+                                                                 const int32_t *ab, int64_t lda,
+                                                                 int p0, __m512i *s) {
+    if (p0 == 0) {
+        PANEL_UNIT512(0); PANEL_UNIT512(1); PANEL_UNIT512(2); PANEL_UNIT512(3);
+        PANEL_UNIT512(4); PANEL_UNIT512(5); PANEL_UNIT512(6); PANEL_UNIT512(7);
+    } else {
+        PANEL_UNIT512(8); PANEL_UNIT512(9); PANEL_UNIT512(10); PANEL_UNIT512(11);
+        PANEL_UNIT512(12); PANEL_UNIT512(13); PANEL_UNIT512(14); PANEL_UNIT512(15);
+    }
+}
+
+/* panel_flush in 512 bits: the float sums c[r] += s[r] * (f * xd[r][b]), s zeroed. */
+static inline __attribute__((always_inline)) void panel_flush512(__m512i *s, const float *f,
+                                                                 const float *xd, int64_t nb,
+                                                                 int64_t b, __m512 *c) {
+    __m512 fv = _mm512_load_ps(f);
+    for (int r = 0; r < PANEL_M; r++) {
+        __m512 d = _mm512_mul_ps(fv, _mm512_set1_ps(xd[r * nb + b]));
+        c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), d, c[r]);
+        s[r] = _mm512_setzero_si512();
+    }
+}
+
+/* c[r * 16 + n] = output n of the panel for activation row r of 12: the 256-bit form's sums
+ * in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void panel_tile(
+    const int32_t *a, int64_t lda, const int32_t *wp, const float *f, const float *o,
+    const float *xd, const float *xs, int64_t nb, int halves, int offsets, float *c) {
+    __m512i s[PANEL_M];
+    __m512 acc[PANEL_M];
+    for (int r = 0; r < PANEL_M; r++) {
+        s[r] = _mm512_setzero_si512();
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int32_t *wb = wp + b * 256, *ab = a + b * 16;
+        panel_units512(wb, ab, lda, 0, s);
+        if (halves) panel_flush512(s, f + 2 * b * 16, xd, nb, b, acc);
+        panel_units512(wb, ab, lda, 8, s);
+        panel_flush512(s, f + (2 * b + halves) * 16, xd, nb, b, acc);
+        if (offsets) {
+            __m512 ov = _mm512_load_ps(o + b * 16);
+            for (int r = 0; r < PANEL_M; r++) {
+                acc[r] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < PANEL_M; r++) _mm512_store_ps(c + r * 16, acc[r]);
+}
+#else
 /* Unit p of a tile: the panel's 16 words at w (two vectors) times each of 6 rows' unit p (rows
  * ld bytes apart from a0: a0, a0 + ld, a0 + 2 ld, a3, a3 + ld, a3 + 2 ld), into the sums. */
 #define PANEL_ROW(r, at)                                                                       \
@@ -267,11 +360,14 @@ static inline __attribute__((always_inline)) void panel_tile(
     }
 }
 
+
+#endif /* PANEL_WIDE */
+
 /* Every tile of one panel (outputs n0 .. n0 + cols of y) over the Mp paired rows. */
 static void panel_rows_all(const int32_t *a, int64_t Mp, int64_t M, int64_t nb,
                            const int32_t *wp, const float *f, const float *o, const float *xd,
                            const float *xs, int fmt, float *y, int64_t ldy, int cols) {
-    float c[PANEL_M * 16] __attribute__((aligned(32)));
+    float c[PANEL_M * 16] __attribute__((aligned(64)));
     int halves = fmt == FMT_Q6_K;
     int offsets = fmt != FMT_Q8_0 && fmt != FMT_Q6_K;
     for (int64_t m = 0; m < Mp; m += PANEL_M) {
@@ -295,7 +391,22 @@ static void panel_rows_all(const int32_t *a, int64_t Mp, int64_t M, int64_t nb,
  * ceiling of gemm_panel on this core: benchmarks/prefill_products.py); 0 where there is no
  * panel kernel. */
 double panel_peak(int64_t blocks) {
-#ifdef HAVE_PANEL
+#ifdef PANEL_WIDE
+    static int32_t w[256] __attribute__((aligned(64))), x[PANEL_M * 16];
+    __m512i s[PANEL_M];
+    for (int i = 0; i < PANEL_M; i++) s[i] = _mm512_setzero_si512();
+    double start = omp_get_wtime();
+    for (int64_t b = 0; b < blocks; b++) {
+        __asm__ volatile("" : : "r"(w), "r"(x) : "memory"); /* read again, as in a tile */
+        panel_units512(w, x, 16, 0, s);
+        panel_units512(w, x, 16, 8, s);
+    }
+    double spent = omp_get_wtime() - start;
+    __m512i all = s[0];
+    for (int i = 1; i < PANEL_M; i++) all = _mm512_add_epi32(all, s[i]);
+    int32_t sink = _mm512_reduce_add_epi32(all);
+    return sink == 12345 ? 0.0 : (double)blocks * 16 * PANEL_M * 32 / spent;
+#elif defined(HAVE_PANEL)
     static int32_t w[256] __attribute__((aligned(32))), x[6 * 16] __attribute__((aligned(32)));
     __m256i s[12];
     for (int i = 0; i < 12; i++) s[i] = _mm256_setzero_si256();
@@ -360,8 +471,8 @@ typedef struct {
 
 /* Allocates p for products of nb blocks a row (row_bytes) in format fmt; 0 where memory lacks. */
 static int panel_buffers(int fmt, int64_t nb, int64_t row_bytes, PanelBuffers *p) {
-    p->wp = aligned_alloc(32, (size_t)(nb * 256) * sizeof(int32_t));
-    p->f = aligned_alloc(32, (size_t)(nb * 48) * sizeof(float));
+    p->wp = aligned_alloc(64, (size_t)(nb * 256) * sizeof(int32_t));
+    p->f = aligned_alloc(64, (size_t)(nb * 48) * sizeof(float));
     p->tmp = fmt == FMT_Q4_0S ? malloc((size_t)(PANEL_N * row_bytes)) : NULL;
     p->zero = calloc((size_t)row_bytes, 1);
     return p->wp && p->f && p->zero && (p->tmp || fmt != FMT_Q4_0S);

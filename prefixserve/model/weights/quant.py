@@ -23,11 +23,12 @@ scale``: its products are bit for bit those of the same weight converted to Q4_1
 
 :class:`QuantLinear` picks its kernel by the number of rows M of the input: up to
 :data:`SMALL_M` rows (decode steps) it runs the integer kernel over the packed blocks; above it
-(prefill), on AVX2 builds without AVX-512, the panel kernel (``kernels/panel.c``: the same
-16-bit products, blocked for many rows; 1.2-1.5x expand-and-GEMM's speed at 512 rows and
-1.5-2x at 32-64 on Zen 3, ``benchmarks/prefill_products.py``), elsewhere it expands slices of
-the weight to float32 and calls torch's float GEMM, faster there than the integer kernel
-(``benchmarks/bench_quant.py`` measures the crossover). A bfloat16 model (the
+(prefill), on every AVX2 build (256 or 512 bits), the panel kernel (``kernels/panel.c``: the
+same 16-bit products, blocked for many rows; 1.2-1.5x expand-and-GEMM's speed at 512 rows and
+1.5-2x at 32-64 on Zen 3 and an AMX Xeon, ``benchmarks/prefill_products.py``), elsewhere (ARM,
+no compiler flags for AVX2) it expands slices of the weight to float32 and calls torch's float
+GEMM, faster there than the integer kernel (``benchmarks/bench_quant.py`` measures the
+crossover). A bfloat16 model (the
 ``--dtype auto`` choice on CPUs with AVX512-BF16 or AMX) expands them to bfloat16 instead and
 calls the bfloat16 GEMM that its dense weights would: on such a CPU (AMD Zen 5) the float32 GEMM
 took 4x as long, and prefill ran at 0.40x the dense path (benchmarks/RESULTS.md). On a CPU with
@@ -339,7 +340,7 @@ class QuantLinear(nn.Module):
         has (the deterministic mode; see :mod:`prefixserve.model.attention.batch_invariant`)."""
         self.panel = self._lib.panel_rows() > 0
         """Whether a float32 product of more than SMALL_M rows takes the panel kernel
-        (``kernels/panel.c``: AVX2 builds without AVX-512) rather than expand-and-GEMM."""
+        (``kernels/panel.c``: every AVX2 build) rather than expand-and-GEMM."""
         self.amx_large_max_outputs = AMX_LARGE_MAX_OUTPUTS
         """Rows x outputs up to which more than AMX_MAX bfloat16 rows take the large-row AMX
         kernel (0: never)."""
