@@ -2,7 +2,7 @@
 the Python and torch work between them, each against the read rate of the same minutes.
 
     .venv/bin/python benchmarks/decode_split.py FILE.gguf [--threads 2] [--rounds 5]
-        [--weight-layout stream|file]
+        [--weight-layout stream|file] [--phases]
 
 One greedy sequence decodes 64 tokens after a 32-token prompt (as ``real_size.py``), ``--rounds``
 times, each round between two reads of 512 MiB (``real_size.read_bandwidth``). Timers wrap the
@@ -15,11 +15,19 @@ the reads around its round; median (range) over the rounds.
 Then the cost of a cold cache: the model's final norm on one row, timed warm and right after a
 sum over 256 MiB (what a decode step's weight stream does to the caches before the work
 between the products).
+
+``--phases`` builds the kernels with ``-DPROFILE_PHASES`` (added to ``PREFIXSERVE_KERNEL_FLAGS``)
+and splits the fused layers' time further, by the first thread's clock: each product (QKV, O,
+gate/up, down, with the wait for the other thread at its end) with the GB/s its weights make,
+and the row-wise work between them (norms, the rotary step, the attention, the activation,
+each with the rounding of the next product's input), when no weight streams.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import random
 import statistics
 import sys
@@ -83,8 +91,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--weight-layout", choices=("stream", "file"), default="stream")
+    parser.add_argument("--phases", action="store_true",
+                        help="a profiling build: the fused layers' time by part")
     args = parser.parse_args()
+    if args.phases:
+        flags = os.environ.get("PREFIXSERVE_KERNEL_FLAGS", "")
+        os.environ["PREFIXSERVE_KERNEL_FLAGS"] = f"{flags} -DPROFILE_PHASES".strip()
     from prefixserve import LLM, SamplingParams
+    from prefixserve.model.attention import decode_kernel
 
     llm = LLM(args.file, num_threads=args.threads, max_model_len=2048,
               kv_cache_memory="64MiB", weight_layout=args.weight_layout)
@@ -106,13 +120,19 @@ def main() -> None:
     layer_bytes = sum(_weight_bytes(model, head))
     head_bytes = head.qweight.numel() * head.qweight.element_size()
     rows: dict[str, list[float]] = defaultdict(list)
+    lib = decode_kernel.library.get()
+    timers = (ctypes.c_double * len(PHASES))()
     for i in range(args.rounds):
         before = read_bandwidth(args.threads, 3)
         spent.clear()
+        lib.phase_times(timers)
         start = time.perf_counter()
         llm.generate(prompt + [7 + i], params)
         total = time.perf_counter() - start
+        timed_parts = lib.phase_times(timers)
         read = (before + read_bandwidth(args.threads, 3)) / 2
+        for name, seconds in zip(PHASES, timers[:timed_parts], strict=True):
+            rows[f"phase {name}"].append(1e3 * seconds / DECODE_TOKENS)
         per = {k: v / DECODE_TOKENS for k, v in spent.items()}
         rows["token"].append(1e3 * total / DECODE_TOKENS)
         rows["layers"].append(1e3 * per["layers"])
@@ -125,6 +145,10 @@ def main() -> None:
         rows["token %"].append(100 * (layer_bytes + head_bytes) * DECODE_TOKENS / total / 1e9
                                / read)
     _report(args, rows, layer_bytes, head_bytes, cold_norm(model, runner.dtype, args.threads))
+    if rows["phase QKV"]:
+        _report_phases(rows, _role_bytes(model))
+    elif args.phases:
+        print("the kernel library has no phase timers (built without -DPROFILE_PHASES)")
 
 
 def _weight_bytes(model: Any, head: Any) -> list[int]:
@@ -137,6 +161,38 @@ def _weight_bytes(model: Any, head: Any) -> list[int]:
             seen.add(module.qweight.data_ptr())
             out.append(module.qweight.numel() * module.qweight.element_size())
     return out
+
+
+#: The parts of a layer that ``phase_times`` reports, in its order; products by the name of
+#: their module (``SplitQuantLinear`` parts included).
+PHASES = ("input norm", "QKV", "rotary and attention", "O", "post-attention norm", "gate/up",
+          "activation", "down")
+ROLES = {"QKV": "qkv_proj", "O": "o_proj", "gate/up": "gate_up_proj", "down": "down_proj"}
+
+
+def _role_bytes(model: Any) -> dict[str, int]:
+    """Bytes of each product's packed weights over all layers, by the part's name."""
+    from prefixserve.model.weights.quant import QuantLinear
+
+    out: dict[str, int] = defaultdict(int)
+    for name, module in model.named_modules():
+        for part, role in ROLES.items():
+            if isinstance(module, QuantLinear) and f".{role}" in name:
+                out[part] += module.qweight.numel() * module.qweight.element_size()
+    return out
+
+
+def _report_phases(rows: dict[str, list[float]], role_bytes: dict[str, int]) -> None:
+    read = statistics.median(rows["read"])
+    print("| part of the fused layers | ms per token | GB/s of its weights | share of the read |")
+    print("|---|---:|---:|---:|")
+    for name in PHASES:
+        ms = rows[f"phase {name}"]
+        if name in role_bytes:
+            rate = role_bytes[name] / (statistics.median(ms) / 1e3) / 1e9
+            print(f"| {name} | {summary(ms, 3)} | {rate:.1f} | {100 * rate / read:.1f}% |")
+        else:
+            print(f"| {name} (no weights) | {summary(ms, 3)} | | |")
 
 
 def _report(args: argparse.Namespace, rows: dict[str, list[float]], layer_bytes: int,

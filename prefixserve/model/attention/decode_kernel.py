@@ -72,6 +72,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [ctypes.POINTER(ModelStruct), ctypes.POINTER(BatchStruct),
                                    ctypes.c_void_p]
     lib.decode_forward.restype = ctypes.c_int
+    lib.phase_times.argtypes = [ctypes.c_void_p]
+    lib.phase_times.restype = ctypes.c_int
     # attention alone (prefixserve.model.attention.prompt)
     model, batch = ctypes.POINTER(ModelStruct), ctypes.POINTER(BatchStruct)
     lib.attention_plan_bytes.argtypes = [model, batch]

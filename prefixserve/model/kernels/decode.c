@@ -1621,6 +1621,40 @@ static int64_t unit_rows(int64_t u, int64_t unit, int64_t B, int64_t *n) {
  * other waiting ~9% of a 16-row step). Each ends in a barrier. The last
  * product's output is left in sc->delta, added to x by the next layer (or decode_forward)
  * so that one barrier serves both. */
+#define PHASES 8
+#ifdef PROFILE_PHASES /* profiling only (decode_split.py --phases): process-wide timers */
+/* Seconds thread 0 spent in each part of layer_forward: the input norm, QKV, the rotary step
+ * with the attention, O, the post-attention norm, gate/up, the activation, down. */
+static double phase_seconds[PHASES];
+#define PHASE_START double phase_mark = omp_get_wtime()
+#define PHASE(i)                                                                               \
+    do {                                                                                       \
+        _Pragma("omp master") {                                                                \
+            double now = omp_get_wtime();                                                      \
+            phase_seconds[i] += now - phase_mark;                                              \
+            phase_mark = now;                                                                  \
+        }                                                                                      \
+    } while (0)
+#else
+#define PHASE_START
+#define PHASE(i)
+#endif
+
+/* The seconds of each part of the layers since the last call, into out (PHASES of them);
+ * returns PHASES, or 0 where the build does not time them (no -DPROFILE_PHASES). */
+int phase_times(double *out) {
+#ifdef PROFILE_PHASES
+    for (int i = 0; i < PHASES; i++) {
+        out[i] = phase_seconds[i];
+        phase_seconds[i] = 0.0;
+    }
+    return PHASES;
+#else
+    (void)out;
+    return 0;
+#endif
+}
+
 static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
                           float *x, Scratch *sc, int64_t chunks, const ChunkGroups *cg,
                           int add_delta, const float *delta_norm) {
@@ -1631,22 +1665,31 @@ static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const Deco
 #define STEP_ATTN(b0, n) quantize_rows(sc->attn, b0, n, q_size, &sc->q)
 #define STEP_POST(b0, n) rows_in(m, x, L->post_norm, sc, 1, L->attn_out_norm, b0, n)
 #define STEP_ACT(b0, n) rows_act(m, sc, b0, n)
+    PHASE_START;
     FOR_ROWS(STEP_IN);
+    PHASE(0);
     team_parts(L->qkv, L->qkv_fmt, L->qkv_rows, L->qkv_more, L->qkv_more_fmt, qkv_width, H,
                L->qkv_bias, &sc->q, B, sc->qkv);
     team_lora(L, 0, s->lora_slots, sc->h, B, H, qkv_width, sc->low, sc->qkv);
+    PHASE(1);
     FOR_ROWS(STEP_QK);
     attention(m, s, L->kv, sc->qkv, qkv_width, sc->attn, chunks, sc->parts, cg);
     FOR_ROWS(STEP_ATTN);
+    PHASE(2);
     team_linear(L->o, L->o_fmt, H, q_size, L->o_bias, &sc->q, B, sc->delta, H);
     team_lora(L, 1, s->lora_slots, sc->attn, B, q_size, H, sc->low, sc->delta);
+    PHASE(3);
     FOR_ROWS(STEP_POST);
+    PHASE(4);
     team_parts(L->gate_up, L->gate_up_fmt, L->gate_up_rows, L->gate_up_more,
                L->gate_up_more_fmt, 2 * I, H, L->gate_up_bias, &sc->q, B, sc->gu);
     team_lora(L, 2, s->lora_slots, sc->h, B, H, 2 * I, sc->low, sc->gu);
+    PHASE(5);
     FOR_ROWS(STEP_ACT);
+    PHASE(6);
     team_linear(L->down, L->down_fmt, H, I, L->down_bias, &sc->q, B, sc->delta, H);
     team_lora(L, 3, s->lora_slots, sc->act, B, I, H, sc->low, sc->delta);
+    PHASE(7);
 #undef STEP_IN
 #undef STEP_QK
 #undef STEP_ATTN
