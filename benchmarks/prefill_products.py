@@ -12,7 +12,7 @@ shape's products (q, k/v, o, gate+up, down; the head is left out: a prompt step'
 one row per sequence) and each row count M, the three paths alternate call by call; each
 time is the median of ``--repeat`` rounds of the summed products (one layer), in ms, and the
 ratios are expand-and-GEMM / panel and batch / panel (above 1: the panel is faster); the
-panel's rate in multiply-adds a second is printed beside the rate of its inner step alone
+panel's rate in multiply-adds a second is printed beside the rate of its tile alone
 (``panel_peak``: one thread over data in L1, times the threads). The panel kernel exists in
 every AVX2 build (256 bits; 512 on AVX-512 CPUs); elsewhere its columns are empty. It is the
 measurement behind ``quant.SMALL_M`` and the panel path of ``QuantLinear``.
@@ -147,7 +147,7 @@ def main() -> None:
     lib = quant_kernels.kernels()
     peak = lib.panel_peak(1 << 22) if lib is not None else 0.0
     print(f"{args.shape}, {args.threads} threads, median of {args.repeat}, ms per layer; the "
-          f"panel's inner step alone: {peak * args.threads / 1e9:.1f} G multiply-adds/s")
+          f"panel's tile alone: {peak * args.threads / 1e9:.1f} G multiply-adds/s")
     print("| format | M | expand | batch | panel | expand / panel | batch / panel | panel G/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for fmt in args.formats.split(","):

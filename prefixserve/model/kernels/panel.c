@@ -24,9 +24,11 @@
  * from the float32 product of the dequantized weight only by the activations' 16-bit rounding
  * and the float sums' order; a row's bits do not depend on the other rows of the product. The
  * tiles' inner steps are inline assembly: GCC otherwise hoisted the broadcasts and spilled the
- * sums (256 bits: 0.5x the speed), or took the weights from memory for each row. On Zen 3 one
- * vpmaddwd issues a cycle, on an AMX Xeon one 512-bit vpdpwssd, and the products run near that
- * rate (panel_peak; benchmarks/prefill_products.py).
+ * sums (256 bits: 0.5x the speed), or took the weights from memory for each row. A Zen 3 core
+ * issues one 256-bit vpmaddwd a cycle, and the products run at that rate; an AMX Xeon core two
+ * 512-bit vpdpwssd (tiles over data in L1: 155 G multiply-adds a second), and the products
+ * run at 63% of it, their panel words and rows coming from L2 (panel_peak;
+ * benchmarks/prefill_products.py).
  */
 #if defined(__AVX2__) && defined(__FMA__)
 #define HAVE_PANEL 1
@@ -387,25 +389,22 @@ static void panel_rows_all(const int32_t *a, int64_t Mp, int64_t M, int64_t nb,
 }
 #endif
 
-/* Multiply-adds a second of the tile's inner step alone, on one thread, over data in L1 (the
- * ceiling of gemm_panel on this core: benchmarks/prefill_products.py); 0 where there is no
- * panel kernel. */
+/* Multiply-adds a second of the tile alone, on one thread, over data in L1 (the ceiling of
+ * gemm_panel on this core: benchmarks/prefill_products.py): the 256-bit form's inner step, the
+ * 512-bit form's whole tiles over 4 blocks; 0 where there is no panel kernel. */
 double panel_peak(int64_t blocks) {
 #ifdef PANEL_WIDE
-    static int32_t w[256] __attribute__((aligned(64))), x[PANEL_M * 16];
-    __m512i s[PANEL_M];
-    for (int i = 0; i < PANEL_M; i++) s[i] = _mm512_setzero_si512();
+    /* whole tiles (their flushes included) over 4 blocks in L1, again and again */
+    static int32_t w[4 * 256] __attribute__((aligned(64))), x[PANEL_M * 4 * 16];
+    static float f[4 * 48] __attribute__((aligned(64))), d[PANEL_M * 4];
+    float c[PANEL_M * 16] __attribute__((aligned(64)));
     double start = omp_get_wtime();
-    for (int64_t b = 0; b < blocks; b++) {
-        __asm__ volatile("" : : "r"(w), "r"(x) : "memory"); /* read again, as in a tile */
-        panel_units512(w, x, 16, 0, s);
-        panel_units512(w, x, 16, 8, s);
+    for (int64_t b = 0; b < blocks; b += 4) {
+        panel_tile(x, 4 * 16, w, f, f + 4 * 32, d, d, 4, 0, 0, c);
+        __asm__ volatile("" : : "r"(c) : "memory");
     }
     double spent = omp_get_wtime() - start;
-    __m512i all = s[0];
-    for (int i = 1; i < PANEL_M; i++) all = _mm512_add_epi32(all, s[i]);
-    int32_t sink = _mm512_reduce_add_epi32(all);
-    return sink == 12345 ? 0.0 : (double)blocks * 16 * PANEL_M * 32 / spent;
+    return c[0] == 12345.0f ? 0.0 : (double)(blocks + 3) / 4 * 4 * 16 * PANEL_M * 32 / spent;
 #elif defined(HAVE_PANEL)
     static int32_t w[256] __attribute__((aligned(32))), x[6 * 16] __attribute__((aligned(32)));
     __m256i s[12];
