@@ -131,7 +131,7 @@ def main() -> None:
         total = time.perf_counter() - start
         timed_parts = lib.phase_times(timers)
         read = (before + read_bandwidth(args.threads, 3)) / 2
-        for name, seconds in zip(PHASES, timers[:timed_parts], strict=True):
+        for name, seconds in zip(PHASES, timers[:timed_parts], strict=False):
             rows[f"phase {name}"].append(1e3 * seconds / DECODE_TOKENS)
         per = {k: v / DECODE_TOKENS for k, v in spent.items()}
         rows["token"].append(1e3 * total / DECODE_TOKENS)

@@ -291,7 +291,7 @@ def test_the_stream_layout_changes_no_number_of_the_fused_step(
     streamed = model()
     assert formats(streamed) == [FMT_Q4_0S] * 8  # QKV, O, gate/up and down of both layers
     stream_logits, stream_cache = decode_steps(streamed, STREAM_CONFIG, rows, dtype)
-    monkeypatch.setattr(quant, "stream_layout", lambda weight, lib: weight)
+    monkeypatch.setattr(quant, "stream_layout", lambda weight, lib, arena=None: weight)
     filed = model()
     assert formats(filed) == [FMT_Q4_0] * 8
     file_logits, file_cache = decode_steps(filed, STREAM_CONFIG, rows, dtype)

@@ -9,6 +9,7 @@ embedding.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from pathlib import Path
@@ -26,7 +27,7 @@ from transformers import (
 from prefixserve.model.arch.config import ModelConfig, kv_cache_bytes_per_token
 from prefixserve.model.runner import ModelRunner, SeqBatchInput
 from prefixserve.model.weights.loader import load_model
-from prefixserve.model.weights.quant import QuantEmbedding
+from prefixserve.model.weights.quant import FMT_Q4_0, FMT_Q4_0S, QuantEmbedding
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 @pytest.mark.parametrize("arch", sorted(HF_CONFIGS))
@@ -231,6 +232,83 @@ def test_gguf_weights_map_the_file(tmp_path: Path) -> None:
     mapped = mapped_file(path)
     assert mapped["Anonymous"] == 0 and mapped["Rss"] >= sizes["embed"]
     assert rss_anon() - before < sizes["embed"] / 4
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages on this system")
+def test_packed_copies_sit_side_by_side_in_huge_pages_and_kept_weights_stay_the_files(
+        tmp_path: Path) -> None:
+    """Every packed weight that loading copies (the fused Q/K/V and gate/up stacks; a Q4_0
+    one in the stream layout) lies in the model's ``WeightArena``: a mapping advised for
+    transparent huge pages (``hg`` in its ``VmFlags``), the copies side by side in load
+    order, each on a 64-byte boundary. The weights kept as the file holds them (O, down,
+    the embedding) stay views of the file's mapping (no ``hg``). Kills: the arena not given
+    to the modules (each stack left in a mapping of base-size pages of its own), or the
+    kept weights copied into it. (Planted: ``_install_packed`` without the arena: fails.)"""
+    kernels_or_skip()
+    path = tmp_path / "big.gguf"
+    write_big_embedding_gguf(path)
+    _, model = load_model(str(path), torch.float32, weights="auto")
+    layers = model.layers
+    copied = [m.qweight for layer in layers for m in (layer.attn.qkv_proj, layer.mlp.gate_up_proj)]
+    kept = [m.qweight for layer in layers for m in (layer.attn.o_proj, layer.mlp.down_proj)]
+    kept.append(model.embed_tokens.head.qweight)
+    starts = [w.data_ptr() for w in copied]
+    assert all(start % 64 == 0 and "hg" in _vm_flags(start) for start in starts)
+    for before, after in itertools.pairwise(copied):  # side by side, in load order
+        assert after.data_ptr() == -(-(before.data_ptr() + before.numel()) // 64) * 64
+    gguf_map = _mapping_start(kept[0].data_ptr())
+    assert all(_mapping_start(w.data_ptr()) == gguf_map for w in kept)
+    assert "hg" not in _vm_flags(kept[0].data_ptr())
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="no transparent huge pages on this system")
+def test_the_weight_arena_advises_whole_huge_pages_and_maps_anew_when_one_is_full() -> None:
+    """``huge_page_area`` advises only whole huge pages: of 3 MiB the first 2 MiB (``hg``),
+    not the last one, and nothing of 4 KiB. ``WeightArena`` hands out pieces from a huge-page
+    boundary, side by side on 64-byte boundaries, each a storage of its own (``module_bytes``
+    counts the piece, not the mapping); a piece that does not fit the rest of its mapping
+    starts a new one. A Q4_0 weight's stream layout taken from an arena multiplies as the one
+    from the heap, bit for bit. (Planted: the advice over the whole mapping: the tail check
+    fails.)"""
+    import ctypes
+
+    from prefixserve.model.pages import HUGE_PAGE, huge_page_area
+    from prefixserve.model.weights.quant import QuantLinear, WeightArena, pack_float
+
+    area, start = huge_page_area(3 << 20)
+    first = ctypes.c_char.from_buffer(area)
+    base = ctypes.addressof(first) + start
+    del first
+    assert base % HUGE_PAGE == 0 and "hg" in _vm_flags(base)
+    assert "hg" not in _vm_flags(base + HUGE_PAGE)
+    small, at = huge_page_area(4096)
+    head = ctypes.c_char.from_buffer(small)
+    assert "hg" not in _vm_flags(ctypes.addressof(head) + at)
+    del head
+    arena = WeightArena(chunk=4 << 20)
+    a, b, c = arena.take(1000), arena.take(3 << 20), arena.take(2 << 20)
+    assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() == a.data_ptr() + 1024
+    assert c.data_ptr() % HUGE_PAGE == 0 and c.data_ptr() != b.data_ptr() + (3 << 20)
+    assert a.untyped_storage().nbytes() == 1000 and c.numel() == 2 << 20
+    kernels_or_skip()
+    weight = pack_float(np.random.default_rng(3).standard_normal((64, 1024)).astype(np.float32),
+                        FMT_Q4_0)
+    heap, mapped = QuantLinear(weight), QuantLinear(weight, arena=arena)
+    assert heap.fmt == mapped.fmt == FMT_Q4_0S and "hg" in _vm_flags(mapped.qweight.data_ptr())
+    x = torch.randn(3, 1024)
+    assert torch.equal(heap(x[:1]), mapped(x[:1])) and torch.equal(heap(x), mapped(x))
+
+
+def _mapping_start(address: int) -> int:
+    """Where this process's mapping that holds ``address`` begins (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(v, 16) for v in line.split()[0].split("-"))
+            if low <= address < high:
+                return low
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def _q8_0_file(path: Path, shapes: dict[str, tuple[int, ...]]) -> str:

@@ -653,7 +653,7 @@ def test_the_stream_layout_gives_the_file_layouts_products_exactly(
     ids = torch.tensor([[5, 67, 4], [0, 5, 6]])
     embedding = QuantEmbedding(packed, torch.float32)
     assert embedding.head.fmt == FMT_Q4_0S
-    monkeypatch.setattr(quant, "stream_layout", lambda weight, lib: weight)
+    monkeypatch.setattr(quant, "stream_layout", lambda weight, lib, arena=None: weight)
     assert torch.equal(embedding(ids), QuantEmbedding(packed, torch.float32)(ids))
 
 

@@ -32,6 +32,7 @@ released once the model is built (:func:`_release_unviewed`).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
@@ -49,6 +50,7 @@ from prefixserve.model.arch.config import (
 )
 from prefixserve.model.arch.gemma3 import model_class
 from prefixserve.model.arch.llama import CausalLM
+from prefixserve.model.pages import base_page_area
 from prefixserve.model.vision.loader import decoder_names
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.gguf_file import GGUFFile
@@ -61,6 +63,7 @@ from prefixserve.model.weights.quant import (
     QuantEmbedding,
     QuantLinear,
     SplitQuantLinear,
+    WeightArena,
     dequantize_packed,
     pack_float,
     pack_gguf,
@@ -140,10 +143,13 @@ def _packing_mode(weights: str, device: torch.device) -> str | None:
 def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype,
                     stream: bool = True) -> None:
     """Swap the modules whose weight in ``state`` is packed for quantized ones (in place), Q4_0
-    ones that fit it in the stream layout where ``stream`` (:func:`quant.stream_layout`).
+    ones that fit it in the stream layout where ``stream`` (:func:`quant.stream_layout`); the
+    weights that are copies (that layout's, fused stacks) in one
+    :class:`~prefixserve.model.weights.quant.WeightArena` (huge pages).
 
     The packed entries leave ``state``; a bias stays there for ``load_state_dict``.
     """
+    arena = WeightArena()
     for key in [k for k, v in state.items() if isinstance(v, (PackedWeight, PackedParts))]:
         packed = state.pop(key)
         parent_name, _, attr = key.removesuffix(".weight").rpartition(".")
@@ -151,12 +157,13 @@ def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype,
         old = getattr(parent, attr)
         new: nn.Module
         if isinstance(packed, PackedParts):
-            new = SplitQuantLinear(packed, bias=old.bias is not None, stream=stream)
+            new = SplitQuantLinear(packed, bias=old.bias is not None, stream=stream,
+                                   arena=arena)
         elif isinstance(old, nn.Embedding):
-            new = QuantEmbedding(cast(PackedWeight, packed), dtype, stream=stream)
+            new = QuantEmbedding(cast(PackedWeight, packed), dtype, stream=stream, arena=arena)
         else:
             new = QuantLinear(cast(PackedWeight, packed), bias=old.bias is not None,
-                              stream=stream)
+                              stream=stream, arena=arena)
         setattr(parent, attr, new)
 
 
@@ -196,19 +203,29 @@ def _cat(parts: list[Part], heads: Sequence[int | None] = ()) -> Weight:
 
 def _stack_packed(parts: list[PackedWeight], heads: list[int | None]) -> PackedWeight:
     """Packed parts of one format stacked (:func:`_stack`), or a lone part that needs no
-    unpermuting as it is."""
+    unpermuting as it is. A stack is ``copied``: :class:`QuantLinear` moves it (or its stream
+    layout) into the model's :class:`WeightArena`, and this mapping of its own is unmapped
+    when it is freed (the heap would keep its pages)."""
     if len(parts) == 1 and not heads[0]:
         return parts[0]
-    return PackedWeight(parts[0].fmt, _stack([p.data for p in parts], heads), parts[0].cols)
+    stacked = _stack([p.data for p in parts], heads, mapped=True)
+    return PackedWeight(parts[0].fmt, stacked, parts[0].cols, copied=True)
 
 
 def _stack(parts: list[torch.Tensor], heads: Sequence[int | None] = (),
-           dtype: torch.dtype | None = None) -> torch.Tensor:
+           dtype: torch.dtype | None = None, mapped: bool = False) -> torch.Tensor:
     """``parts`` (dense values, or packed rows) stacked along rows in a new tensor of ``dtype``
     (default: the first part's), each copied once, straight from where it lies (a view of the
-    file's pages, say): part ``j`` unpermuted for ``heads[j]`` heads where given."""
-    out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
-                      dtype=dtype or parts[0].dtype, device=parts[0].device)
+    file's pages, say): part ``j`` unpermuted for ``heads[j]`` heads where given. ``mapped``:
+    the tensor in a mapping of base-size pages of its own (CPU tensors; ``pages.py``)."""
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    dtype = dtype or parts[0].dtype
+    if mapped and parts[0].device.type == "cpu":
+        nbytes = math.prod(shape) * dtype.itemsize
+        area = base_page_area(nbytes)
+        out = torch.frombuffer(area, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    else:
+        out = torch.empty(shape, dtype=dtype, device=parts[0].device)
     first = 0
     for j, part in enumerate(parts):
         dest = out[first:first + part.shape[0]]

@@ -46,6 +46,7 @@ activation rows read in place), which beats expand-and-GEMM there.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -54,6 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from prefixserve.model.pages import huge_page_area
 from prefixserve.model.weights import quant_kernels
 from prefixserve.model.weights.dtypes import cpu_has_native_bfloat16
 from prefixserve.model.weights.quant_kernels import (
@@ -129,11 +131,14 @@ _FOUR_BIT_OR_LESS = frozenset({10, 11, 12, 16, 17, 18, 19, 20, 21, 22, 23, 29, 3
 
 @dataclass
 class PackedWeight:
-    """A ``[rows, cols]`` weight as packed blocks: ``data`` is uint8 ``[rows, row_bytes]``."""
+    """A ``[rows, cols]`` weight as packed blocks: ``data`` is uint8 ``[rows, row_bytes]``.
+    ``copied``: its bytes are a copy made at load (a fused stack), not the file's pages, so
+    that :class:`QuantLinear` moves them into its :class:`WeightArena` where it has one."""
 
     fmt: int
     data: torch.Tensor
     cols: int
+    copied: bool = False
 
     def __post_init__(self) -> None:
         # The kernels step through rows by their byte length: the data must be contiguous.
@@ -291,13 +296,51 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def stream_layout(weight: PackedWeight, lib: ctypes.CDLL) -> PackedWeight:
+class WeightArena:
+    """Room for a model's packed weights that are copies (the stream layout's, fused stacks)
+    in mappings of transparent huge pages (:func:`~prefixserve.model.pages.huge_page_area`):
+    a decode step streams every weight from end to end, and base-size pages cost a TLB miss
+    every 4 KiB of it. ``chunk`` bytes a mapping, handed out in order, each piece on a 64-byte
+    boundary; a piece that does not fit the rest of the current mapping starts a new one (the
+    rest, never written, takes no memory). The pieces sit side by side, so small weights (the
+    default model's) share huge pages instead of each leaving one partly unused."""
+
+    def __init__(self, chunk: int = 256 << 20) -> None:
+        self.chunk = chunk
+        self._area: mmap.mmap | None = None
+        self._used = self._end = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` uninitialized bytes (uint8), a storage of their own (``module_bytes``
+        counts them, not the mapping), which keeps the mapping alive."""
+        start = -(-self._used // 64) * 64
+        if self._area is None or start + nbytes > self._end:
+            size = max(self.chunk, nbytes)
+            self._area, start = huge_page_area(size)
+            self._end = start + size
+        self._used = start + nbytes
+        return torch.frombuffer(self._area, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def _moved(weight: PackedWeight, arena: WeightArena) -> PackedWeight:
+    """``weight``'s bytes copied into ``arena`` (the old ones are freed with ``weight``)."""
+    data = arena.take(weight.data.numel()).view(weight.data.shape)
+    data.copy_(weight.data)
+    return PackedWeight(weight.fmt, data, weight.cols)
+
+
+def stream_layout(weight: PackedWeight, lib: ctypes.CDLL,
+                  arena: WeightArena | None = None) -> PackedWeight:
     """A Q4_0 weight's bytes moved into the stream layout (``kernels/stream.c``): a copy in
-    memory, where the file's layout may be pages of the mapped file. The one-row kernel (a
-    decode step of one sequence, or row after row up to 7) reads it at the memory's speed;
-    every other product unpacks groups of four rows. Both give the file layout's results
-    exactly."""
-    data = torch.empty_like(weight.data)
+    memory (taken from ``arena`` where given), where the file's layout may be pages of the
+    mapped file. The one-row kernel (a decode step of one sequence, or row after row up to 7)
+    reads it at the memory's speed; every other product unpacks groups of four rows. Both give
+    the file layout's results exactly."""
+    if arena is None:
+        data = torch.empty_like(weight.data)
+    else:
+        nbytes = weight.data.numel() * weight.data.element_size()
+        data = arena.take(nbytes).view(weight.data.dtype).view(weight.data.shape)
     lib.repack_q4_0s(weight.data.data_ptr(), weight.rows, weight.cols, data.data_ptr())
     return PackedWeight(FMT_Q4_0S, data, weight.cols)
 
@@ -311,11 +354,14 @@ class QuantLinear(nn.Module):
 
     qweight: torch.Tensor
 
-    def __init__(self, weight: PackedWeight, bias: bool = False, stream: bool = True) -> None:
+    def __init__(self, weight: PackedWeight, bias: bool = False, stream: bool = True,
+                 arena: WeightArena | None = None) -> None:
         super().__init__()
         self._lib = _library()
         if stream and weight.fmt == FMT_Q4_0 and self._lib.q4_0s_fits(weight.rows, weight.cols):
-            weight = stream_layout(weight, self._lib)
+            weight = stream_layout(weight, self._lib, arena)
+        elif weight.copied and arena is not None:
+            weight = _moved(weight, arena)
         self.fmt = weight.fmt
         self.in_features = weight.cols
         self.out_features = weight.rows
@@ -503,9 +549,11 @@ class SplitQuantLinear(nn.Module):
     outputs side by side. The fused decode step takes the parts as they are (``decode.c``,
     ``team_parts``)."""
 
-    def __init__(self, weight: PackedParts, bias: bool = False, stream: bool = True) -> None:
+    def __init__(self, weight: PackedParts, bias: bool = False, stream: bool = True,
+                 arena: WeightArena | None = None) -> None:
         super().__init__()
-        self.parts = nn.ModuleList(QuantLinear(part, stream=stream) for part in weight.parts)
+        self.parts = nn.ModuleList(QuantLinear(part, stream=stream, arena=arena)
+                                   for part in weight.parts)
         self.in_features = weight.cols
         self.out_features = weight.rows
         self.bias = nn.Parameter(torch.empty(weight.rows)) if bias else None
@@ -526,11 +574,12 @@ class SplitQuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """A token embedding with packed rows; also the tied output head (:meth:`logits`)."""
 
-    def __init__(self, weight: PackedWeight, dtype: torch.dtype, stream: bool = True) -> None:
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype, stream: bool = True,
+                 arena: WeightArena | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype
-        self.head = QuantLinear(weight, stream=stream)
+        self.head = QuantLinear(weight, stream=stream, arena=arena)
         self._lib = self.head._lib
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
