@@ -292,6 +292,7 @@ def test_the_weight_arena_advises_whole_huge_pages_and_maps_anew_when_one_is_ful
     assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() == a.data_ptr() + 1024
     assert c.data_ptr() % HUGE_PAGE == 0 and c.data_ptr() != b.data_ptr() + (3 << 20)
     assert a.untyped_storage().nbytes() == 1000 and c.numel() == 2 << 20
+    assert arena.take(0).numel() == 0
     kernels_or_skip()
     weight = pack_float(np.random.default_rng(3).standard_normal((64, 1024)).astype(np.float32),
                         FMT_Q4_0)

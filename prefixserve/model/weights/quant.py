@@ -313,6 +313,8 @@ class WeightArena:
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` uninitialized bytes (uint8), a storage of their own (``module_bytes``
         counts them, not the mapping), which keeps the mapping alive."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
         start = -(-self._used // 64) * 64
         if self._area is None or start + nbytes > self._end:
             size = max(self.chunk, nbytes)
