@@ -10,11 +10,11 @@ compacts memory to find one. On a 2-core VM a KV block's first write in each lay
 ms that way, and Gemma 3's dense load twice as long. A kernel without transparent huge pages
 refuses the advice (EINVAL): there is nothing to avoid then.
 
-Packed weights that are copies (the stream layout's) go the other way: every decode step reads
-them from end to end, and with base-size pages that is a TLB miss every 4 KiB. In mappings
-advised for transparent huge pages (``MADV_HUGEPAGE``, :func:`huge_page_area`) the weights of a
-1B Q4_0 model streamed at 97% of the machine's read rate instead of 80% (Xeon,
-``benchmarks/real_size.py``; ``benchmarks/RESULTS.md``).
+Packed weights that are copies (fused stacks, the stream layout's) go the other way: every
+decode step reads them from end to end, and with base-size pages that is a TLB miss every 4
+KiB. In mappings advised for transparent huge pages (``MADV_HUGEPAGE``, :func:`huge_page_area`)
+the weights of a 1B Q4_0 model streamed at 97% of the machine's read rate instead of 80%
+(Xeon, ``benchmarks/real_size.py``; ``benchmarks/RESULTS.md``).
 
 Imports nothing but the standard library.
 """

@@ -1615,12 +1615,6 @@ static int64_t unit_rows(int64_t u, int64_t unit, int64_t B, int64_t *n) {
         }                                                                                      \
     } while (0)
 
-/* One decoder layer over x [B, hidden], called by every thread of the step's parallel region:
- * the products and attention are shared out (team_linear, attention), and so are the small
- * row-wise steps between them, by rows (FOR_ROWS; on one thread, `omp single`, they left the
- * other waiting ~9% of a 16-row step). Each ends in a barrier. The last
- * product's output is left in sc->delta, added to x by the next layer (or decode_forward)
- * so that one barrier serves both. */
 #define PHASES 8
 #ifdef PROFILE_PHASES /* profiling only (decode_split.py --phases): process-wide timers */
 /* Seconds thread 0 spent in each part of layer_forward: the input norm, QKV, the rotary step
@@ -1655,6 +1649,12 @@ int phase_times(double *out) {
 #endif
 }
 
+/* One decoder layer over x [B, hidden], called by every thread of the step's parallel region:
+ * the products and attention are shared out (team_linear, attention), and so are the small
+ * row-wise steps between them, by rows (FOR_ROWS; on one thread, `omp single`, they left the
+ * other waiting ~9% of a 16-row step). Each ends in a barrier. The last
+ * product's output is left in sc->delta, added to x by the next layer (or decode_forward)
+ * so that one barrier serves both. */
 static void layer_forward(const DecodeModel *m, const DecodeLayer *L, const DecodeBatch *s,
                           float *x, Scratch *sc, int64_t chunks, const ChunkGroups *cg,
                           int add_delta, const float *delta_norm) {

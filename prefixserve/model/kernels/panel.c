@@ -361,8 +361,6 @@ static inline __attribute__((always_inline)) void panel_tile(
         if (offsets) panel_offsets(o + b * 16, xs, nb, b, c);
     }
 }
-
-
 #endif /* PANEL_WIDE */
 
 /* Every tile of one panel (outputs n0 .. n0 + cols of y) over the Mp paired rows. */
@@ -404,7 +402,7 @@ double panel_peak(int64_t blocks) {
         __asm__ volatile("" : : "r"(c) : "memory");
     }
     double spent = omp_get_wtime() - start;
-    return c[0] == 12345.0f ? 0.0 : (double)(blocks + 3) / 4 * 4 * 16 * PANEL_M * 32 / spent;
+    return c[0] == 12345.0f ? 0.0 : (double)((blocks + 3) / 4 * 4) * 16 * PANEL_M * 32 / spent;
 #elif defined(HAVE_PANEL)
     static int32_t w[256] __attribute__((aligned(32))), x[6 * 16] __attribute__((aligned(32)));
     __m256i s[12];
