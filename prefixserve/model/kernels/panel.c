@@ -26,8 +26,8 @@
  * tiles' inner steps are inline assembly: GCC otherwise hoisted the broadcasts and spilled the
  * sums (256 bits: 0.5x the speed), or took the weights from memory for each row. A Zen 3 core
  * issues one 256-bit vpmaddwd a cycle, and the products run at that rate; an AMX Xeon core two
- * 512-bit vpdpwssd (tiles over data in L1: 155 G multiply-adds a second), and the products
- * run at 63% of it, their panel words and rows coming from L2 (panel_peak;
+ * 512-bit vpdpwssd (tiles over data in L1: 140-155 G multiply-adds a second), and the products
+ * run at 60-70% of it, their panel words and rows coming from L2 (panel_peak;
  * benchmarks/prefill_products.py).
  */
 #if defined(__AVX2__) && defined(__FMA__)
