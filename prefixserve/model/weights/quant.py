@@ -26,7 +26,7 @@ scale``: its products are bit for bit those of the same weight converted to Q4_1
 (prefill), on every AVX2 build (256 or 512 bits), the panel kernel (``kernels/panel.c``: the
 same 16-bit products, blocked for many rows; 1.2-1.5x expand-and-GEMM's speed at 512 rows and
 1.5-2x at 32-64 on Zen 3 and an AMX Xeon, ``benchmarks/prefill_products.py``), elsewhere (ARM,
-no compiler flags for AVX2) it expands slices of the weight to float32 and calls torch's float
+a build without AVX2) it expands slices of the weight to float32 and calls torch's float
 GEMM, faster there than the integer kernel (``benchmarks/bench_quant.py`` measures the
 crossover). A bfloat16 model (the
 ``--dtype auto`` choice on CPUs with AVX512-BF16 or AMX) expands them to bfloat16 instead and
@@ -323,10 +323,15 @@ class WeightArena:
         self._used = start + nbytes
         return torch.frombuffer(self._area, dtype=torch.uint8, count=nbytes, offset=start)
 
+    def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An uninitialized contiguous tensor of ``tensor``'s dtype and shape (:meth:`take`)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return self.take(nbytes).view(tensor.dtype).view(tensor.shape)
+
 
 def _moved(weight: PackedWeight, arena: WeightArena) -> PackedWeight:
     """``weight``'s bytes copied into ``arena`` (the old ones are freed with ``weight``)."""
-    data = arena.take(weight.data.numel()).view(weight.data.shape)
+    data = arena.empty_like(weight.data)
     data.copy_(weight.data)
     return PackedWeight(weight.fmt, data, weight.cols)
 
@@ -338,11 +343,7 @@ def stream_layout(weight: PackedWeight, lib: ctypes.CDLL,
     mapped file. The one-row kernel (a decode step of one sequence, or row after row up to 7)
     reads it at the memory's speed; every other product unpacks groups of four rows. Both give
     the file layout's results exactly."""
-    if arena is None:
-        data = torch.empty_like(weight.data)
-    else:
-        nbytes = weight.data.numel() * weight.data.element_size()
-        data = arena.take(nbytes).view(weight.data.dtype).view(weight.data.shape)
+    data = torch.empty_like(weight.data) if arena is None else arena.empty_like(weight.data)
     lib.repack_q4_0s(weight.data.data_ptr(), weight.rows, weight.cols, data.data_ptr())
     return PackedWeight(FMT_Q4_0S, data, weight.cols)
 
