@@ -924,6 +924,24 @@ def test_other_isa_builds_match(build: str, lib, tmp_path: Path) -> None:
         assert torch.equal(layer._expand(0, packed.rows, torch.bfloat16).view(torch.int16), want)
 
 
+@pytest.mark.parametrize("flag", ["PROFILE_PHASES", "PROFILE_Q4_LOADS", "PROFILE_Q4_HIGH_BYTES"])
+def test_the_profiling_builds_compile(flag: str) -> None:
+    """The benchmarks' profiling builds (``decode_split.py --phases``, ``kernel_rates.py``)
+    compile, for this CPU and for AVX2 without AVX-512: code under their macros is compiled
+    nowhere else, so a change that breaks it would show only when someone profiles.
+    (Planted: an undeclared name in the phase timers: fails.)"""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    source = quant_kernels._SOURCE.parent / "decode.c"
+    for isa in (["-march=native"], ["-march=native", *AVX2_BUILD]) if x86 else ([],):
+        done = subprocess.run([compiler, "-fsyntax-only", "-std=c11", "-fopenmp", *isa,
+                               f"-D{flag}", str(source)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_kernel_flags_from_the_environment_reach_the_build(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``$PREFIXSERVE_KERNEL_FLAGS`` goes after ``-march=native`` (``-mno-avx512f`` builds the
