@@ -1490,12 +1490,14 @@ static void split_needs(const DecodeModel *m, Quantized *q) {
 }
 
 /* Bytes of a step's paired rows for the panel kernel (Quantized.pairs): the B rows and
- * PANEL_M more that a tile reads, where the step takes the panels; else 0. */
-static int64_t pair_bytes(int64_t B, int64_t widest) {
+ * PANEL_M more that a tile reads, where the step takes the panels (16-bit rows: not a step
+ * that rounds its rows to bfloat16, bf16_rows); else 0. */
+static int64_t pair_bytes(const DecodeModel *m, int64_t B, int64_t widest) {
 #ifdef HAVE_PANEL
-    return B >= PANEL_TEAM_FROM ? (B + PANEL_M) * widest * (int64_t)sizeof(int16_t) : 0;
+    int panels = B >= PANEL_TEAM_FROM && !bf16_rows(m, B);
+    return panels ? (B + PANEL_M) * widest * (int64_t)sizeof(int16_t) : 0;
 #else
-    (void)B, (void)widest;
+    (void)m, (void)B, (void)widest;
     return 0;
 #endif
 }
@@ -1517,11 +1519,11 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     split_needs(m, &sc->q);
     sc->q.split_q4 = sc->q.need_q4 && B <= Q4_SPLIT_ROWS; /* for every unit of its rows */
-    int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS && !pair_bytes(B, widest)
+    int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS && !pair_bytes(m, B, widest)
                      ? B : FEW_ROWS; /* split_k's (none where the panels take the products) */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * Q4_SPLIT_ROWS * widest
-                    + k_rows * SPLIT_K_BYTES(widest) + pair_bytes(B, widest) + 192;
+                    + k_rows * SPLIT_K_BYTES(widest) + pair_bytes(m, B, widest) + 192;
     char *p = malloc((size_t)bytes);
     if (!p) return -1;
     sc->base = p;
@@ -1546,8 +1548,8 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     sc->q.xq = (int16_t *)f;
     sc->q.xb = (uint8_t *)(((uintptr_t)(sc->q.xq + B * widest) + 63) & ~(uintptr_t)63);
     uint8_t *after = sc->q.xb + 2 * Q4_SPLIT_ROWS * widest + k_rows * SPLIT_K_BYTES(widest);
-    sc->q.pairs = pair_bytes(B, widest) ? (int32_t *)(((uintptr_t)after + 63) & ~(uintptr_t)63)
-                                        : NULL;
+    sc->q.pairs = pair_bytes(m, B, widest)
+                      ? (int32_t *)(((uintptr_t)after + 63) & ~(uintptr_t)63) : NULL;
     return 0;
 }
 
