@@ -12,7 +12,8 @@ sequences, decodes that many greedy sequences together (48 tokens each after a 3
 prompt, the prompts cached first), ``--rounds`` times; the builds alternate round by round.
 Prints the tokens/s of all sequences together and the ms a step (median and range), and the
 ratio of the two builds.
-From 8 sequences a bfloat16 model's steps take the bfloat16 batch kernels in both builds. On
+From 8 sequences a bfloat16 model's steps take the bfloat16 batch kernels in both builds; on
+a CPU with AMX, the tiles from 4 (Q4_0 weights: 8; ``amx_rows`` in ``kernels/quant.c``). On
 AVX2 builds without AVX-512 a K-quant model's products of 8 rows and more take the many-row
 kernels (``kq_rows_few``) in both builds, and fewer rows the one-row kernels in both.
 """

@@ -246,6 +246,33 @@ def test_fused_decode_of_eight_rows_or_more_matches_the_eager_layers(fmt: int,
                                atol=kv_tol * float(eager_cache.abs().max()))
 
 
+@pytest.mark.parametrize("fmt", [FMT_Q4_0, FMT_Q4_1], ids=["q4_0", "q4_1"])
+def test_a_bfloat16_step_takes_the_tiles_from_the_row_count_of_its_products(fmt: int) -> None:
+    """With AMX, the fused step of a bfloat16 model takes the tiles from the row count its
+    products do (``DecodeModel.amx_from``, ``QuantLinear.amx_from``): a Q4_0 model (the stream
+    layout) decodes 5 sequences with the 16-bit kernel, one row after another, so each gets
+    the bits it gets alone; a Q4_1 model on the tiles, whose bfloat16 rows give other bits.
+    (Planted: the step's rows counted against ``amx_rows()``, 4; the Q4_0 case fails.)"""
+    lib = quant_kernels.kernels()
+    if lib is None or not lib.amx_rows() or not lib.q4_0s_fits(4, 1024):
+        pytest.skip("no AMX in this build (or the OS refused the tile state)")
+    model = packed_model(STREAM_CONFIG, fmt).to(torch.bfloat16)
+    assert {m.amx_from for m in model.modules() if isinstance(m, QuantLinear)} == {
+        8 if fmt == FMT_Q4_0 else 4}
+    rng = random.Random(5)
+    runner = ModelRunner(STREAM_CONFIG, model, 100, 16, torch.bfloat16, "cpu")
+    vocab = STREAM_CONFIG.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(20 + 9 * i)] for i in range(5)]
+    steps = [SeqBatchInput([rng.randrange(vocab)], len(p), list(range(8 * i, 8 * i + 8)),
+                           seq_id=i) for i, p in enumerate(prompts)]
+    for step, prompt in zip(steps, prompts, strict=True):
+        runner.execute([SeqBatchInput(prompt, 0, step.block_table, seq_id=step.seq_id)])
+    together = runner.execute(steps).logits  # each step rewrites its own token's K/V
+    alone = torch.cat([runner.execute([step]).logits for step in steps])
+    assert runner._fused is not None, runner.fused_decode_reason
+    assert torch.equal(together, alone) == (fmt == FMT_Q4_0)
+
+
 def formats(model: CausalLM) -> list[int]:
     return [m.fmt for m in model.modules() if isinstance(m, QuantLinear)]
 

@@ -296,6 +296,7 @@ def test_q4_0_products_are_those_of_the_same_weight_as_q4_1(dtype: torch.dtype, 
         packed = pack_gguf(raw, int(Q.Q4_0), cols, np.zeros)
         assert packed is not None and packed.fmt == FMT_Q4_0
         ours, theirs = QuantLinear(packed), QuantLinear(quant.q4_0_to_q4_1(raw, cols))
+        theirs.amx_from = ours.amx_from  # the same kernels (Q4_0 takes the tiles from 8 rows)
         for m in PATH_ROWS:
             x = activations(m, cols).to(dtype)
             assert torch.equal(ours(x), theirs(x)), f"cols={cols} M={m}"
@@ -492,9 +493,9 @@ def amx_or_skip(lib) -> int:
     return int(lib.amx_rows())
 
 
-@pytest.mark.parametrize("m", (2, 5, 13, 16, 17, 64, 65, 100, AMX_MAX))
+@pytest.mark.parametrize("m", (4, 5, 13, 16, 17, 64, 65, 100, AMX_MAX))
 def test_amx_kernel(m: int, lib) -> None:
-    """A bfloat16 input of ``amx_rows()`` (2) to AMX_MAX rows on a CPU with AMX takes the tile
+    """A bfloat16 input of ``amx_rows()`` (4) to AMX_MAX rows on a CPU with AMX takes the tile
     kernel: like the batch kernel, the products of bfloat16 values are exact and the sums
     float32, so each output is within float32 rounding of the float64 product of the same
     bfloat16 values. Row counts that fill 16-row tiles, leave one partly empty, and span more
@@ -596,6 +597,33 @@ def test_amx_kernel_expands_each_weight_as_dequantize_rounds_it(lib) -> None:
     moves weights about)."""
     amx_or_skip(lib)
     assert_identity_picks_each_weight("_bf16_amx")
+
+
+def test_q4_0_weights_keep_the_16_bit_kernel_up_to_7_rows_where_others_take_the_tiles_from_4(
+        lib) -> None:
+    """With AMX, a bfloat16 input of 4 to 7 rows takes the tiles for a Q4_1 or Q8_0 weight, and
+    the 16-bit kernel, one row after another, for a Q4_0 one, in the file's layout as in the
+    stream layout (both must give the same bits); from 8 rows Q4_0 takes the tiles too. A
+    model's layers share the largest count (``share_amx_rows``: the fused step takes one), and
+    K-quant ones never take the tiles. (Planted: ``amx_q4_0_rows`` returning ``amx_rows()``:
+    this fails.)"""
+    start = amx_or_skip(lib)
+    assert start == 4 and lib.amx_q4_0_rows() == 8
+    x = activations(7).bfloat16()
+    for qtype in (Q.Q4_1, Q.Q8_0):
+        layer = QuantLinear(packed_case(qtype)[2])
+        assert layer.amx_from == 4 and not layer._amx_rows(3) and layer._amx_rows(4)
+        assert torch.equal(layer(x), layer._bf16_amx(x).bfloat16())
+    q4_0 = packed_case(Q.Q4_0)[2]
+    streamed = QuantLinear(q4_0, stream=True)
+    layouts = [QuantLinear(q4_0, stream=False)] + [streamed] * (streamed.fmt == FMT_Q4_0S)
+    for layer in layouts:
+        assert layer.amx_from == 8 and not layer._amx_rows(7) and layer._amx_rows(8)
+        assert torch.equal(layer(x), layer._small(x.float()).bfloat16()), layer.fmt
+    stack = nn.ModuleList([QuantLinear(packed_case(Q.Q4_1)[2]), QuantLinear(q4_0),
+                           QuantLinear(packed_case(Q.Q4_K)[2])])
+    quant.share_amx_rows(stack)
+    assert [m.amx_from for m in stack] == [8, 8, 0]
 
 
 def test_amx_rows_do_not_depend_on_the_batch(lib) -> None:

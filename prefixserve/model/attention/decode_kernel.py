@@ -59,7 +59,8 @@ class ModelStruct(ctypes.Structure):
                 ("inv_freq", ctypes.c_void_p), ("layers", ctypes.POINTER(LayerStruct)),
                 ("gelu", ctypes.c_int64), ("query_factor", ctypes.c_double),
                 ("inv_freq_local", ctypes.c_void_p), ("num_groups", ctypes.c_int64),
-                ("windows", ctypes.c_void_p), ("lora_max_rows", ctypes.c_int64)]
+                ("windows", ctypes.c_void_p), ("lora_max_rows", ctypes.c_int64),
+                ("amx_from", ctypes.c_int64)]
 
 
 class BatchStruct(ctypes.Structure):

@@ -139,6 +139,9 @@ class FusedDecode:
         # K-quant weights take the 16-bit kernels only (kernels/kquant.c)
         products = bf16 and not any(part.fmt in K_FORMATS for layer in _layers(model)
                                     for p in _projections(layer) for part in _parts(p))
+        # the products' row count for the tiles, one for the step (quant.share_amx_rows)
+        amx_from = max(part.amx_from for layer in _layers(model)
+                       for p in _projections(layer) for part in _parts(p))
         first = _layers(model)[0]
         query_factor = getattr(first.attn, "query_factor", 1.0)
         self.model = decode_kernel.ModelStruct(
@@ -148,7 +151,7 @@ class FusedDecode:
             config.rms_norm_eps,
             self._keep[1].data_ptr(), layers, int(isinstance(first.mlp, GeGLU)), query_factor,
             None if local is None else self._keep[3].data_ptr(), self.num_groups,
-            windows.data_ptr(), lora_rows)
+            windows.data_ptr(), lora_rows, amx_from)
 
     def _layer(self, layer: DecoderLayer, cache: torch.Tensor) -> decode_kernel.LayerStruct:
         def as_float(tensor: torch.Tensor) -> int:

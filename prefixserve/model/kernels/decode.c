@@ -97,6 +97,8 @@ typedef struct {
     int64_t num_groups;          /* KV cache groups: decode_forward takes a batch of each */
     const int64_t *windows;      /* [num_groups]: each group's sliding window, 0 for none */
     int64_t lora_max_rows;       /* the largest DecodeLayer.lora_rows (0: no adapters) */
+    int64_t amx_from; /* rows from which a step multiplies on AMX tiles (amx_rows() or
+                       * amx_q4_0_rows(): its products' QuantLinear.amx_from; 0: never) */
 } DecodeModel;
 
 /* The step's rows: row b is at position pos[b] (its context is pos[b] + 1 tokens) and its
@@ -211,18 +213,17 @@ static inline uint8_t *k_split(const Quantized *q, int64_t K, int64_t b) {
 }
 
 /* Whether a step of B rows rounds its products' rows to bfloat16 (gemm_bf16_batch or the AMX
- * kernel): a bfloat16 model's batch of bf16_batch_rows() or amx_rows() or more where the build
- * has that kernel; else they are rounded to 16 bits per block of 32. */
+ * kernel): a bfloat16 model's batch of bf16_batch_rows() or DecodeModel.amx_from or more where
+ * the build has that kernel; else they are rounded to 16 bits per block of 32. */
 static int bf16_rows(const DecodeModel *m, int64_t B) {
-    int from = bf16_batch_rows(), tiles = amx_rows();
+    int64_t from = bf16_batch_rows(), tiles = amx_rows() > 0 ? m->amx_from : 0;
     return m->bf16_products && ((from > 0 && B >= from) || (tiles > 0 && B >= tiles));
 }
 
 /* Whether a step of B bfloat16 rows (bf16_rows) multiplies on AMX tiles: where the library
- * has the AMX kernel, from amx_rows() rows. */
-static int amx_step(int bf16, int64_t B) {
-    int from = amx_rows();
-    return bf16 && from > 0 && B >= from;
+ * has the AMX kernel, from DecodeModel.amx_from rows. */
+static int amx_step(const DecodeModel *m, int bf16, int64_t B) {
+    return bf16 && amx_rows() > 0 && m->amx_from > 0 && B >= m->amx_from;
 }
 
 /* Rounds rows [b0, b0 + n) of x [B, K] for a product as q->bf16 says. The rows of 16-bit
@@ -1786,7 +1787,7 @@ int decode_forward(const DecodeModel *m, const DecodeBatch *s, float *x) {
     int64_t chunks = context_chunks(s), groups = m->num_groups > 1 ? m->num_groups : 1;
     if (scratch_alloc(m, s->B, chunks, &sc)) return -1;
     sc.q.bf16 = bf16_rows(m, s->B);
-    sc.q.amx = amx_step(sc.q.bf16, s->B);
+    sc.q.amx = amx_step(m, sc.q.bf16, s->B);
     ChunkGroups *cg = calloc((size_t)groups, sizeof(ChunkGroups));
     if (!cg) return free_step(cg, 0, &sc);
     for (int64_t g = 0; g < groups; g++) {

@@ -1861,20 +1861,32 @@ static void amx_chunk(const uint8_t *w, int64_t row_bytes, int fmt, int64_t nb, 
 #endif
 
 /* Rows from which a bfloat16 model's products take the AMX kernel (gemm_bf16_amx,
- * amx_rows_range), or 0 where the build has no such kernel or the OS refuses the tiles: from 2
- * rows it beat both the 16-bit and the bfloat16 batch kernels for every weight shape of the
- * default model (benchmarks/bench_quant.py part 7; benchmarks/RESULTS.md).
+ * amx_rows_range), or 0 where the build has no such kernel or the OS refuses the tiles. The
+ * tiles expand every weight block for each product, for one row as for 16, while the 16-bit
+ * kernels run FEW_ROWS rows one after another, each further row for a share of the first's
+ * time. On an AMX Xeon the default model's decode steps of 2 and 3 sequences took 0.65x and
+ * 0.9x the tiles' time that way, and from 4 rows the tiles won (benchmarks/few_rows.py;
+ * benchmarks/RESULTS.md): from 4 rows (amx_q4_0_rows: Q4_0 weights).
  * The first call asks Linux for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM); make it
  * before any thread uses the kernel (the library's loader does). */
 int amx_rows(void) {
 #ifdef HAVE_AMX
     if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                             18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-    return amx_state > 0 ? 2 : 0;
+    return amx_state > 0 ? 4 : 0;
 #else
     return 0;
 #endif
 }
+
+/* amx_rows() for Q4_0 weights, in either layout, or 0 where it is 0. In the stream layout
+ * (FMT_Q4_0S, stream.c) the one-row kernel takes each further row for less and the tiles
+ * unpack each group first, so the rows that kernel takes (PAIR_ROWS) keep it: decode steps of
+ * 2 / 4 / 6 sequences of a 1B and a 3B Llama shape took 0.4x / 0.6-0.65x / 0.8-0.9x the tiles'
+ * time on the same Xeon. The file's layout must give the same bits, so it keeps them too,
+ * although there the tiles, with no unpacking, were faster from 5 rows (a 1B step of 6 rows:
+ * 88 against 106 ms). */
+int amx_q4_0_rows(void) { return amx_rows() > 0 ? PAIR_ROWS + 1 : 0; }
 
 /* Units of xv (amx_pack_units) for M rows of K columns. */
 int64_t amx_units(int64_t M, int64_t K) { return (M + 15) / 16 * (K / QK); }

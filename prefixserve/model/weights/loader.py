@@ -68,6 +68,7 @@ from prefixserve.model.weights.quant import (
     pack_float,
     pack_gguf,
     q4_0_to_q4_1,
+    share_amx_rows,
 )
 from prefixserve.model.weights.safetensors_dir import safetensors_owners
 
@@ -115,6 +116,7 @@ def load_model(
     with torch.device("meta"):
         net = model_class(config)(config)
     _install_packed(net, state, dtype, stream=layout == "stream")
+    share_amx_rows(net.layers)
     net.load_state_dict(state, strict=True, assign=True)
     net.to(device)
     if gguf is not None:  # the stream layout copied after the state was built

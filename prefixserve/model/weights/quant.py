@@ -35,12 +35,14 @@ took 4x as long, and prefill ran at 0.40x the dense path (benchmarks/RESULTS.md)
 AVX512-BF16 a bfloat16 input of 8 (the library's ``bf16_batch_rows()``) to :data:`SMALL_M` rows
 takes the bfloat16 batch kernel (``gemm_bf16_batch``: weight blocks expanded to bfloat16 in
 registers, ``vdpbf16ps``), about twice as fast there as the 16-bit one. On a CPU with AMX-BF16
-(Intel Xeon, Sapphire Rapids and later) a bfloat16 input of ``amx_rows()`` (2) to :data:`AMX_MAX`
-rows takes the tile kernel instead (``gemm_bf16_amx``: the same expanded blocks, 16 weight rows by
-16 activation rows per ``tdpbf16ps``), which beat both other kernels at every such row count there;
-above that, up to :data:`AMX_LARGE_MAX_ROWS` rows and :data:`AMX_LARGE_MAX_OUTPUTS` outputs, the
-large-row tile kernel (``gemm_bf16_amx_large``: each weight expanded once per product, the
-activation rows read in place), which beats expand-and-GEMM there.
+(Intel Xeon, Sapphire Rapids and later) a bfloat16 input of ``amx_rows()`` (4; Q4_0 weights:
+``amx_q4_0_rows()``, 8) to :data:`AMX_MAX` rows takes the tile kernel instead (``gemm_bf16_amx``:
+the same expanded blocks, 16 weight rows by 16 activation rows per ``tdpbf16ps``), which beat
+both other kernels at every such row count there (fewer rows: the 16-bit kernel, one row after
+another, :attr:`QuantLinear.amx_from`); above that, up to :data:`AMX_LARGE_MAX_ROWS` rows and
+:data:`AMX_LARGE_MAX_OUTPUTS` outputs, the large-row tile kernel (``gemm_bf16_amx_large``: each
+weight expanded once per product, the activation rows read in place), which beats
+expand-and-GEMM there.
 """
 
 from __future__ import annotations
@@ -348,6 +350,19 @@ def stream_layout(weight: PackedWeight, lib: ctypes.CDLL,
     return PackedWeight(FMT_Q4_0S, data, weight.cols)
 
 
+def share_amx_rows(layers: nn.Module) -> None:
+    """Gives every :class:`QuantLinear` in ``layers`` (a model's decoder layers) the largest
+    ``amx_from`` among them (K-quant ones keep 0: never). The fused decode step rounds the rows
+    of all its products one way, to bfloat16 for the tiles or to 16 bits, from one row count
+    (``DecodeModel.amx_from``), and each product of an eager step must take the tiles from
+    that count too to give the same bits: 8 rows where any weight of the stack is Q4_0, else
+    4."""
+    linears = [m for m in layers.modules() if isinstance(m, QuantLinear) and m.amx_from > 0]
+    shared = max((m.amx_from for m in linears), default=0)
+    for module in linears:
+        module.amx_from = shared
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T (+ b)`` with W packed (:class:`PackedWeight`); output in the input's dtype.
 
@@ -376,9 +391,14 @@ class QuantLinear(nn.Module):
         """Rows from which a bfloat16 input of at most BF16_BATCH_MAX rows takes the bfloat16
         batch kernel: the library's threshold (8; 0 where it has no such kernel, no
         AVX512-BF16), the one the fused decode step uses too."""
-        self.amx_from = 0 if kquant else self._lib.amx_rows()
+        q4_0 = self.fmt in (FMT_Q4_0, FMT_Q4_0S)
+        self.amx_from = 0 if kquant else (self._lib.amx_q4_0_rows() if q4_0
+                                          else self._lib.amx_rows())
         """Rows from which a bfloat16 input of at most AMX_MAX rows takes the AMX kernel (0
-        where the library has none: no AMX, or the OS refused the tile state)."""
+        where the library has none: no AMX, or the OS refused the tile state): 4, or 8 for a
+        Q4_0 weight, whose one-row kernel in the stream layout takes up to 7 rows for less
+        (``amx_rows``, ``amx_q4_0_rows`` in ``kernels/quant.c``); see
+        :func:`share_amx_rows`."""
         self.native_bf16 = cpu_has_native_bfloat16()
         """Whether a bfloat16 prefill multiplies in bfloat16 (where the CPU has the instructions;
         elsewhere torch emulates them, slower than the float32 GEMM)."""

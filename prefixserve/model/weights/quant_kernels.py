@@ -136,6 +136,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_quant16_batch.restype = None
     lib.amx_rows.argtypes = []
     lib.amx_rows.restype = c_int
+    lib.amx_q4_0_rows.argtypes = []
+    lib.amx_q4_0_rows.restype = c_int
     lib.amx_packed_words.argtypes = [i64, i64]
     lib.amx_packed_words.restype = i64
     lib.gemm_bf16_amx.argtypes = [p, c_int, i64, i64, p, i64, p, p, i64]
