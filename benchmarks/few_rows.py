@@ -14,8 +14,8 @@ Prints the tokens/s of all sequences together and the ms a step (median and rang
 ratio of the two builds.
 From 8 sequences a bfloat16 model's steps take the bfloat16 batch kernels in both builds; on
 a CPU with AMX, the tiles from 4 (Q4_0 weights: 8; ``amx_rows`` in ``kernels/quant.c``). On
-AVX2 builds without AVX-512 a K-quant model's products of 8 rows and more take the many-row
-kernels (``kq_rows_few``) in both builds, and fewer rows the one-row kernels in both.
+AVX2 builds a K-quant model's products take ``kq_rows_few`` at any row count in both builds
+(``KQ_FEW_ROWS``: from 8 rows the many-row kernels where the build has them, without AVX-512).
 """
 
 from __future__ import annotations

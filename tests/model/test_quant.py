@@ -751,22 +751,27 @@ def test_q4_rows_of_the_avx2_build_up_to_15_are_each_the_product_of_that_row_alo
         assert torch.equal(layer(x), torch.cat([layer(x[i:i + 1]) for i in range(m)])), m
 
 
+@pytest.mark.parametrize("build", ("avx2", "native"))
 @pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q5_K, Q.Q6_K), ids=lambda t: t.name)
-def test_k_quant_rows_of_the_avx2_build_are_each_the_product_of_that_row_alone(qtype: Q,
-                                                                              lib) -> None:
-    """Built for AVX2 without AVX-512 (natively, or with ``-mno-avx512f`` on an AVX-512 CPU),
-    a K-quant product of any number of 16-bit rows is, bit for bit, each row's product alone,
-    within the bound of gguf-py's values: the many-row kernels (``kq_rows_few``) widen a
-    super-block of four weight rows once, then run 16 activation rows at a time over it as the
-    one-row kernels run one. 8 and 37 rows (two runs of 16 and a partial one) of 22 weight rows
-    (a last group of 2) over 3 super-blocks. Kills a row's factors or sums taken from another
-    row (planted: the first row's scales xd for every row of Q4_K and Q5_K; both fail) and a
-    run of 16 rows that stops short (planted: 15; 3 of 3)."""
-    avx2 = avx2_library(lib)
+def test_k_quant_rows_of_a_batch_are_each_the_product_of_that_row_alone(qtype: Q, build: str,
+                                                                        lib) -> None:
+    """On AVX2 builds (``avx2``: without AVX-512, natively or with ``-mno-avx512f``; ``native``:
+    this CPU's), a K-quant product of any number of 16-bit rows is, bit for bit, each row's
+    product alone, within the bound of gguf-py's values (``kq_rows_few``, ``KQ_FEW_ROWS``): the
+    many-row kernels of AVX2 builds widen a super-block of four weight rows once, then run 16
+    activation rows at a time over it as the one-row kernels run one; an AVX-512 build runs
+    its one-row kernels row after row. 8 and 37 rows (two runs of 16 and a partial one) of 22
+    weight rows (a last group of 2) over 3 super-blocks. Kills a row's factors or sums taken
+    from another row (planted: the first row's scales xd for every row of Q4_K and Q5_K; both
+    fail), a run of 16 rows that stops short (planted: 15; 3 of 3), and an AVX-512 build that
+    takes kq_rows from 8 rows (planted: KQ_FEW_ROWS 7; the native cases fail there)."""
+    if platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
+        pytest.skip("no AVX2")
+    kernels = avx2_library(lib) if build == "avx2" else lib
     raw = gguf_raw(qtype, 22, 768, seed=5)
     ref = dequantize(raw, qtype).astype(np.float64)
     layer = QuantLinear(pack_gguf(raw, int(qtype), 768, lambda: ref.astype(np.float32)))
-    layer._lib = avx2
+    layer._lib = kernels
     for m in (8, 37):
         x = activations(m, 768)
         many = layer._small(x)

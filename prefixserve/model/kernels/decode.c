@@ -198,7 +198,7 @@ typedef struct {
     uint32_t *xv; /* bfloat16 rows in the AMX tiles' layout (amx_pack_units), when amx is set */
     uint8_t *xb;  /* the activations of a step of up to Q4_SPLIT_ROWS rows split or
                      reordered: row b's split_q4's at 2 K b, its split_k's (K a multiple of
-                     256; of every row where KQ_MANY_ROWS) at k_split(q, K, b) */
+                     256) at k_split(q, K, b) */
     int bf16, amx;
     int need_q4, need_k;   /* whether the model has Q4_0/Q4_1 (AVX2 builds), K-quant products */
     int split_q4, split_k; /* whether xb holds those splits of the last rounded rows (split_q4:
@@ -246,10 +246,10 @@ static void quantize_rows(const float *x, int64_t b0, int64_t n, int64_t K, Quan
 #endif
     if (n == 8) regroup8(q->xd + b0 * nb, q->xs + b0 * nb, 8, nb, q->dT + b0 * nb, q->sT + b0 * nb);
     /* the 4-bit one-row kernels take each unit's rows split where the step asked for it
-     * (split_q4, scratch_alloc); a step of up to FEW_ROWS (one unit: b0 is 0) the K-quant ones
-     * too, and so do the K-quants' many-row kernels of a step of any size (kq_rows_few, where
-     * the build has them) */
-    q->split_k = (KQ_MANY_ROWS || (b0 == 0 && n <= FEW_ROWS)) && q->need_k && K % QK_K == 0;
+     * (split_q4, scratch_alloc); the K-quant ones (kq_rows_few) every unit's, where they take
+     * steps of any size (KQ_FEW_ROWS), else a step of up to FEW_ROWS (one unit: b0 is 0) */
+    q->split_k = (KQ_FEW_ROWS > FEW_ROWS || (b0 == 0 && n <= FEW_ROWS)) && q->need_k
+                 && K % QK_K == 0;
 #ifdef __AVX2__
     for (int64_t b = 0; b < n && (q->split_q4 || q->split_k); b++) {
         if (q->split_q4) split_q4(q->xq + (b0 + b) * K, K, q->xb + 2 * K * (b0 + b));
@@ -382,7 +382,7 @@ static void team_linear(const uint8_t *W, int64_t fmt, int64_t N, int64_t K, con
     int64_t nb = K / QK, row_bytes = nb * block_bytes((int)fmt);
     if (is_kquant((int)fmt)) { /* 16-bit rows only (FusedDecode turns bfloat16 products off) */
         /* each row the product of that row alone (kq_rows_few), else kq_rows */
-        int few = B <= FEW_ROWS || (KQ_MANY_ROWS && q->split_k);
+        int few = B <= FEW_ROWS || (B <= KQ_FEW_ROWS && q->split_k);
         float *xf = few ? NULL : kq_float_rows(q->xq, q->xd, B, K); /* each thread's own */
         const uint8_t *xb = q->split_k ? k_split(q, K, 0) : NULL;
 #pragma omp for schedule(static)
@@ -1520,8 +1520,8 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     split_needs(m, &sc->q);
     sc->q.split_q4 = sc->q.need_q4 && B <= Q4_SPLIT_ROWS; /* for every unit of its rows */
-    int64_t k_rows = KQ_MANY_ROWS && sc->q.need_k && B > FEW_ROWS && !pair_bytes(m, B, widest)
-                     ? B : FEW_ROWS; /* split_k's (none where the panels take the products) */
+    int64_t k_rows = KQ_FEW_ROWS > FEW_ROWS && sc->q.need_k && B > FEW_ROWS
+                     && !pair_bytes(m, B, widest) ? B : FEW_ROWS; /* split_k's (none where the panels take the products) */
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * Q4_SPLIT_ROWS * widest
                     + k_rows * SPLIT_K_BYTES(widest) + pair_bytes(m, B, widest) + 192;

@@ -991,13 +991,24 @@ static void kq_rows_one(const uint8_t *W, int fmt, int64_t K, int64_t n0, int64_
 #endif
 }
 
-/* Whether the K-quant products of any number of 16-bit rows take kq_rows_few: where the build
- * has its many-row kernels (else from 8 rows kq_rows, which is faster than the one-row
- * kernels there). */
+/* Whether the row-invariant K-quant products (gemm_quant16: the deterministic mode) take
+ * kq_rows_few: where the build has its many-row kernels; else kq_rows (a Gemma 3 prefill of
+ * 1,024 tokens in the deterministic mode took 1.05x its time row after row, AMX Xeon). */
 #ifdef KQ_MANY
 #define KQ_MANY_ROWS 1
 #else
 #define KQ_MANY_ROWS 0
+#endif
+
+/* The most 16-bit rows of a batch (gemm_quant16_batch, the fused step) whose K-quant products
+ * take kq_rows_few: any number on AVX2 builds, whose one-row kernels run row after row where
+ * the build has no many-row kernels (AVX-512): 1B Q4_K_M decode steps of 8 / 12 / 16 sequences
+ * took 0.70x / 0.79x / 0.84x kq_rows' time that way on an AMX Xeon (benchmarks/few_rows.py),
+ * 7 sequences 0.42x on Zen 5. Elsewhere FEW_ROWS: kq_rows_one is kq_rows of one row. */
+#ifdef __AVX2__
+#define KQ_FEW_ROWS INT64_MAX
+#else
+#define KQ_FEW_ROWS FEW_ROWS
 #endif
 
 /* Activation rows from which kq_rows_few takes its many-row kernels: below, kq_rows_one row

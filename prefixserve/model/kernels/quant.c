@@ -1050,8 +1050,7 @@ static inline int bytes_split(int64_t fmt) {
  * cache for the others, where the batch kernels (batch_row_q16; kq_rows for K-quants) are
  * several times slower at these row counts (benchmarks/few_rows.py; -DFEW_ROWS=1 builds the
  * batch kernels' way). From 8 rows the batch kernels take over (a bfloat16 model's in
- * bfloat16; K-quants on AVX2 builds without AVX-512: kq_rows_few, whose rows keep their
- * one-row sums at any count). Each row's sums are those of a product of that row alone. */
+ * bfloat16), not for K-quants on AVX2 builds: kq_rows_few to KQ_FEW_ROWS rows (kquant.c). Each row's sums are those of a product of that row alone. */
 #ifndef FEW_ROWS
 #define FEW_ROWS 7
 #endif
@@ -1500,8 +1499,7 @@ static void invariant8_q16(const uint8_t *W, int fmt, int64_t N, int64_t K, cons
  * As gemm_quant16, faster for M >= 8: activation rows go 8 at a time through tile8_q16. A row's
  * result then depends on whether it falls in a tile of 8 (another order of float sums), so this
  * is not row-invariant: the deterministic mode uses gemm_quant16. (K-quants go through
- * kq_rows_few, up to FEW_ROWS rows everywhere and at any count on AVX2 builds without
- * AVX-512.)
+ * kq_rows_few up to KQ_FEW_ROWS rows: each row's bits those of the row alone.)
  */
 void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const int16_t *xq,
                         const float *xd, const float *xs, int64_t M, float *y, int64_t ldy) {
@@ -1510,7 +1508,7 @@ void gemm_quant16_batch(const uint8_t *W, int fmt, int64_t N, int64_t K, const i
         return;
     }
     int64_t nb = K / QK, tiles = M / 8;
-    if (is_kquant(fmt) && (M <= FEW_ROWS || KQ_MANY_ROWS)) {
+    if (is_kquant(fmt) && M <= KQ_FEW_ROWS) {
         uint8_t *xb = K % QK_K == 0 ? split_rows(xq, M, K, fmt) : NULL;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 17))
         for (int64_t n = 0; n < N; n += 4) {
