@@ -1520,8 +1520,9 @@ static int scratch_alloc(const DecodeModel *m, int64_t B, int64_t chunks, Scratc
     int64_t words = amx_rows() > 0 ? amx_packed_words(B, widest) : 0; /* q.xv */
     split_needs(m, &sc->q);
     sc->q.split_q4 = sc->q.need_q4 && B <= Q4_SPLIT_ROWS; /* for every unit of its rows */
+    /* split_k's rows (none where the panels take the products) */
     int64_t k_rows = KQ_FEW_ROWS > FEW_ROWS && sc->q.need_k && B > FEW_ROWS
-                     && !pair_bytes(m, B, widest) ? B : FEW_ROWS; /* split_k's (none where the panels take the products) */
+                     && !pair_bytes(m, B, widest) ? B : FEW_ROWS;
     int64_t bytes = floats * (int64_t)sizeof(float) + words * (int64_t)sizeof(uint32_t)
                     + B * widest * (int64_t)sizeof(int16_t) + 2 * Q4_SPLIT_ROWS * widest
                     + k_rows * SPLIT_K_BYTES(widest) + pair_bytes(m, B, widest) + 192;

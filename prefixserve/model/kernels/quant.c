@@ -1050,7 +1050,8 @@ static inline int bytes_split(int64_t fmt) {
  * cache for the others, where the batch kernels (batch_row_q16; kq_rows for K-quants) are
  * several times slower at these row counts (benchmarks/few_rows.py; -DFEW_ROWS=1 builds the
  * batch kernels' way). From 8 rows the batch kernels take over (a bfloat16 model's in
- * bfloat16), not for K-quants on AVX2 builds: kq_rows_few to KQ_FEW_ROWS rows (kquant.c). Each row's sums are those of a product of that row alone. */
+ * bfloat16), not for K-quants on AVX2 builds: kq_rows_few to KQ_FEW_ROWS rows (kquant.c).
+ * Each row's sums are those of a product of that row alone. */
 #ifndef FEW_ROWS
 #define FEW_ROWS 7
 #endif
