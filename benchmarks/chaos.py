@@ -131,8 +131,17 @@ def classify(status: int, lines: list[str]) -> str:
         except ValueError:
             return "lost"
     if lines and lines[-1] == "data: [DONE]":
-        return "error" if any('"error"' in line for line in lines[-2:]) else "ok"
+        return "error" if any(_error_event(line) for line in lines[-2:]) else "ok"
     return "error" if any(line.startswith("event: error") for line in lines) else "lost"
+
+
+def _error_event(line: str) -> bool:
+    """Whether ``line`` is a ``data:`` event of an error object (a token's text may be
+    ``"error"`` too)."""
+    try:
+        return line.startswith("data: {") and "error" in json.loads(line.removeprefix("data: "))
+    except ValueError:
+        return False
 
 
 @dataclass

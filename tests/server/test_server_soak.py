@@ -171,7 +171,7 @@ async def stream(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
                 continue
             if line == "data: [DONE]":
                 return
-            if '"error"' in line:
+            if "error" in json.loads(line.removeprefix("data: ")):  # not a token's text
                 tally.problems.append(f"{kind}: error event {line[:200]!r}")
             events += 1
             if hang_up_after is not None and events >= hang_up_after:
