@@ -331,6 +331,28 @@ def _q8_0_file(path: Path, shapes: dict[str, tuple[int, ...]]) -> str:
     return str(path)
 
 
+def test_a_stack_is_built_in_the_arena_unless_it_may_take_the_stream_layout() -> None:
+    """Loading stacks fused projections (``_cat``) straight into the model's ``WeightArena``:
+    a Q8_0 (or any non-Q4_0) stack is built there, in order, and stays (not ``copied``: no
+    second copy at install); a Q4_0 stack, which may be repacked into the stream layout, is
+    built in base-size pages of its own and ``copied``. Each stack holds its parts' rows.
+    (Planted: ``_stack_packed`` ignoring the arena: the Q8_0 stack is ``copied``; fails.)"""
+    from prefixserve.model.weights.loader import _cat
+    from prefixserve.model.weights.quant import FMT_Q8_0, WeightArena, pack_float
+
+    rng = np.random.default_rng(3)
+    arena = WeightArena()
+    first = arena.take(64)
+    for fmt in (FMT_Q8_0, FMT_Q4_0):
+        parts = [pack_float(rng.standard_normal((rows, 256)).astype(np.float32), fmt)
+                 for rows in (8, 4)]
+        stack = _cat(list(parts), arena=arena)
+        assert not isinstance(stack, torch.Tensor) and stack.fmt == fmt
+        assert torch.equal(stack.data, torch.cat([p.data for p in parts]))
+        in_arena = stack.data.data_ptr() == first.data_ptr() + 64
+        assert (in_arena, stack.copied) == ((True, False) if fmt == FMT_Q8_0 else (False, True))
+
+
 def _vm_flags(address: int) -> list[str]:
     """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
     inside = False

@@ -107,15 +107,16 @@ def load_model(
     path = resolve_model_path(model)
     device = torch.device(device)
     packing = _packing_mode(weights, device)
+    arena = WeightArena()
     if path.endswith(".gguf"):
         gguf = gguf or GGUFFile(path)
-        config, state, freq_factors = _gguf_state(gguf, dtype, device, packing)
+        config, state, freq_factors = _gguf_state(gguf, dtype, device, packing, arena)
     else:
-        config, state = _hf_state(path, dtype, device, packing)
+        config, state = _hf_state(path, dtype, device, packing, arena)
         freq_factors = None
     with torch.device("meta"):
         net = model_class(config)(config)
-    _install_packed(net, state, dtype, stream=layout == "stream")
+    _install_packed(net, state, dtype, arena, stream=layout == "stream")
     share_amx_rows(net.layers)
     net.load_state_dict(state, strict=True, assign=True)
     net.to(device)
@@ -143,15 +144,15 @@ def _packing_mode(weights: str, device: torch.device) -> str | None:
 
 
 def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype,
-                    stream: bool = True) -> None:
+                    arena: WeightArena, stream: bool = True) -> None:
     """Swap the modules whose weight in ``state`` is packed for quantized ones (in place), Q4_0
     ones that fit it in the stream layout where ``stream`` (:func:`quant.stream_layout`); the
-    weights that are copies (that layout's, fused stacks) in one
-    :class:`~prefixserve.model.weights.quant.WeightArena` (huge pages).
+    weights that are copies (that layout's, fused Q4_0 stacks) into the model's ``arena``
+    (:class:`~prefixserve.model.weights.quant.WeightArena`: huge pages), where the other
+    stacks were built.
 
     The packed entries leave ``state``; a bias stays there for ``load_state_dict``.
     """
-    arena = WeightArena()
     for key in [k for k, v in state.items() if isinstance(v, (PackedWeight, PackedParts))]:
         packed = state.pop(key)
         parent_name, _, attr = key.removesuffix(".weight").rpartition(".")
@@ -169,10 +170,11 @@ def _install_packed(net: CausalLM, state: dict[str, Weight], dtype: torch.dtype,
         setattr(parent, attr, new)
 
 
-def _cat(parts: list[Part], heads: Sequence[int | None] = ()) -> Weight:
+def _cat(parts: list[Part], heads: Sequence[int | None] = (),
+         arena: WeightArena | None = None) -> Weight:
     """Fuse projections row-wise into one new weight, each part copied once (:func:`_stack`);
     part ``j`` is unpermuted (:func:`_unpermute_into`) for ``heads[j]`` heads where that is
-    given and not None.
+    given and not None; packed stacks in ``arena`` where :func:`_stack_packed` says.
 
     Q4_0 parts beside Q4_1 ones become Q4_1 (exactly); packed parts of other different formats
     stay as they are, side by side (:class:`PackedParts`: neighbours of one format stacked, a
@@ -198,31 +200,43 @@ def _cat(parts: list[Part], heads: Sequence[int | None] = ()) -> Weight:
         else:
             runs.append([j])
     stacked = [_stack_packed([packed[j] for j in run],
-                             [heads[j] if j < len(heads) else None for j in run])
+                             [heads[j] if j < len(heads) else None for j in run], arena)
                for run in runs]
     return stacked[0] if len(stacked) == 1 else PackedParts(stacked)
 
 
-def _stack_packed(parts: list[PackedWeight], heads: list[int | None]) -> PackedWeight:
+def _stack_packed(parts: list[PackedWeight], heads: list[int | None],
+                  arena: WeightArena | None = None) -> PackedWeight:
     """Packed parts of one format stacked (:func:`_stack`), or a lone part that needs no
-    unpermuting as it is. A stack is ``copied``: :class:`QuantLinear` moves it (or its stream
-    layout) into the model's :class:`WeightArena`, and this mapping of its own is unmapped
-    when it is freed (the heap would keep its pages)."""
+    unpermuting as it is. A stack is built in ``arena`` (the model's huge pages, where it
+    stays), except a Q4_0 one or one without an arena: that stack is ``copied``, in a mapping
+    of its own, and :class:`QuantLinear` moves it (or its stream layout, which a Q4_0 stack
+    may take) into the arena; the mapping is unmapped when it is freed (the heap would keep
+    its pages)."""
     if len(parts) == 1 and not heads[0]:
         return parts[0]
-    stacked = _stack([p.data for p in parts], heads, mapped=True)
+    data = [p.data for p in parts]
+    if arena is not None and parts[0].fmt != FMT_Q4_0 and data[0].device.type == "cpu":
+        rows = sum(p.shape[0] for p in data)
+        out = arena.take(rows * data[0].shape[1]).view(rows, data[0].shape[1])
+        return PackedWeight(parts[0].fmt, _stack(data, heads, out=out), parts[0].cols)
+    stacked = _stack(data, heads, mapped=True)
     return PackedWeight(parts[0].fmt, stacked, parts[0].cols, copied=True)
 
 
 def _stack(parts: list[torch.Tensor], heads: Sequence[int | None] = (),
-           dtype: torch.dtype | None = None, mapped: bool = False) -> torch.Tensor:
+           dtype: torch.dtype | None = None, mapped: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``parts`` (dense values, or packed rows) stacked along rows in a new tensor of ``dtype``
     (default: the first part's), each copied once, straight from where it lies (a view of the
     file's pages, say): part ``j`` unpermuted for ``heads[j]`` heads where given. ``mapped``:
-    the tensor in a mapping of base-size pages of its own (CPU tensors; ``pages.py``)."""
+    the tensor in a mapping of base-size pages of its own (CPU tensors; ``pages.py``); ``out``:
+    in that tensor (of the stack's shape and dtype)."""
     shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     dtype = dtype or parts[0].dtype
-    if mapped and parts[0].device.type == "cpu":
+    if out is not None:
+        assert out.shape == shape and out.dtype == dtype
+    elif mapped and parts[0].device.type == "cpu":
         nbytes = math.prod(shape) * dtype.itemsize
         area = base_page_area(nbytes)
         out = torch.frombuffer(area, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
@@ -259,6 +273,7 @@ def _assemble(
     unpermute: bool,
     get_weight: WeightSource | None = None,
     settle: Callable[[dict[str, Weight]], None] | None = None,
+    arena: WeightArena | None = None,
 ) -> dict[str, Weight]:
     """Our state dict from a source of tensors, given the source's naming of each part.
 
@@ -268,7 +283,7 @@ def _assemble(
     ``gate_bias``, ``up_bias``, ``down_bias``) to source tensor names. ``get_weight`` (default
     ``get``) reads the matmul weights, which may come back packed. ``settle`` (if given) is
     called with each group of entries once it is built: the embedding, norm and head, then
-    each layer's.
+    each layer's. Packed stacks are built in ``arena`` where given (:func:`_stack_packed`).
     """
     weight = get_weight or get
     state: dict[str, Weight] = {
@@ -280,7 +295,7 @@ def _assemble(
     if settle is not None:
         settle(state)
     for i in range(config.num_hidden_layers):
-        layer = _layer_state(config, i, names, get, weight, unpermute)
+        layer = _layer_state(config, i, names, get, weight, unpermute, arena)
         if settle is not None:
             settle(layer)
         state.update(layer)
@@ -288,7 +303,8 @@ def _assemble(
 
 
 def _layer_state(config: ModelConfig, i: int, names: dict[str, str], get: TensorSource,
-                 weight: WeightSource | TensorSource, unpermute: bool) -> dict[str, Weight]:
+                 weight: WeightSource | TensorSource, unpermute: bool,
+                 arena: WeightArena | None = None) -> dict[str, Weight]:
     """Layer ``i``'s entries of the state dict (see :func:`_assemble`)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
 
@@ -301,7 +317,7 @@ def _layer_state(config: ModelConfig, i: int, names: dict[str, str], get: Tensor
     def qkv(suffix: str) -> Weight:
         read = matrix if suffix == "" else part
         parts = [read("q" + suffix), read("k" + suffix), read("v" + suffix)]
-        return _cat(parts, (heads, kv_heads) if unpermute else ())
+        return _cat(parts, (heads, kv_heads) if unpermute else (), arena)
 
     prefix = f"layers.{i}."
     state: dict[str, Weight] = {
@@ -309,7 +325,7 @@ def _layer_state(config: ModelConfig, i: int, names: dict[str, str], get: Tensor
         prefix + "post_attn_norm.weight": part("post_norm"),
         prefix + "attn.qkv_proj.weight": qkv(""),
         prefix + "attn.o_proj.weight": matrix("o"),
-        prefix + "mlp.gate_up_proj.weight": _cat([matrix("gate"), matrix("up")]),
+        prefix + "mlp.gate_up_proj.weight": _cat([matrix("gate"), matrix("up")], arena=arena),
         prefix + "mlp.down_proj.weight": matrix("down"),
     }
     if config.attention_bias:
@@ -454,7 +470,8 @@ def _release_unviewed(gguf: GGUFFile, names: Iterable[str],
 
 
 def _gguf_state(
-    gguf: GGUFFile, dtype: torch.dtype, device: torch.device, packing: str | None
+    gguf: GGUFFile, dtype: torch.dtype, device: torch.device, packing: str | None,
+    arena: WeightArena | None = None,
 ) -> tuple[ModelConfig, dict[str, Weight], torch.Tensor | None]:
     available = set(gguf.tensors)
     config = ModelConfig.from_gguf_metadata(gguf.metadata, available)
@@ -487,7 +504,7 @@ def _gguf_state(
 
     names = _names(config, _GGUF_NAMES, _GEMMA3_GGUF_NAMES)
     state = _assemble(config, get, names, config.architecture == "llama", get_weight,
-                      _page_releaser(gguf, used))
+                      _page_releaser(gguf, used), arena)
     why = "no kernel for the type" if packing in (None, "auto") else f"--weights {packing}"
     for type_name, count in sorted(requantized.items()):
         logger.info("%d %s tensors requantized (%s)", count, type_name, why)
@@ -497,7 +514,8 @@ def _gguf_state(
 
 
 def _hf_state(
-    path: str, dtype: torch.dtype, device: torch.device, packing: str | None
+    path: str, dtype: torch.dtype, device: torch.device, packing: str | None,
+    arena: WeightArena | None = None,
 ) -> tuple[ModelConfig, dict[str, Weight]]:
     config = ModelConfig.from_hf_dir(path)
     with ExitStack() as stack:
@@ -521,7 +539,7 @@ def _hf_state(
 
         names, encoder_tensors = decoder_names(_names(config, _HF_NAMES, _GEMMA3_HF_NAMES),
                                                available)  # a LLaVA model's decoder
-        state = _assemble(config, get, names, False, get_weight)
+        state = _assemble(config, get, names, False, get_weight, arena=arena)
         if config.architecture == "gemma3":  # HF stores w of Gemma's (1 + w) norms
             for key in [k for k in state if "norm" in k]:
                 norm = state[key]

@@ -134,8 +134,9 @@ _FOUR_BIT_OR_LESS = frozenset({10, 11, 12, 16, 17, 18, 19, 20, 21, 22, 23, 29, 3
 @dataclass
 class PackedWeight:
     """A ``[rows, cols]`` weight as packed blocks: ``data`` is uint8 ``[rows, row_bytes]``.
-    ``copied``: its bytes are a copy made at load (a fused stack), not the file's pages, so
-    that :class:`QuantLinear` moves them into its :class:`WeightArena` where it has one."""
+    ``copied``: its bytes are a copy made at load outside the model's arena (a fused Q4_0
+    stack, which may take the stream layout), not the file's pages, so that
+    :class:`QuantLinear` moves them into its :class:`WeightArena` where it has one."""
 
     fmt: int
     data: torch.Tensor
