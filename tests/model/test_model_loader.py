@@ -242,9 +242,11 @@ def test_packed_copies_sit_side_by_side_in_huge_pages_and_kept_weights_stay_the_
     one in the stream layout) lies in the model's ``WeightArena``: a mapping advised for
     transparent huge pages (``hg`` in its ``VmFlags``), the copies side by side in load
     order, each on a 64-byte boundary. The weights kept as the file holds them (O, down,
-    the embedding) stay views of the file's mapping (no ``hg``). Kills: the arena not given
-    to the modules (each stack left in a mapping of base-size pages of its own), or the
-    kept weights copied into it. (Planted: ``_install_packed`` without the arena: fails.)"""
+    the embedding) stay views of the file's mapping (no ``hg``). The file is Q8_0, whose
+    stacks ``_stack_packed`` builds in the arena. Kills: no arena for the stacks (each left in
+    a mapping of base-size pages of its own), or the kept weights copied into it. (Planted:
+    ``_stack_packed`` and ``_install_packed`` both without the arena: fails; ``_stack_packed``
+    alone: its own test, ``test_a_stack_is_built_in_the_arena_unless_...``.)"""
     kernels_or_skip()
     path = tmp_path / "big.gguf"
     write_big_embedding_gguf(path)
